@@ -1,0 +1,141 @@
+"""Command line: `python -m benchmarks [--small] [--only NAME] ...` (also `pallet bench`)."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from benchmarks import catalog, report
+from benchmarks.case import SIZES, Size
+from benchmarks.runner import PeerPolicy, run_benchmark
+from benchmarks.variants import VARIANTS
+
+DEFAULT_REPS = 11
+DOCS_DIR = Path("docs")
+SCRATCH_DIR = Path("bench_out")
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(
+      prog="python -m benchmarks",
+      description="Time pallet's CPU backend against jax.numpy and the "
+                  "jax.experimental.pallas interpreter on the benchmark suite.")
+  size = p.add_mutually_exclusive_group()
+  size.add_argument("--small", dest="size", action="store_const", const="small",
+                    help="shrunk problem sizes (a smoke run of everything, for CI)")
+  size.add_argument("--size", choices=SIZES, help="problem sizes (default: full)")
+  p.set_defaults(size="full")
+  p.add_argument("--only", action="append", default=[], metavar="NAME",
+                 help="run only this benchmark or family (repeatable; see --list)")
+  p.add_argument("--list", action="store_true", help="list benchmarks and exit")
+  p.add_argument("--no-peer", action="store_true",
+                 help="skip the jax.experimental.pallas interpret peer")
+  p.add_argument("--out", type=Path, default=None, metavar="DIR",
+                 help=f"where to write the JSON and PNG (default: {DOCS_DIR}/ for a "
+                      f"complete full-size run, {SCRATCH_DIR}/ otherwise)")
+  p.add_argument("--reps", type=_positive_int, default=DEFAULT_REPS, metavar="N",
+                 help=f"timed rounds per benchmark (default {DEFAULT_REPS})")
+  p.add_argument("--peer-reps", type=_positive_int, default=3, metavar="N",
+                 help="timed rounds for the interpret peer (default 3)")
+  p.add_argument("--peer-single-s", type=float, default=2.0, metavar="S",
+                 help="an interpret run this slow is measured only once (default 2)")
+  p.add_argument("--peer-budget-s", type=float, default=600.0, metavar="S",
+                 help="total seconds the interpret peer may use (default 600)")
+  p.add_argument("--seed", type=int, default=0, help="PRNG seed for the inputs")
+  return p
+
+
+def _positive_int(text: str) -> int:
+  value = int(text)
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+  return value
+
+
+def _git_commit() -> str | None:
+  try:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True, check=True, timeout=10).stdout.strip() or None
+  except (OSError, subprocess.SubprocessError):
+    return None
+
+
+def _meta(args: argparse.Namespace, size: Size) -> dict[str, Any]:
+  import jax
+  return {
+      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      "size": size,
+      "reps": args.reps,
+      "peer": None if args.no_peer else {"reps": args.peer_reps,
+                                         "single_run_s": args.peer_single_s,
+                                         "budget_s": args.peer_budget_s},
+      "jax": jax.__version__,
+      "python": platform.python_version(),
+      "machine": platform.machine(),
+      "processor": platform.processor() or None,
+      "cpu_count": os.cpu_count(),
+      "devices": [str(d) for d in jax.devices()],
+      "git_commit": _git_commit(),
+  }
+
+
+def main(argv: list[str] | None = None) -> int:
+  """Run the suite; 0 if every variant ran and matched jax.numpy, 1 otherwise."""
+  parser = build_parser()
+  args = parser.parse_args(argv)
+  size: Size = args.size
+  every = catalog.all_benchmarks(size)
+  if args.list:
+    for b in every:
+      print(f"{b.name:24s} {b.family:10s} grid {b.grid} ({b.grid_steps} steps): {b.shapes}")
+    return 0
+  try:
+    selected = catalog.select(every, args.only)
+  except ValueError as e:
+    parser.error(str(e))
+
+  variants = [v for v in VARIANTS if not (args.no_peer and v == "interpret")]
+  peer = PeerPolicy(reps=args.peer_reps, single_run_s=args.peer_single_s,
+                    budget_s=args.peer_budget_s)
+  results = []
+  for bench in selected:
+    print(f"[{len(results) + 1}/{len(selected)}] {bench.name}: {bench.shapes}, "
+          f"grid {bench.grid}", flush=True)
+    result = run_benchmark(bench, variants, reps=args.reps, peer=peer, seed=args.seed)
+    results.append(result)
+    print("    " + "  ".join(f"{v}={report.time_cell(r)}" for v, r in result.variants.items()),
+          flush=True)
+
+  print()
+  print(report.format_table(results))
+  for note in report.footnotes(results):
+    print(note)
+  print()
+  for line in report.summarize(results).lines():
+    print(line)
+
+  complete = size == "full" and not args.only
+  out_dir = args.out or (DOCS_DIR if complete else SCRATCH_DIR)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  stem = "perf_cpu" if size == "full" else f"perf_cpu_{size}"
+  json_path, png_path = out_dir / f"{stem}.json", out_dir / f"{stem}.png"
+  report.write_json(json_path, results, _meta(args, size))
+  try:
+    report.write_chart(png_path, results, title=f"pallet CPU backend, {size} sizes "
+                       f"(median ms, log scale)")
+    print(f"\nwrote {json_path} and {png_path}")
+  except ImportError:
+    print(f"\nwrote {json_path} (matplotlib not installed: no chart)")
+
+  failed = [r for r in results if any(v.status in ("error", "mismatch")
+                                      for v in r.variants.values())]
+  return 1 if failed else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

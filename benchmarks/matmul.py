@@ -1,0 +1,77 @@
+"""Blocked matmul with a k grid axis that accumulates into a resident output block.
+
+This is the canonical Pallas reduction-over-the-grid pattern: the output block
+index ignores k, the block is zeroed at k == 0 with `pl.when` and `+=` at every
+step, so a backend must keep the block resident across the k axis.
+"""
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.case import Benchmark, Size
+
+SIZES: dict[Size, dict[str, int]] = {
+    "full": dict(m=1024, n=1024, k=1024, block=128),
+    "small": dict(m=256, n=256, k=256, block=64),
+    "tiny": dict(m=64, n=32, k=64, block=16),
+}
+
+
+def matmul_kernel(pl: ModuleType):
+  """o[i, j] += x[i, k] @ y[k, j], zeroed on the first k step."""
+
+  def kernel(x_ref, y_ref, o_ref):
+    @pl.when(pl.program_id(2) == 0)
+    def _zero():
+      o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+
+    o_ref[...] += jnp.dot(x_ref[...], y_ref[...],
+                          preferred_element_type=jnp.float32)
+
+  return kernel
+
+
+def blocked_matmul(pl: ModuleType, *, m: int, n: int, k: int, block: int,
+                   **call_kwargs: Any):
+  return pl.pallas_call(
+      matmul_kernel(pl),
+      out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32),
+      grid=(m // block, n // block, k // block),
+      in_specs=[pl.BlockSpec((block, block), lambda i, j, kk: (i, kk)),
+                pl.BlockSpec((block, block), lambda i, j, kk: (kk, j))],
+      out_specs=pl.BlockSpec((block, block), lambda i, j, kk: (i, j)),
+      **call_kwargs,
+  )
+
+
+def matmul_reference(x: jax.Array, y: jax.Array) -> jax.Array:
+  return jnp.dot(x, y, preferred_element_type=jnp.float32)
+
+
+def _inputs(m: int, n: int, k: int, key: jax.Array) -> tuple[jax.Array, ...]:
+  kx, ky = jax.random.split(key)
+  return (jax.random.normal(kx, (m, k), jnp.float32),
+          jax.random.normal(ky, (k, n), jnp.float32))
+
+
+def benchmarks(size: Size) -> list[Benchmark]:
+  s = SIZES[size]
+  m, n, k, b = s["m"], s["n"], s["k"], s["block"]
+  return [Benchmark(
+      name="matmul",
+      family="matmul",
+      grid=(m // b, n // b, k // b),
+      shapes=f"{m}x{k} @ {k}x{n} f32, {b}x{b} blocks",
+      make_inputs=functools.partial(_inputs, m, n, k),
+      reference=matmul_reference,
+      build_pallas=functools.partial(blocked_matmul, **s),
+      # f32 sums of k products of unit normals: entries ~ sqrt(k), summed in a
+      # different order than XLA's dot.
+      rtol=1e-4,
+      atol=1e-4 * k ** 0.5,
+  )]

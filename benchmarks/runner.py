@@ -1,0 +1,160 @@
+"""Running one benchmark: compile every variant, check it, time it interleaved.
+
+Timing method (also in docs/performance.md):
+  * Each variant is compiled ahead of time (`jax.jit(...).lower(...).compile()`),
+    so compilation is never inside a timed call; compile seconds are recorded.
+  * One untimed warm-up call per variant; its output is checked against the
+    jax.numpy output, and a mismatch stops that variant from being timed.
+  * Then `reps` rounds; each round calls every variant once, in a fixed order,
+    timing `fn(*args)` up to `jax.block_until_ready`. A variant's time is the
+    median of its samples.
+  * The interpret peer follows `PeerPolicy`: if its warm-up call alone took
+    at least `single_run_s`, that one call is its measurement (it ran after
+    compilation, so it excludes compile time); otherwise it joins only the first
+    `reps` rounds. Once the peer has used `budget_s` seconds in total (compile
+    + runs), the peer of every later benchmark is reported as n/a.
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import jax
+
+from benchmarks.case import Benchmark
+from benchmarks.checking import MismatchError, check_matches
+from benchmarks.variants import PEER_VARIANTS, Variant, program_for
+
+Status = Literal["ok", "error", "mismatch", "known_issue", "skipped"]
+
+
+@dataclasses.dataclass
+class VariantResult:
+  status: Status
+  samples_s: list[float] = dataclasses.field(default_factory=list)
+  compile_s: float | None = None
+  message: str = ""
+
+  @property
+  def timed(self) -> bool:
+    return self.status in ("ok", "known_issue") and bool(self.samples_s)
+
+  @property
+  def median_ms(self) -> float | None:
+    return 1e3 * statistics.median(self.samples_s) if self.timed else None
+
+
+@dataclasses.dataclass
+class BenchmarkResult:
+  bench: Benchmark
+  variants: dict[str, VariantResult]
+
+  def ratio(self, numerator: str, denominator: str) -> float | None:
+    """median(numerator) / median(denominator), None unless both were timed."""
+    num, den = self.variants.get(numerator), self.variants.get(denominator)
+    if num is None or den is None or not (num.timed and den.timed):
+      return None
+    return num.median_ms / den.median_ms
+
+
+@dataclasses.dataclass
+class PeerPolicy:
+  """How much time the (very slow) interpret peer may take; see module docstring."""
+
+  reps: int = 3
+  single_run_s: float = 2.0
+  budget_s: float = 600.0
+  spent_s: float = 0.0
+
+  @property
+  def exhausted(self) -> bool:
+    return self.spent_s >= self.budget_s
+
+
+def describe_exception(e: BaseException) -> str:
+  text = str(e).strip()
+  return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _time_once(fn: Callable[..., Any], args: Sequence[jax.Array]) -> tuple[float, Any]:
+  start = time.perf_counter()
+  out = jax.block_until_ready(fn(*args))
+  return time.perf_counter() - start, out
+
+
+def run_benchmark(bench: Benchmark, variants: Sequence[Variant], *, reps: int,
+                  peer: PeerPolicy, seed: int = 0,
+                  log: Callable[[str], None] = lambda _: None) -> BenchmarkResult:
+  """Compile, check and time `variants` of `bench` ("jnp" is always included).
+
+  Raises RuntimeError if the jax.numpy reference itself cannot run, since then
+  nothing can be checked.
+  """
+  if reps < 1:
+    raise ValueError(f"reps must be >= 1, got {reps}")
+  variants = ["jnp"] + [v for v in variants if v != "jnp"]
+  args = jax.block_until_ready(bench.make_inputs(jax.random.key(seed)))
+  results: dict[str, VariantResult] = {}
+  compiled: dict[str, Callable[..., Any]] = {}
+
+  for v in variants:
+    is_peer = v in PEER_VARIANTS
+    if is_peer and peer.exhausted:
+      results[v] = VariantResult("skipped", message=f"n/a (peer budget {peer.budget_s:g}s used up)")
+      continue
+    start = time.perf_counter()
+    try:
+      compiled[v] = jax.jit(program_for(bench, v)).lower(*args).compile()
+      results[v] = VariantResult("ok")
+    except Exception as e:  # noqa: BLE001 - any failure is reported per variant
+      results[v] = VariantResult("error", message=f"compile: {describe_exception(e)}")
+    results[v].compile_s = time.perf_counter() - start
+    if is_peer:
+      peer.spent_s += results[v].compile_s
+    log(f"  {bench.name}: compiled {v} in {results[v].compile_s:.2f}s")
+
+  if "jnp" not in compiled:
+    raise RuntimeError(f"{bench.name}: the jax.numpy reference failed to compile: "
+                       f"{results['jnp'].message}")
+  _, expected = _time_once(compiled["jnp"], args)
+
+  rounds: dict[str, int] = {}
+  for v, fn in list(compiled.items()):
+    if v == "jnp":
+      rounds[v] = reps
+      continue
+    try:
+      first_s, out = _time_once(fn, args)
+    except Exception as e:  # noqa: BLE001
+      results[v].status, results[v].message = "error", f"run: {describe_exception(e)}"
+      del compiled[v]
+      continue
+    is_peer = v in PEER_VARIANTS
+    if is_peer:
+      peer.spent_s += first_s
+    try:
+      check_matches(bench, v, out, expected)
+    except MismatchError as e:
+      if not (is_peer and bench.peer_known_issue):
+        results[v].status, results[v].message = "mismatch", str(e)
+        del compiled[v]
+        continue
+      results[v].status, results[v].message = "known_issue", bench.peer_known_issue
+    if is_peer and (first_s >= peer.single_run_s or peer.exhausted):
+      results[v].samples_s.append(first_s)
+      rounds[v] = 0
+    else:
+      rounds[v] = peer.reps if is_peer else reps
+
+  for r in range(reps):
+    for v, fn in compiled.items():
+      if r >= rounds[v] or (v in PEER_VARIANTS and peer.exhausted):
+        continue
+      elapsed, _ = _time_once(fn, args)
+      results[v].samples_s.append(elapsed)
+      if v in PEER_VARIANTS:
+        peer.spent_s += elapsed
+  return BenchmarkResult(bench, results)
