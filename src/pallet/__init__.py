@@ -1,0 +1,17 @@
+"""pallet: Pallas-style kernels on JAX, with a compiled CPU/XLA backend and a Triton backend.
+
+`import pallet as pl` gives the `jax.experimental.pallas` API; see README.md.
+"""
+from pallet.specs import (ANY, BlockSpec, Blocked, Buffered, CompilerParams, CostEstimate,
+                          Element, GridSpec, MemorySpace, ScratchShape, Squeezed,
+                          no_block_spec, squeezed)
+from pallet.grid_mapping import PalletError
+from pallet.primitives import (Slice, atomic_add, atomic_and, atomic_cas, atomic_max,
+                               atomic_min, atomic_or, atomic_xchg, atomic_xor,
+                               broadcast_to, cdiv, debug_print, dot, ds, dslice, load,
+                               max_contiguous, multiple_of, num_programs, program_id,
+                               run_scoped, store, when)
+from pallet.pallas_call import pallas_call, pallas_call_p
+from pallet import named
+
+__version__ = "0.1.0"

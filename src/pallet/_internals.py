@@ -1,0 +1,73 @@
+"""Every JAX internal that pallet touches, named in one place.
+
+pallet builds on public JAX wherever it can (`jax.ref`, `jax.extend.core`,
+`jax.interpreters.*`). What is left, the state-discharge machinery, the ref
+indexers and a few effect objects, lives behind this module, so that a JAX upgrade
+is a one-file change. Supported: jax 0.10.2 and 0.12.x.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+import jax
+from jax._src import core as _core
+from jax._src import debugging as _debugging
+from jax._src.state import discharge as _discharge
+from jax._src.state import indexing as _indexing
+from jax._src.state import primitives as _state_primitives
+from jax._src.state import types as _state_types
+
+# --- ref indexing: JAX's own indexer objects, so `ref[...]` and `pl.ds` agree ----
+Slice = _indexing.Slice
+NDIndexer = _indexing.NDIndexer
+TransformedRef = _state_types.TransformedRef
+AbstractRef = jax.ref.AbstractRef
+
+# --- the state primitives that refs bind --------------------------------------
+get_p = _state_primitives.get_p
+swap_p = _state_primitives.swap_p
+addupdate_p = _state_primitives.addupdate_p
+
+# --- effects --------------------------------------------------------------------
+ReadEffect = _state_types.ReadEffect
+WriteEffect = _state_types.WriteEffect
+AccumEffect = _state_types.AccumEffect
+debug_effect = _debugging.debug_effect
+
+# --- state discharge: turning a jaxpr over refs into a pure function --------------
+transform_array = _discharge.transform_array
+transform_swap_array = _discharge.transform_swap_array
+
+_NEW_DISCHARGE_API = "ctx" in inspect.signature(
+    _discharge._get_discharge_rule).parameters
+
+
+def discharge_state(closed_jaxpr: Any) -> Any:
+  """Pure version of a jaxpr over refs: ref inputs become values, final values are appended."""
+  return _discharge.discharge_state(closed_jaxpr)
+
+
+def register_discharge_rule(primitive: Any) -> Callable:
+  """Registers `rule(in_avals, out_avals, *args, **params)` across JAX versions.
+
+  The rule returns `(new_invals, outvals)` as JAX expects: one entry per input
+  (the updated value of a ref input, or None).
+  """
+  def register(rule: Callable) -> Callable:
+    if _NEW_DISCHARGE_API:
+      def adapted(ctx, *args, **params):
+        return rule(ctx.in_avals, ctx.out_avals, *args, **params)
+    else:
+      adapted = rule
+    _discharge.register_discharge_rule(primitive)(adapted)
+    return rule
+  return register
+
+
+def is_tracer(x: Any) -> bool:
+  return isinstance(x, _core.Tracer)
+
+
+def jaxpr_effects(closed_jaxpr: Any) -> Any:
+  return closed_jaxpr.effects

@@ -1,0 +1,288 @@
+"""`pallas_call`: the user-facing launcher and the `pallas_call` primitive's rules.
+
+`pallas_call(kernel, out_shape, ...)(*args)` resolves the specs into a
+`GridMapping`, traces the kernel once into a `KernelDescription` and binds
+`pallas_call_p`. The primitive's rules follow it: abstract evaluation, the
+lowering (handed to the chosen backend), batching (a new leading grid axis) and
+differentiation (through the kernel's discharged, pure form).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from pallet import backends
+from pallet import grid_mapping as gm_lib
+from pallet import specs as specs_lib
+from pallet import tracing
+from pallet.grid_mapping import BlockDimension, GridMapping, PalletError
+
+_DIMENSION_SEMANTICS = ("parallel", "arbitrary", "sequential")
+
+
+def pallas_call(kernel: Callable[..., None], out_shape: Any, *,
+                grid_spec: specs_lib.GridSpec | None = None, grid: Any = (),
+                in_specs: Any = specs_lib.no_block_spec,
+                out_specs: Any = specs_lib.no_block_spec,
+                scratch_shapes: Sequence[Any] = (),
+                input_output_aliases: dict[int, int] | None = None,
+                debug: bool = False, interpret: bool = False, name: str | None = None,
+                compiler_params: Any = None, cost_estimate: Any = None,
+                backend: str | None = None) -> Callable[..., Any]:
+  """Returns a function that runs `kernel` over `grid` on its arguments.
+
+  Same signature and meaning as `jax.experimental.pallas.pallas_call`; see
+  docs/semantics.md. `backend` picks a backend by name ("xla", "triton"); the
+  default is "triton" where a GPU is present and "xla" otherwise. `interpret=True`
+  runs on the CPU backend (or, with backend="triton", the generated Triton code
+  under Triton's interpreter).
+  """
+  name = name or tracing.kernel_name(kernel)
+  num_scalar_prefetch = 0
+  if grid_spec is not None:
+    grid, in_specs, out_specs = grid_spec.grid, grid_spec.in_specs, grid_spec.out_specs
+    scratch_shapes = grid_spec.scratch_shapes
+    num_scalar_prefetch = grid_spec.num_scalar_prefetch
+  grid = gm_lib.normalize_grid(grid, name)
+  aliases = tuple(sorted((int(k), int(v)) for k, v in (input_output_aliases or {}).items()))
+  backend_name = backends.resolve(backend, interpret)
+  dimension_semantics = _dimension_semantics(compiler_params, grid, name)
+
+  @functools.wraps(kernel)
+  def launch(*args):
+    return _launch(kernel, name, args, out_shape, grid, in_specs, out_specs,
+                   tuple(scratch_shapes), num_scalar_prefetch, aliases, debug,
+                   backend_name, interpret, compiler_params, dimension_semantics)
+  return launch
+
+
+def _dimension_semantics(params: Any, grid: tuple[int, ...], name: str):
+  semantics = getattr(params, "dimension_semantics", None)
+  if semantics is None:
+    return None
+  semantics = tuple(str(getattr(s, "value", s)).lower() for s in semantics)
+  if len(semantics) != len(grid) or any(s not in _DIMENSION_SEMANTICS for s in semantics):
+    raise PalletError(f"pallas_call of kernel '{name}': dimension_semantics {semantics} "
+                      f"must give one of {_DIMENSION_SEMANTICS} per grid axis {grid}")
+  return tuple("parallel" if s == "parallel" else "arbitrary" for s in semantics)
+
+
+def _as_aval(x: Any, what: str, name: str) -> jax.core.ShapedArray:
+  if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+    raise PalletError(f"pallas_call of kernel '{name}': {what} must be an array or a "
+                      f"jax.ShapeDtypeStruct, got {type(x).__name__}: {x!r}")
+  return jax.core.ShapedArray(tuple(x.shape), jnp.dtype(x.dtype))
+
+
+def _launch(kernel, name, args, out_shape, grid, in_specs, out_specs, scratch_shapes,
+            num_scalar_prefetch, aliases, debug, backend_name, interpret,
+            compiler_params, dimension_semantics):
+  prefetch_args, args = args[:num_scalar_prefetch], args[num_scalar_prefetch:]
+  flat_args, _ = jax.tree_util.tree_flatten(args)
+  in_avals = [_as_aval(a, f"input {i}", name) for i, a in enumerate(flat_args)]
+  prefetch_avals = tuple(_as_aval(a, f"scalar prefetch operand {i}", name)
+                         for i, a in enumerate(prefetch_args))
+  flat_out_shapes, out_tree = jax.tree_util.tree_flatten(out_shape)
+  out_avals = [_as_aval(o, f"out_shape[{i}]", name) for i, o in enumerate(flat_out_shapes)]
+  scratch_avals = tuple(_as_aval(s, f"scratch_shapes[{i}]", name)
+                        for i, s in enumerate(scratch_shapes))
+
+  param_names = gm_lib.kernel_parameter_names(kernel) or []
+  n_pre = num_scalar_prefetch
+
+  def origin(kind, i, offset):
+    pname = param_names[offset + i] if offset + i < len(param_names) else None
+    return f"{kind} {i}" + (f" ('{pname}')" if pname else "")
+
+  def where(kind, i, offset, spec_name):
+    return f"pallas_call of kernel '{name}', {spec_name} for {origin(kind, i, offset)}"
+
+  in_spec_list = gm_lib.match_specs(in_specs, args, "in_specs", name)
+  out_spec_list = gm_lib.match_specs(out_specs, out_shape, "out_specs", name)
+  inputs = tuple(
+      gm_lib.block_mapping(s, a, origin("input", i, n_pre), grid, prefetch_avals,
+                           where("input", i, n_pre, f"in_specs[{i}]"))
+      for i, (s, a) in enumerate(zip(in_spec_list, in_avals)))
+  outputs = tuple(
+      gm_lib.block_mapping(s, a, origin("output", i, n_pre + len(in_avals)), grid,
+                           prefetch_avals,
+                           where("output", i, n_pre + len(in_avals), f"out_specs[{i}]"))
+      for i, (s, a) in enumerate(zip(out_spec_list, out_avals)))
+  mapping = GridMapping(grid=grid, inputs=inputs, outputs=outputs,
+                        scratch_avals=scratch_avals, prefetch_avals=prefetch_avals,
+                        dimension_semantics=dimension_semantics)
+  _check_aliases(aliases, in_avals, out_avals, name)
+
+  # The kernel sees (*prefetch refs, *input refs, *output refs, *scratch refs), with
+  # pytree inputs and outputs handed over as pytrees of refs.
+  outs_for_kernel = tuple(out_shape) if isinstance(out_shape, (tuple, list)) else (out_shape,)
+  kernel_args = (*prefetch_args, *args, *outs_for_kernel, *scratch_shapes)
+  kernel_args_tree = jax.tree_util.tree_structure(
+      kernel_args, is_leaf=lambda x: isinstance(x, specs_lib.ScratchShape))
+  _check_kernel_arity(kernel, name, len(kernel_args), len(prefetch_args), len(args),
+                      len(outs_for_kernel), len(scratch_shapes))
+  description = tracing.trace_kernel(
+      kernel, name, mapping, kernel_args_tree, source=tracing.kernel_source(kernel),
+      input_output_aliases=aliases, compiler_params=compiler_params, debug=debug)
+  if debug:
+    print(f"--- pallet kernel '{name}' ({description.source}), grid {grid} ---")
+    print(description.jaxpr)
+  flat_prefetch = [jnp.asarray(p) for p in prefetch_args]
+  results = pallas_call_p.bind(*flat_prefetch, *flat_args, kernel=description,
+                               name=name, backend=backend_name, interpret=interpret)
+  return jax.tree_util.tree_unflatten(out_tree, results)
+
+
+def _check_aliases(aliases, in_avals, out_avals, name):
+  for i, o in aliases:
+    if not (0 <= i < len(in_avals) and 0 <= o < len(out_avals)):
+      raise PalletError(f"pallas_call of kernel '{name}': input_output_aliases entry "
+                        f"{i}: {o} is out of range ({len(in_avals)} inputs, "
+                        f"{len(out_avals)} outputs)")
+    if (in_avals[i].shape, in_avals[i].dtype) != (out_avals[o].shape, out_avals[o].dtype):
+      raise PalletError(f"pallas_call of kernel '{name}': input_output_aliases {i}: {o} "
+                        f"pairs input {in_avals[i].str_short()} with output "
+                        f"{out_avals[o].str_short()}; shapes and dtypes must match")
+
+
+def _check_kernel_arity(kernel, name, n_refs, n_prefetch, n_in, n_out, n_scratch):
+  params = gm_lib.kernel_parameter_names(kernel)
+  arity = gm_lib._positional_arity(kernel)
+  if arity is None or arity == n_refs:
+    return
+  parts = [f"{n_in} inputs", f"{n_out} outputs"]
+  if n_prefetch:
+    parts.insert(0, f"{n_prefetch} scalar-prefetch operands")
+  if n_scratch:
+    parts.append(f"{n_scratch} scratch buffers")
+  raise PalletError(f"kernel '{name}' takes {arity} positional parameters "
+                    f"({', '.join(params or [])}) but pallas_call passes {n_refs} refs: "
+                    f"{', '.join(parts)}")
+
+
+# =================================================================== the primitive
+pallas_call_p = Primitive("pallas_call")
+pallas_call_p.multiple_results = True
+
+
+def _pallas_call_abstract_eval(*avals, kernel, name, backend, interpret):
+  return [jax.core.ShapedArray(b.array_shape, b.dtype) for b in kernel.grid_mapping.outputs]
+
+
+pallas_call_p.def_abstract_eval(_pallas_call_abstract_eval)
+
+
+def _pallas_call_impl(*args, **params):
+  return _compiled_call(params["kernel"], params["name"], params["backend"],
+                        params["interpret"])(*args)
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled_call(kernel, name, backend, interpret):
+  return jax.jit(lambda *args: pallas_call_p.bind(
+      *args, kernel=kernel, name=name, backend=backend, interpret=interpret))
+
+
+pallas_call_p.def_impl(_pallas_call_impl)
+
+
+def _pallas_call_lowering(ctx, *args, kernel, name, backend, interpret):
+  return backends.get(backend).lower(ctx, *args, kernel=kernel, interpret=interpret)
+
+
+mlir.register_lowering(pallas_call_p, _pallas_call_lowering)
+
+
+# ------------------------------------------------------------------ batching
+_NOT_MAPPED = None  # how JAX's batching rules mark an unbatched operand
+
+def _pallas_call_batching(args, dims, *, kernel, name, backend, interpret):
+  """vmap adds a leading parallel grid axis; batched operands get a squeezed block dim."""
+  gm = kernel.grid_mapping
+  n_pre = len(gm.prefetch_avals)
+  if any(d is not _NOT_MAPPED for d in dims[:n_pre]):
+    return _batch_by_loop(args, dims, kernel=kernel, name=name, backend=backend,
+                          interpret=interpret)
+  size = next(a.shape[d] for a, d in zip(args, dims) if d is not _NOT_MAPPED)
+  aliased_inputs = {i for i, _ in kernel.input_output_aliases}
+  new_args, batched = list(args[:n_pre]), []
+  for i, (a, d) in enumerate(zip(args[n_pre:], dims[n_pre:])):
+    if d is _NOT_MAPPED and i in aliased_inputs:
+      a, d = jnp.broadcast_to(a, (size, *a.shape)), 0
+    if d is not _NOT_MAPPED:
+      a = jnp.moveaxis(a, d, 0)
+    new_args.append(a)
+    batched.append(d is not _NOT_MAPPED)
+  new_inputs = tuple(_batched_block(b, size, is_batched, n_pre)
+                     for b, is_batched in zip(gm.inputs, batched))
+  new_outputs = tuple(_batched_block(b, size, True, n_pre) for b in gm.outputs)
+  semantics = None if gm.dimension_semantics is None else ("parallel", *gm.dimension_semantics)
+  new_gm = gm.replace(grid=(size, *gm.grid), inputs=new_inputs, outputs=new_outputs,
+                      dimension_semantics=semantics)
+  new_kernel = kernel.replace(grid_mapping=new_gm, jaxpr=_with_leading_index(kernel.jaxpr))
+  outs = pallas_call_p.bind(*new_args, kernel=new_kernel, name=name, backend=backend,
+                            interpret=interpret)
+  return outs, [0] * len(outs)
+
+
+def _with_leading_index(closed_jaxpr: Any) -> Any:
+  """The same jaxpr with one more (ignored) int32 input in front."""
+  def body(_, *args):
+    return jax.core.eval_jaxpr(closed_jaxpr.jaxpr, closed_jaxpr.consts, *args)
+  return jax.make_jaxpr(body)(jax.core.ShapedArray((), jnp.int32), *closed_jaxpr.in_avals)
+
+
+def _batched_block(block, size, is_batched, n_pre):
+  im = block.index_map
+
+  def index_map(b, *rest):
+    idx = jax.core.eval_jaxpr(im.jaxpr, im.consts, *rest)
+    return (b, *idx) if is_batched else tuple(idx)
+
+  new_jaxpr = jax.make_jaxpr(index_map)(jax.core.ShapedArray((), jnp.int32), *im.in_avals)
+  if not is_batched:
+    return block.replace(index_map=new_jaxpr)
+  return block.replace(index_map=new_jaxpr, array_shape=(size, *block.array_shape),
+                       dims=(BlockDimension("squeezed", 1), *block.dims))
+
+
+def _batch_by_loop(args, dims, **params):
+  """Fallback when scalar-prefetch operands are batched: one launch per batch element."""
+  size = next(a.shape[d] for a, d in zip(args, dims) if d is not _NOT_MAPPED)
+  moved = [a if d is _NOT_MAPPED else jnp.moveaxis(a, d, 0)
+           for a, d in zip(args, dims)]
+  is_batched = [d is not _NOT_MAPPED for d in dims]
+
+  def one(i):
+    sliced = [a[i] if b else a for a, b in zip(moved, is_batched)]
+    return pallas_call_p.bind(*sliced, **params)
+
+  outs = jax.lax.map(one, jnp.arange(size))
+  return outs, [0] * len(outs)
+
+
+batching.primitive_batchers[pallas_call_p] = _pallas_call_batching
+
+
+# ------------------------------------------------------------------ differentiation
+def _pallas_call_jvp(primals, tangents, *, kernel, name, backend, interpret):
+  """Derivatives come from the kernel's pure (discharged) form, so `jax.grad` works.
+
+  The primal runs on the chosen backend; tangents are computed by XLA from the
+  same kernel description, which JAX can then transpose for reverse mode.
+  """
+  from pallet.backends.xla import kernel_as_function
+  primal_out = pallas_call_p.bind(*primals, kernel=kernel, name=name, backend=backend,
+                                  interpret=interpret)
+  tangents = [ad.instantiate_zeros(t) for t in tangents]
+  fn = kernel_as_function(kernel)
+  _, tangent_out = jax.jvp(fn, tuple(primals), tuple(tangents))
+  return primal_out, list(tangent_out)
+
+
+ad.primitive_jvps[pallas_call_p] = _pallas_call_jvp

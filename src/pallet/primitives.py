@@ -1,0 +1,436 @@
+"""What a kernel body can call: grid queries, masked loads/stores, atomics, hints.
+
+Each primitive is declared once, with its abstract evaluation and its state
+discharge rule (the sequential, pure meaning that the CPU backend compiles and
+that every other backend must agree with) right below it. Plain reads and writes
+of refs are JAX's own `get`/`swap`; pallet adds primitives only where JAX has no
+equivalent (masks, atomics, compiler hints, printing).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+from typing import Any, Callable, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+
+from pallet import _internals as internals
+from pallet.specs import ScratchShape
+
+Slice = internals.Slice
+
+
+def ds(start: Any, size: int | None = None, stride: int = 1) -> Slice:
+  """A dynamic slice `start : start + size*stride : stride` for indexing refs."""
+  if size is None:
+    start, size = 0, start
+  return internals.Slice(start, size, stride)
+
+
+dslice = ds
+
+
+def cdiv(a: Any, b: Any) -> Any:
+  """Ceiling division, for ints and JAX scalars alike."""
+  if isinstance(a, (int, np.integer)) and isinstance(b, (int, np.integer)):
+    return -(-int(a) // int(b))
+  return lax.div(a + b - 1, b)
+
+
+# ------------------------------------------------------------------ grid context
+@dataclasses.dataclass
+class _GridContext:
+  program_ids: tuple[Any, ...]
+  grid: tuple[int, ...]
+
+
+_grid_contexts: list[_GridContext] = []
+
+
+@contextlib.contextmanager
+def grid_context(program_ids: Sequence[Any], grid: Sequence[int]) -> Iterator[None]:
+  """Makes `program_id`/`num_programs` answer for the kernel being traced."""
+  _grid_contexts.append(_GridContext(tuple(program_ids), tuple(grid)))
+  try:
+    yield
+  finally:
+    _grid_contexts.pop()
+
+
+def _current_grid(fn_name: str) -> _GridContext:
+  if not _grid_contexts:
+    raise RuntimeError(f"pl.{fn_name} may only be called inside a kernel run by "
+                       f"pallas_call")
+  return _grid_contexts[-1]
+
+
+def _check_axis(axis: int, ctx: _GridContext, fn_name: str) -> int:
+  if not isinstance(axis, (int, np.integer)) or not -len(ctx.grid) <= axis < len(ctx.grid):
+    raise ValueError(f"pl.{fn_name}({axis!r}): the grid {ctx.grid} has "
+                     f"{len(ctx.grid)} axes")
+  return int(axis) % len(ctx.grid)
+
+
+def program_id(axis: int) -> jax.Array:
+  """This program's index along grid axis `axis` (an int32 scalar).
+
+  Traced kernels take the grid indices as their leading jaxpr inputs, so every
+  backend decides for itself where they come from (a launch index, a loop
+  counter, a vectorized iota).
+  """
+  ctx = _current_grid("program_id")
+  return ctx.program_ids[_check_axis(axis, ctx, "program_id")]
+
+
+def num_programs(axis: int) -> jax.Array:
+  """The size of grid axis `axis` (static; returned as an int32 scalar like Pallas)."""
+  ctx = _current_grid("num_programs")
+  return jnp.int32(ctx.grid[_check_axis(axis, ctx, "num_programs")])
+
+
+# ------------------------------------------------------------------ ref helpers
+def _as_transformed(ref: Any, idx: Any) -> tuple[Any, tuple[Any, ...]]:
+  """(base ref, transforms) for `ref` or `ref.at[...]`, further indexed by idx."""
+  if idx is not None:
+    if not isinstance(idx, tuple):
+      idx = (idx,)
+    ref = ref.at[idx]
+  if isinstance(ref, internals.TransformedRef):
+    return ref.ref, tuple(ref.transforms)
+  return ref, ()
+
+
+def _view_shape_dtype(ref_aval: Any, transforms: Sequence[Any]) -> tuple[tuple[int, ...], Any]:
+  shape, dtype = ref_aval.shape, ref_aval.dtype
+  for t in transforms:
+    shape = t.transform_shape(shape)
+    dtype = t.transform_dtype(dtype)
+  return tuple(shape), dtype
+
+
+def _element_offsets(base_shape: tuple[int, ...], transforms: Sequence[Any]) -> jax.Array:
+  """Flat offsets into the base ref of every element of the transformed view."""
+  size = math.prod(base_shape)
+  offsets = lax.iota(jnp.int32, size).reshape(base_shape)
+  return internals.transform_array(offsets, list(transforms))
+
+
+def _split(args: Sequence[Any], counts: Sequence[int]) -> list[list[Any]]:
+  out, i = [], 0
+  for c in counts:
+    out.append(list(args[i:i + c]))
+    i += c
+  return out
+
+
+# ------------------------------------------------------------------ masked load
+load_p = Primitive("masked_load")
+
+
+def load(ref: Any, idx: Any = None, *, mask: Any = None, other: Any = None,
+         cache_modifier: str | None = None, eviction_policy: str | None = None,
+         volatile: bool = False, memory_space: Any = None) -> jax.Array:
+  """Reads `ref[idx]`; where `mask` is False the result is `other` (out-of-bounds safe)."""
+  del cache_modifier, eviction_policy, volatile, memory_space  # hints for GPU backends
+  base, transforms = _as_transformed(ref, idx)
+  if mask is None:
+    return internals.TransformedRef(base, transforms)[...] if transforms else base[...]
+  shape, dtype = _view_shape_dtype(jax.typeof(base), transforms)
+  mask = jnp.broadcast_to(jnp.asarray(mask, jnp.bool_), shape)
+  extra = [mask]
+  if other is not None:
+    extra.append(jnp.broadcast_to(jnp.asarray(other, dtype), shape))
+  flat, tree = jax.tree_util.tree_flatten(transforms)
+  return load_p.bind(base, *flat, *extra, tree=tree, has_other=other is not None)
+
+
+def _load_abstract_eval(ref_aval, *args, tree, has_other):
+  transforms = jax.tree_util.tree_unflatten(tree, args[:tree.num_leaves])
+  shape, dtype = _view_shape_dtype(ref_aval, transforms)
+  return jax.core.ShapedArray(shape, dtype), {internals.ReadEffect(0)}
+
+
+load_p.def_effectful_abstract_eval(_load_abstract_eval)
+
+
+@internals.register_discharge_rule(load_p)
+def _load_discharge(in_avals, out_avals, ref_value, *args, tree, has_other):
+  flat, (mask, *other) = _split(args, [tree.num_leaves, 1 + has_other])
+  view = internals.transform_array(ref_value, jax.tree_util.tree_unflatten(tree, flat))
+  fill = other[0] if other else jnp.zeros_like(view)
+  return (None,) * len(in_avals), jnp.where(mask, view, fill)
+
+
+# ------------------------------------------------------------------ masked store
+store_p = Primitive("masked_store")
+store_p.multiple_results = True
+
+
+def store(ref: Any, idx: Any, value: Any = None, *, mask: Any = None,
+          eviction_policy: str | None = None, memory_space: Any = None) -> None:
+  """Writes `value` to `ref[idx]` where `mask` is True (masked-out writes never happen)."""
+  del eviction_policy, memory_space
+  base, transforms = _as_transformed(ref, idx)
+  shape, dtype = _view_shape_dtype(jax.typeof(base), transforms)
+  value = jnp.broadcast_to(jnp.asarray(value, dtype), shape)
+  if mask is None:
+    view = internals.TransformedRef(base, transforms) if transforms else base
+    view[...] = value
+    return
+  mask = jnp.broadcast_to(jnp.asarray(mask, jnp.bool_), shape)
+  flat, tree = jax.tree_util.tree_flatten(transforms)
+  store_p.bind(base, *flat, value, mask, tree=tree)
+
+
+def _store_abstract_eval(ref_aval, *args, tree):
+  return [], {internals.WriteEffect(0)}
+
+
+store_p.def_effectful_abstract_eval(_store_abstract_eval)
+
+
+def _scatter_into(ref_value, offsets, mask, update_fn):
+  """Applies `update_fn(flat_ref.at[offsets])` with masked-out offsets dropped."""
+  size = math.prod(ref_value.shape)
+  if mask is not None:
+    offsets = jnp.where(mask, offsets, size)
+  flat = update_fn(ref_value.reshape(-1).at[offsets.reshape(-1)])
+  return flat.reshape(ref_value.shape)
+
+
+@internals.register_discharge_rule(store_p)
+def _store_discharge(in_avals, out_avals, ref_value, *args, tree):
+  flat, (value, mask) = _split(args, [tree.num_leaves, 2])
+  offsets = _element_offsets(ref_value.shape, jax.tree_util.tree_unflatten(tree, flat))
+  new = _scatter_into(ref_value, offsets, mask,
+                      lambda at: at.set(value.reshape(-1), mode="drop"))
+  return (new,) + (None,) * (len(in_avals) - 1), []
+
+
+# ------------------------------------------------------------------ atomics
+atomic_rmw_p = Primitive("atomic_rmw")
+
+_ATOMIC_COMBINE: dict[str, Callable[[Any, Any], Any]] = {
+    "add": lambda old, v: old + v,
+    "max": jnp.maximum,
+    "min": jnp.minimum,
+    "and": lambda old, v: old & v,
+    "or": lambda old, v: old | v,
+    "xor": lambda old, v: old ^ v,
+    "xchg": lambda old, v: v,
+}
+# Ops whose scatter form combines duplicate indices within one call, as a
+# sequence of atomics on a GPU would.
+_ATOMIC_SCATTER = {"add": "add", "max": "max", "min": "min"}
+
+
+def _atomic(op: str, ref: Any, idx: Any, value: Any, mask: Any) -> jax.Array:
+  base, transforms = _as_transformed(ref, idx)
+  shape, dtype = _view_shape_dtype(jax.typeof(base), transforms)
+  value = jnp.broadcast_to(jnp.asarray(value, dtype), shape)
+  if op in ("and", "or", "xor") and not jnp.issubdtype(dtype, jnp.integer):
+    raise TypeError(f"pl.atomic_{op} needs an integer ref, got {dtype}")
+  extra = [value]
+  if mask is not None:
+    extra.append(jnp.broadcast_to(jnp.asarray(mask, jnp.bool_), shape))
+  flat, tree = jax.tree_util.tree_flatten(transforms)
+  return atomic_rmw_p.bind(base, *flat, *extra, tree=tree, op=op, has_mask=mask is not None)
+
+
+def atomic_add(ref, idx, value, *, mask=None):
+  """Atomically adds `value` into `ref[idx]`; returns the previous contents."""
+  return _atomic("add", ref, idx, value, mask)
+
+
+def atomic_max(ref, idx, value, *, mask=None):
+  return _atomic("max", ref, idx, value, mask)
+
+
+def atomic_min(ref, idx, value, *, mask=None):
+  return _atomic("min", ref, idx, value, mask)
+
+
+def atomic_and(ref, idx, value, *, mask=None):
+  return _atomic("and", ref, idx, value, mask)
+
+
+def atomic_or(ref, idx, value, *, mask=None):
+  return _atomic("or", ref, idx, value, mask)
+
+
+def atomic_xor(ref, idx, value, *, mask=None):
+  return _atomic("xor", ref, idx, value, mask)
+
+
+def atomic_xchg(ref, idx, value, *, mask=None):
+  return _atomic("xchg", ref, idx, value, mask)
+
+
+def _atomic_rmw_abstract_eval(ref_aval, *args, tree, op, has_mask):
+  transforms = jax.tree_util.tree_unflatten(tree, args[:tree.num_leaves])
+  shape, dtype = _view_shape_dtype(ref_aval, transforms)
+  return (jax.core.ShapedArray(shape, dtype),
+          {internals.ReadEffect(0), internals.WriteEffect(0)})
+
+
+atomic_rmw_p.def_effectful_abstract_eval(_atomic_rmw_abstract_eval)
+
+
+@internals.register_discharge_rule(atomic_rmw_p)
+def _atomic_rmw_discharge(in_avals, out_avals, ref_value, *args, tree, op, has_mask):
+  flat, (value, *mask) = _split(args, [tree.num_leaves, 1 + has_mask])
+  mask = mask[0] if mask else None
+  offsets = _element_offsets(ref_value.shape, jax.tree_util.tree_unflatten(tree, flat))
+  old = ref_value.reshape(-1).at[offsets].get(mode="fill", fill_value=0)
+  if op in _ATOMIC_SCATTER:
+    update = lambda at: getattr(at, _ATOMIC_SCATTER[op])(value.reshape(-1), mode="drop")
+  else:
+    new = _ATOMIC_COMBINE[op](old, value)
+    update = lambda at: at.set(new.reshape(-1), mode="drop")
+  new_ref = _scatter_into(ref_value, offsets, mask, update)
+  return (new_ref,) + (None,) * (len(in_avals) - 1), old
+
+
+atomic_cas_p = Primitive("atomic_cas")
+
+
+def atomic_cas(ref: Any, idx: Any, cmp: Any, value: Any) -> jax.Array:
+  """Atomically stores `value` where `ref[idx] == cmp`; returns the previous contents."""
+  base, transforms = _as_transformed(ref, idx)
+  shape, dtype = _view_shape_dtype(jax.typeof(base), transforms)
+  cmp = jnp.broadcast_to(jnp.asarray(cmp, dtype), shape)
+  value = jnp.broadcast_to(jnp.asarray(value, dtype), shape)
+  flat, tree = jax.tree_util.tree_flatten(transforms)
+  return atomic_cas_p.bind(base, *flat, cmp, value, tree=tree)
+
+
+def _atomic_cas_abstract_eval(ref_aval, *args, tree):
+  transforms = jax.tree_util.tree_unflatten(tree, args[:tree.num_leaves])
+  shape, dtype = _view_shape_dtype(ref_aval, transforms)
+  return (jax.core.ShapedArray(shape, dtype),
+          {internals.ReadEffect(0), internals.WriteEffect(0)})
+
+
+atomic_cas_p.def_effectful_abstract_eval(_atomic_cas_abstract_eval)
+
+
+@internals.register_discharge_rule(atomic_cas_p)
+def _atomic_cas_discharge(in_avals, out_avals, ref_value, *args, tree):
+  flat, (cmp, value) = _split(args, [tree.num_leaves, 2])
+  offsets = _element_offsets(ref_value.shape, jax.tree_util.tree_unflatten(tree, flat))
+  old = ref_value.reshape(-1).at[offsets.reshape(-1)].get(mode="fill", fill_value=0)
+  old = old.reshape(offsets.shape)
+  new = jnp.where(old == cmp, value, old)
+  new_ref = _scatter_into(ref_value, offsets, None,
+                          lambda at: at.set(new.reshape(-1), mode="drop"))
+  return (new_ref,) + (None,) * (len(in_avals) - 1), old
+
+
+# ------------------------------------------------------------------ compiler hints
+def _identity_hint(name: str) -> Primitive:
+  """A primitive that returns its input and carries a hint for GPU code generators."""
+  prim = Primitive(name)
+  prim.def_impl(lambda x, **_: x)
+  prim.def_abstract_eval(lambda aval, **_: aval)
+  mlir.register_lowering(prim, lambda ctx, x, **_: [x])
+  jax.interpreters.batching.primitive_batchers[prim] = (
+      lambda args, dims, **params: (prim.bind(*args, **params), dims[0]))
+  jax.interpreters.ad.deflinear(prim, lambda t, **params: [prim.bind(t, **params)])
+  return prim
+
+
+multiple_of_p = _identity_hint("multiple_of")
+max_contiguous_p = _identity_hint("max_contiguous")
+
+
+def multiple_of(x: jax.Array, values: int | Sequence[int]) -> jax.Array:
+  """Promises the code generator that `x` is a multiple of `values`."""
+  values = tuple(values) if isinstance(values, (list, tuple)) else (int(values),)
+  return multiple_of_p.bind(x, values=values)
+
+
+def max_contiguous(x: jax.Array, values: int | Sequence[int]) -> jax.Array:
+  """Promises the code generator that `x` has runs of `values` contiguous elements."""
+  values = tuple(values) if isinstance(values, (list, tuple)) else (int(values),)
+  return max_contiguous_p.bind(x, values=values)
+
+
+# ------------------------------------------------------------------ debug_print
+debug_print_p = Primitive("debug_print")
+debug_print_p.multiple_results = True
+
+
+def debug_print(fmt: str, *args: Any) -> None:
+  """Prints from inside a kernel; `fmt` uses `{}` placeholders like `jax.debug.print`."""
+  debug_print_p.bind(*[jnp.asarray(a) for a in args], fmt=fmt)
+
+
+debug_print_p.def_effectful_abstract_eval(
+    lambda *avals, fmt: ([], {internals.debug_effect}))
+
+
+def _debug_print_impl(*args, fmt):
+  jax.debug.print(fmt, *args)
+  return []
+
+
+debug_print_p.def_impl(_debug_print_impl)
+mlir.register_lowering(
+    debug_print_p, mlir.lower_fun(_debug_print_impl, multiple_results=True))
+
+
+def _debug_print_batch(args, dims, *, fmt):
+  _debug_print_impl(*args, fmt=fmt)
+  return [], []
+
+
+jax.interpreters.batching.primitive_batchers[debug_print_p] = _debug_print_batch
+
+
+# ------------------------------------------------------------------ control flow
+def when(condition: Any) -> Callable[[Callable[[], None]], None]:
+  """Decorator: run the decorated function now, only if `condition` holds."""
+  def decorator(body: Callable[[], None]) -> None:
+    if isinstance(condition, (bool, np.bool_)):
+      if condition:
+        body()
+      return
+    lax.cond(jnp.asarray(condition).astype(jnp.bool_),
+             lambda: (body(), None)[1], lambda: None)
+  return decorator
+
+
+def run_scoped(body: Callable[..., Any], *types: Any, **kw_types: Any) -> Any:
+  """Calls `body` with fresh scratch refs of the given shapes; returns its result."""
+  def fresh(t):
+    if isinstance(t, (ScratchShape, jax.ShapeDtypeStruct)):
+      return jax.new_ref(jnp.zeros(t.shape, t.dtype))
+    raise TypeError(f"pl.run_scoped: expected scratch shapes such as "
+                    f"pallet.tpu.VMEM((8, 128), jnp.float32), got {t!r}")
+  refs = [fresh(t) for t in types]
+  kw_refs = {k: fresh(t) for k, t in kw_types.items()}
+  return body(*refs, **kw_refs)
+
+
+# ------------------------------------------------------------------ math helpers
+def dot(a: jax.Array, b: jax.Array, trans_a: bool = False, trans_b: bool = False,
+        allow_tf32: bool | None = None, precision: Any = None) -> jax.Array:
+  """Matrix product of two blocks (Pallas `pl.dot`)."""
+  del allow_tf32
+  if trans_a:
+    a = jnp.swapaxes(a, -1, -2)
+  if trans_b:
+    b = jnp.swapaxes(b, -1, -2)
+  out_dtype = jnp.float32 if jnp.issubdtype(a.dtype, jnp.floating) else None
+  return jnp.matmul(a, b, precision=precision, preferred_element_type=out_dtype)
+
+
+def broadcast_to(x: Any, shape: Sequence[int]) -> jax.Array:
+  return jnp.broadcast_to(x, shape)

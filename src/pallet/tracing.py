@@ -1,0 +1,90 @@
+"""Tracing a user's kernel, once, into a backend-neutral `KernelDescription`.
+
+The description is the contract between the front end and every backend: a
+jaxpr over refs whose inputs are, in order,
+
+    *grid_indices (int32 scalars, one per grid axis),
+    *scalar_prefetch refs, *input block refs, *output block refs, *scratch refs
+
+and that returns nothing, plus the `GridMapping` that says which block of which
+array each ref stands for at each grid step. Backends never see the user's
+Python function.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from pallet import _internals as internals
+from pallet import primitives
+from pallet.grid_mapping import GridMapping, PalletError
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class KernelDescription:
+  """A traced kernel: its jaxpr over refs and the grid mapping it runs under."""
+  name: str
+  jaxpr: Any                     # closed jaxpr, inputs as in the module docstring
+  grid_mapping: GridMapping
+  source: str                    # "file.py:line" of the kernel definition
+  input_output_aliases: tuple[tuple[int, int], ...]
+  compiler_params: Any
+  debug: bool
+
+  @property
+  def num_grid_axes(self) -> int:
+    return len(self.grid_mapping.grid)
+
+  def replace(self, **changes) -> "KernelDescription":
+    return dataclasses.replace(self, **changes)
+
+
+def kernel_name(kernel: Callable) -> str:
+  fn = kernel
+  while hasattr(fn, "func"):           # functools.partial
+    fn = fn.func
+  return getattr(fn, "__name__", type(fn).__name__)
+
+
+def kernel_source(kernel: Callable) -> str:
+  fn = kernel
+  while hasattr(fn, "func"):
+    fn = fn.func
+  try:
+    return f"{inspect.getsourcefile(fn)}:{inspect.getsourcelines(fn)[1]}"
+  except (TypeError, OSError):
+    return "<unknown>"
+
+
+def trace_kernel(kernel: Callable, name: str, grid_mapping: GridMapping,
+                 kernel_args_tree: Any, **description_fields: Any) -> KernelDescription:
+  """Traces `kernel` over abstract refs of its blocks.
+
+  `kernel_args_tree` re-nests the flat refs as the kernel expects them
+  (pytrees of inputs and outputs are passed as pytrees of refs).
+  """
+  gm = grid_mapping
+  ref_avals = ([internals.AbstractRef(a) for a in gm.prefetch_avals]
+               + [internals.AbstractRef(b.kernel_aval) for b in gm.inputs]
+               + [internals.AbstractRef(b.kernel_aval) for b in gm.outputs]
+               + [internals.AbstractRef(a) for a in gm.scratch_avals])
+  id_avals = [jax.core.ShapedArray((), jnp.int32)] * len(gm.grid)
+
+  def stateful_body(*args):
+    ids, refs = args[:len(gm.grid)], args[len(gm.grid):]
+    with primitives.grid_context(ids, gm.grid):
+      result = kernel(*jax.tree_util.tree_unflatten(kernel_args_tree, refs))
+    if result is not None:
+      raise PalletError(f"kernel '{name}' returned a value ({type(result).__name__}); "
+                        f"kernels write their results into output refs and return None")
+    return []
+
+  jaxpr = jax.make_jaxpr(stateful_body)(*id_avals, *ref_avals)
+  if any(internals.is_tracer(c) for c in jaxpr.consts):
+    raise PalletError(f"kernel '{name}' closes over a traced (non-constant) value; pass "
+                      f"it to pallas_call as an input instead")
+  return KernelDescription(name=name, jaxpr=jaxpr, grid_mapping=gm, **description_fields)
