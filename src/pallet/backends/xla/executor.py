@@ -132,7 +132,7 @@ def _unravel(flat: Any, axes: Sequence[int], grid: Sequence[int]) -> dict[int, A
 
 def _runtime_tables(plan: ExecutionPlan, prefetch: Sequence[Any]) -> list[Any]:
   """Index maps evaluated on data (scalar prefetch): one (steps, ndim) table each."""
-  coords = np.indices(plan.grid).reshape(len(plan.grid), -1).astype(np.int32)
+  coords = np.indices(plan.grid).reshape(len(plan.grid), math.prod(plan.grid)).astype(np.int32)
   tables = []
   for op in (*plan.inputs, *plan.outputs):
     m = op.mapping

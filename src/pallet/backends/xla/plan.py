@@ -73,7 +73,7 @@ def _index_table(mapping: BlockMapping, grid: tuple[int, ...]) -> np.ndarray:
   n = int(np.prod(grid, dtype=np.int64))
   if n == 0 or ndim == 0:
     return np.zeros((*grid, ndim), np.int64)
-  coords = np.indices(grid).reshape(len(grid), -1).astype(np.int32)
+  coords = np.indices(grid).reshape(len(grid), n).astype(np.int32)
   im = mapping.index_map
   with jax.ensure_compile_time_eval():
     outs = jax.vmap(lambda *ids: jax.core.eval_jaxpr(im.jaxpr, im.consts, *ids))(
