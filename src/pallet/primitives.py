@@ -108,18 +108,67 @@ def _as_transformed(ref: Any, idx: Any) -> tuple[Any, tuple[Any, ...]]:
 
 
 def _view_shape_dtype(ref_aval: Any, transforms: Sequence[Any]) -> tuple[tuple[int, ...], Any]:
-  shape, dtype = ref_aval.shape, ref_aval.dtype
+  aval = getattr(ref_aval, "inner_aval", ref_aval)
   for t in transforms:
-    shape = t.transform_shape(shape)
-    dtype = t.transform_dtype(dtype)
-  return tuple(shape), dtype
+    aval = t.transform_type(aval)
+  return tuple(aval.shape), aval.dtype
+
+
+def _indexer_positions(indexer: Any) -> tuple[jax.Array, ...]:
+  """Unclamped integer positions, one broadcastable array per dimension, that
+  `indexer` selects (NumPy placement: advanced indices go where the first one is
+  when they are adjacent, else in front)."""
+  indices = indexer.indices
+  is_int = [not isinstance(i, internals.Slice) for i in indices]
+  int_shape = tuple(indexer.int_indexer_shape)
+  int_dims = [d for d, b in enumerate(is_int) if b]
+  adjacent = not int_dims or int_dims == list(range(int_dims[0], int_dims[-1] + 1))
+  slice_dims = [d for d, b in enumerate(is_int) if not b]
+  if adjacent and int_dims:
+    before = [d for d in slice_dims if d < int_dims[0]]
+    after = [d for d in slice_dims if d > int_dims[0]]
+  else:
+    before, after = [], slice_dims
+  out_rank = len(before) + len(int_shape) + len(after)
+  positions = []
+  for d, idx in enumerate(indices):
+    if is_int[d]:
+      arr = jnp.broadcast_to(jnp.asarray(idx, jnp.int32), int_shape)
+      lead = len(before)
+      positions.append(arr.reshape((1,) * lead + int_shape
+                                   + (1,) * (out_rank - lead - len(int_shape))))
+    else:
+      pos = (before.index(d) if d in before
+             else len(before) + len(int_shape) + after.index(d))
+      arr = (jnp.asarray(idx.start, jnp.int32)
+             + jnp.asarray(idx.stride, jnp.int32) * lax.iota(jnp.int32, idx.size))
+      shape = [1] * out_rank
+      shape[pos] = idx.size
+      positions.append(arr.reshape(shape))
+  return tuple(positions)
 
 
 def _element_offsets(base_shape: tuple[int, ...], transforms: Sequence[Any]) -> jax.Array:
-  """Flat offsets into the base ref of every element of the transformed view."""
-  size = math.prod(base_shape)
-  offsets = lax.iota(jnp.int32, size).reshape(base_shape)
-  return internals.transform_array(offsets, list(transforms))
+  """Flat offsets into the base ref of every element of the transformed view.
+
+  The last indexer may reach outside the view (callers mask those elements):
+  such elements get offset -1 instead of being clamped onto valid ones.
+  """
+  offsets = lax.iota(jnp.int32, math.prod(base_shape)).reshape(base_shape)
+  if not transforms:
+    return offsets
+  offsets = internals.transform_array(offsets, list(transforms[:-1]))
+  last = transforms[-1]
+  if not isinstance(last, internals.NDIndexer):
+    return internals.transform_array(offsets, [last])
+  positions = _indexer_positions(last)
+  return offsets.at[positions].get(mode="fill", fill_value=-1)
+
+
+def _gather(ref_value: jax.Array, offsets: jax.Array) -> jax.Array:
+  """Values at flat `offsets` (negative offsets read 0)."""
+  flat = ref_value.reshape(-1)
+  return flat.at[offsets.reshape(-1)].get(mode="fill", fill_value=0).reshape(offsets.shape)
 
 
 def _split(args: Sequence[Any], counts: Sequence[int]) -> list[list[Any]]:
@@ -163,7 +212,8 @@ load_p.def_effectful_abstract_eval(_load_abstract_eval)
 @internals.register_discharge_rule(load_p)
 def _load_discharge(in_avals, out_avals, ref_value, *args, tree, has_other):
   flat, (mask, *other) = _split(args, [tree.num_leaves, 1 + has_other])
-  view = internals.transform_array(ref_value, jax.tree_util.tree_unflatten(tree, flat))
+  offsets = _element_offsets(ref_value.shape, jax.tree_util.tree_unflatten(tree, flat))
+  view = _gather(ref_value, offsets)
   fill = other[0] if other else jnp.zeros_like(view)
   return (None,) * len(in_avals), jnp.where(mask, view, fill)
 
@@ -199,6 +249,7 @@ store_p.def_effectful_abstract_eval(_store_abstract_eval)
 def _scatter_into(ref_value, offsets, mask, update_fn):
   """Applies `update_fn(flat_ref.at[offsets])` with masked-out offsets dropped."""
   size = math.prod(ref_value.shape)
+  offsets = jnp.where(offsets < 0, size, offsets)
   if mask is not None:
     offsets = jnp.where(mask, offsets, size)
   flat = update_fn(ref_value.reshape(-1).at[offsets.reshape(-1)])
@@ -288,7 +339,7 @@ def _atomic_rmw_discharge(in_avals, out_avals, ref_value, *args, tree, op, has_m
   flat, (value, *mask) = _split(args, [tree.num_leaves, 1 + has_mask])
   mask = mask[0] if mask else None
   offsets = _element_offsets(ref_value.shape, jax.tree_util.tree_unflatten(tree, flat))
-  old = ref_value.reshape(-1).at[offsets].get(mode="fill", fill_value=0)
+  old = _gather(ref_value, offsets)
   if op in _ATOMIC_SCATTER:
     update = lambda at: getattr(at, _ATOMIC_SCATTER[op])(value.reshape(-1), mode="drop")
   else:
@@ -325,8 +376,7 @@ atomic_cas_p.def_effectful_abstract_eval(_atomic_cas_abstract_eval)
 def _atomic_cas_discharge(in_avals, out_avals, ref_value, *args, tree):
   flat, (cmp, value) = _split(args, [tree.num_leaves, 2])
   offsets = _element_offsets(ref_value.shape, jax.tree_util.tree_unflatten(tree, flat))
-  old = ref_value.reshape(-1).at[offsets.reshape(-1)].get(mode="fill", fill_value=0)
-  old = old.reshape(offsets.shape)
+  old = _gather(ref_value, offsets)
   new = jnp.where(old == cmp, value, old)
   new_ref = _scatter_into(ref_value, offsets, None,
                           lambda at: at.set(new.reshape(-1), mode="drop"))
