@@ -35,6 +35,10 @@ class KernelDescription:
   compiler_params: Any
   debug: bool
 
+  def __repr__(self) -> str:
+    # Shown inside jaxprs as the `kernel=` parameter of pallas_call: keep it short.
+    return f"<kernel '{self.name}' grid={self.grid_mapping.grid} from {self.source}>"
+
   @property
   def num_grid_axes(self) -> int:
     return len(self.grid_mapping.grid)
