@@ -104,14 +104,14 @@ class _Starts:
     self.n_outer = math.prod(grid[g] for g in plan.outer)
     self.n_inner = math.prod(grid[g] for g in plan.inner)
     if runtime_table is not None:
-      self.table = runtime_table.reshape(self.n_outer, self.n_inner, -1)
+      self.table = runtime_table.reshape(self.n_outer, self.n_inner, runtime_table.shape[-1])
       self.static = None
       return
     t = op.table[tuple(0 if g in V else slice(None) for g in range(len(grid)))]
     rest = [g for g in range(len(grid)) if g not in V]
     t = np.transpose(t, [rest.index(g) for g in loop_axes] + [len(rest)])
-    t = t.reshape(self.n_outer, self.n_inner, -1)
-    flat = t.reshape(-1, t.shape[-1])
+    t = t.reshape(self.n_outer, self.n_inner, t.shape[-1])
+    flat = t.reshape(self.n_outer * self.n_inner, t.shape[-1])
     self.static = tuple(int(v) for v in flat[0]) if len(flat) and np.all(flat == flat[0]) else None
     self.table = jnp.asarray(t, jnp.int32)
 
