@@ -1,0 +1,142 @@
+"""Atomics follow sequential semantics: every update happens, in some order, even when
+several programs (or several lanes of one call) hit the same element."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallet as pl
+import pallet.triton as pltriton
+from helpers import assert_close, pallas_call, random_array
+
+i32 = jnp.int32
+
+
+def _histogram(values: jax.Array, bins: int, block: int, atomic=pl.atomic_add) -> jax.Array:
+  def kernel(x_ref, h_ref):
+    @pl.when(pl.program_id(0) == 0)
+    def _():
+      h_ref[...] = jnp.zeros(h_ref.shape, i32)
+    atomic(h_ref, (x_ref[...],), jnp.ones((block,), i32))
+
+  return pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((bins,), i32),
+                     grid=(values.shape[0] // block,),
+                     in_specs=[pl.BlockSpec((block,), lambda i: (i,))],
+                     out_specs=pl.BlockSpec((bins,), lambda i: (0,)))(values)
+
+
+@pytest.mark.parametrize("atomic", [pl.atomic_add, pltriton.atomic_add])
+def test_histogram_with_duplicate_bins(atomic):
+  values = random_array((96,), i32, low=0, high=6)
+  out = _histogram(values, bins=7, block=16, atomic=atomic)
+  np.testing.assert_array_equal(out, np.bincount(np.asarray(values), minlength=7))
+
+
+def test_histogram_all_in_one_bin():
+  values = jnp.full((64,), 3, i32)
+  out = _histogram(values, bins=5, block=32)
+  np.testing.assert_array_equal(out, [0, 0, 0, 64, 0])
+
+
+def test_float_atomic_add_accumulates_across_programs():
+  def kernel(x_ref, o_ref):
+    @pl.when(pl.program_id(0) == 0)
+    def _():
+      o_ref[...] = jnp.zeros(o_ref.shape, jnp.float32)
+    pl.atomic_add(o_ref, (pl.ds(0, 4),), x_ref[...])
+
+  x = random_array((8, 4))
+  out = pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((4,), jnp.float32), grid=(8,),
+                    in_specs=[pl.BlockSpec((None, 4), lambda i: (i, 0))],
+                    out_specs=pl.BlockSpec((4,), lambda i: (0,)))(x)
+  assert_close(out, x.sum(0), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("op,combine", [
+    ("max", np.maximum), ("min", np.minimum), ("add", np.add),
+    ("and", np.bitwise_and), ("or", np.bitwise_or), ("xor", np.bitwise_xor),
+    ("xchg", lambda old, v: v)])
+def test_atomic_ops_return_old_values_and_update(op, combine):
+  atomic = getattr(pl, f"atomic_{op}")
+
+  def kernel(init_ref, v_ref, o_ref, old_ref):
+    o_ref[...] = init_ref[...]
+    old_ref[...] = atomic(o_ref, (pl.ds(0, 8),), v_ref[...])
+
+  init, v = random_array((8,), i32), random_array((8,), i32)
+  out, old = pallas_call(kernel, out_shape=(jax.ShapeDtypeStruct((8,), i32),) * 2)(init, v)
+  np.testing.assert_array_equal(old, init)
+  np.testing.assert_array_equal(out, combine(np.asarray(init), np.asarray(v)))
+
+
+@pytest.mark.parametrize("op,combine", [("max", np.maximum), ("min", np.minimum)])
+def test_atomic_max_min_with_duplicate_indices(op, combine):
+  atomic = getattr(pl, f"atomic_{op}")
+  idx = np.array([0, 2, 0, 2, 1, 0])
+
+  def kernel(v_ref, o_ref):
+    o_ref[...] = jnp.zeros(o_ref.shape, i32)
+    atomic(o_ref, (jnp.asarray(idx),), v_ref[...])
+
+  v = random_array((6,), i32)
+  out = pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((3,), i32))(v)
+  expected = np.zeros(3, np.int32)
+  for i, val in zip(idx, np.asarray(v)):
+    expected[i] = combine(expected[i], val)
+  np.testing.assert_array_equal(out, expected)
+
+
+def test_atomic_add_with_mask():
+  def kernel(v_ref, o_ref):
+    o_ref[...] = jnp.full(o_ref.shape, 100, i32)
+    pl.atomic_add(o_ref, (pl.ds(0, 6),), v_ref[...], mask=jnp.arange(6) % 2 == 1)
+
+  v = random_array((6,), i32)
+  out = pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((6,), i32))(v)
+  np.testing.assert_array_equal(out, np.where(np.arange(6) % 2 == 1, 100 + np.asarray(v), 100))
+
+
+def test_atomic_cas_elementwise():
+  def kernel(init_ref, cmp_ref, o_ref, old_ref):
+    o_ref[...] = init_ref[...]
+    old_ref[...] = pl.atomic_cas(o_ref, (pl.ds(0, 8),), cmp_ref[...], jnp.full((8,), -1, i32))
+
+  init = random_array((8,), i32, low=0, high=3)
+  cmp = random_array((8,), i32, low=0, high=3)
+  out, old = pallas_call(kernel, out_shape=(jax.ShapeDtypeStruct((8,), i32),) * 2)(init, cmp)
+  np.testing.assert_array_equal(old, init)
+  np.testing.assert_array_equal(out, np.where(init == cmp, -1, init))
+
+
+def test_atomic_cas_as_a_lock_across_programs():
+  # Every program tries to claim slot 0 with its id + 1; only the first (in any
+  # sequential order) succeeds, and each program sees whether it won.
+  def kernel(o_ref, won_ref):
+    @pl.when(pl.program_id(0) == 0)
+    def _():
+      o_ref[0] = jnp.int32(0)
+    old = pl.atomic_cas(o_ref, 0, jnp.int32(0), pl.program_id(0) + 1)
+    won_ref[0] = (old == 0).astype(i32)
+
+  owner, won = pallas_call(
+      kernel, grid=(6,),
+      out_shape=(jax.ShapeDtypeStruct((1,), i32), jax.ShapeDtypeStruct((6,), i32)),
+      out_specs=(pl.BlockSpec((1,), lambda i: (0,)), pl.BlockSpec((1,), lambda i: (i,))))()
+  assert int(won.sum()) == 1
+  assert int(owner[0]) == int(np.argmax(np.asarray(won))) + 1
+
+
+def test_atomic_and_rejects_float_refs():
+  def kernel(o_ref):
+    pl.atomic_and(o_ref, 0, 1.0)
+
+  with pytest.raises(TypeError, match="integer"):
+    pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((1,), jnp.float32))()
+
+
+def test_triton_namespace_exports_atomics_and_masked_io():
+  for name in ["atomic_add", "atomic_and", "atomic_cas", "atomic_max", "atomic_min",
+               "atomic_or", "atomic_xchg", "atomic_xor", "load", "store"]:
+    assert getattr(pltriton, name) is getattr(pl, name)

@@ -1,0 +1,217 @@
+"""Reading and writing refs inside kernels: slices, pl.ds with dynamic starts, strided
+views, `.at[...]`, integer-array indexing, `+=`, masked pl.load / pl.store."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallet as pl
+from helpers import assert_close, pallas_call, random_array, sds
+
+f32 = jnp.float32
+
+
+def test_static_slices_and_integer_indices():
+  def kernel(x_ref, o_ref):
+    o_ref[0, :] = x_ref[1, :]
+    o_ref[1, :] = x_ref[0, :] * 2
+    o_ref[2:, 1:] = x_ref[2:, :-1]
+    o_ref[2:, 0] = x_ref[2:, -1]
+
+  x = random_array((5, 6))
+  out = pallas_call(kernel, out_shape=sds(x))(x)
+  expected = jnp.concatenate([x[1:2], x[0:1] * 2, jnp.roll(x[2:], 1, axis=1)])
+  assert_close(out, expected)
+
+
+@pytest.mark.parametrize("ds", [pl.ds, pl.dslice])
+def test_ds_with_dynamic_start_from_program_id(ds):
+  def kernel(x_ref, o_ref):
+    i = pl.program_id(0)
+    o_ref[ds(i * 8, 8)] = jnp.flip(x_ref[ds(i * 8, 8)])
+
+  x = random_array((32,))
+  out = pallas_call(kernel, out_shape=sds(x), grid=(4,))(x)
+  assert_close(out, jnp.flip(x.reshape(4, 8), axis=1).reshape(-1))
+
+
+def test_ds_with_data_dependent_start():
+  def kernel(start_ref, x_ref, o_ref):
+    o_ref[...] = x_ref[pl.ds(start_ref[0], 4), :]
+
+  x = random_array((10, 3))
+  start = jnp.array([5], jnp.int32)
+  out = pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((4, 3), f32))(start, x)
+  assert_close(out, x[5:9])
+
+
+def test_ds_single_argument_is_a_prefix_and_slice_class():
+  def kernel(x_ref, a_ref, b_ref):
+    a_ref[...] = x_ref[pl.ds(3)]
+    b_ref[...] = x_ref[pl.Slice(2, 3)]
+
+  x = random_array((8,))
+  a, b = pallas_call(kernel, out_shape=(jax.ShapeDtypeStruct((3,), f32),) * 2)(x)
+  assert_close(a, x[:3])
+  assert_close(b, x[2:5])
+
+
+def test_strided_reads_and_writes():
+  def kernel(x_ref, o_ref):
+    o_ref[pl.ds(0, 4, stride=2)] = x_ref[pl.ds(1, 4, stride=2)]
+    o_ref[pl.ds(1, 4, stride=2)] = x_ref[::2] * -1
+
+  x = random_array((8,))
+  out = pallas_call(kernel, out_shape=sds(x))(x)
+  expected = jnp.zeros(8).at[0::2].set(x[1::2]).at[1::2].set(-x[::2])
+  assert_close(out, expected)
+
+
+def test_at_views_can_be_chained_and_written():
+  def kernel(x_ref, o_ref):
+    block = x_ref.at[1:5]            # rows 1..4
+    sub = block.at[:, pl.ds(2, 3)]   # columns 2..4 of those
+    o_ref[...] = jnp.zeros(o_ref.shape, f32)
+    o_ref.at[0:4].at[:, 0:3][...] = sub[...]
+    o_ref.at[4][...] = block.at[0][...][:6]
+
+  x = random_array((6, 7))
+  out = pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((5, 6), f32))(x)
+  expected = jnp.zeros((5, 6)).at[0:4, 0:3].set(x[1:5, 2:5]).at[4].set(x[1, :6])
+  assert_close(out, expected)
+
+
+def test_integer_array_indexing_gather_scatter():
+  # o_ref[offsets] = x_ref[offsets] + 1 with a permutation of offsets.
+  perm = np.random.default_rng(0).permutation(16)
+
+  def kernel(x_ref, o_ref):
+    offsets = jnp.asarray(perm)
+    o_ref[offsets] = x_ref[offsets] + 1
+
+  x = random_array((16,))
+  assert_close(pallas_call(kernel, out_shape=sds(x))(x), x + 1)
+
+
+def test_integer_array_gather_with_repeats():
+  idx = np.array([3, 3, 0, 7, 1])
+
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[jnp.asarray(idx)]
+
+  x = random_array((8,))
+  out = pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((5,), f32))(x)
+  assert_close(out, x[idx])
+
+
+def test_plus_equals_on_refs():
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...]
+    o_ref[...] += 1.0
+    o_ref[0:2] += x_ref[0:2]
+    o_ref[pl.ds(2, 2)] *= 3.0
+
+  x = random_array((6,))
+  out = pallas_call(kernel, out_shape=sds(x))(x)
+  expected = (x + 1).at[0:2].add(x[0:2]).at[2:4].multiply(3.0)
+  assert_close(out, expected)
+
+
+def test_ref_shape_dtype_ndim():
+  def kernel(x_ref, o_ref):
+    assert x_ref.shape == (3, 4) and x_ref.dtype == jnp.int32 and x_ref.ndim == 2
+    o_ref[...] = x_ref[...] * x_ref.shape[1]
+
+  x = random_array((3, 4), jnp.int32)
+  assert_close(pallas_call(kernel, out_shape=sds(x))(x), x * 4)
+
+
+# ------------------------------------------------------------ masked load / store
+def test_load_with_mask_and_other():
+  n = 13
+
+  def kernel(x_ref, o_ref):
+    i = pl.program_id(0)
+    idx = i * 8 + jnp.arange(8)
+    mask = idx < n
+    o_ref[pl.ds(i * 8, 8)] = pl.load(x_ref, (pl.ds(jnp.minimum(i * 8, n - 8), 8),),
+                                     mask=mask, other=-7.0)
+
+  x = random_array((n,))
+  out = pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((16,), f32), grid=(2,))(x)
+  assert_close(out[:8], x[:8])
+  assert_close(out[8:13], x[5:13][:5])
+  assert_close(out[13:], jnp.full((3,), -7.0))
+
+
+def test_load_without_other_and_without_mask():
+  def kernel(x_ref, a_ref, b_ref):
+    a_ref[...] = pl.load(x_ref, (slice(None),))
+    b_ref[...] = jnp.where(jnp.arange(6) < 3, pl.load(x_ref, pl.ds(0, 6),
+                                                        mask=jnp.arange(6) < 3), 0.0)
+
+  x = random_array((6,))
+  a, b = pallas_call(kernel, out_shape=(sds(x), sds(x)))(x)
+  assert_close(a, x)
+  assert_close(b, jnp.where(jnp.arange(6) < 3, x, 0.0))
+
+
+def test_load_2d_block_with_broadcast_mask():
+  def kernel(x_ref, o_ref):
+    cols = jnp.arange(5)[None, :]
+    o_ref[...] = pl.load(x_ref, (slice(None), slice(None)), mask=cols < 2, other=1.5)
+
+  x = random_array((4, 5))
+  out = pallas_call(kernel, out_shape=sds(x))(x)
+  assert_close(out, jnp.where(jnp.arange(5)[None] < 2, x, 1.5))
+
+
+def test_store_with_mask_leaves_masked_elements_untouched():
+  def kernel(x_ref, o_ref):
+    o_ref[...] = jnp.full(o_ref.shape, -3.0)
+    pl.store(o_ref, (pl.ds(0, 8),), x_ref[...], mask=jnp.arange(8) % 3 == 0)
+
+  x = random_array((8,))
+  out = pallas_call(kernel, out_shape=sds(x))(x)
+  assert_close(out, jnp.where(jnp.arange(8) % 3 == 0, x, -3.0))
+
+
+def test_store_without_mask_and_with_scalar_value():
+  def kernel(o_ref):
+    pl.store(o_ref, (pl.ds(0, 4),), 2.5)
+    pl.store(o_ref, pl.ds(4, 4), jnp.arange(4, dtype=f32))
+
+  out = pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((8,), f32))()
+  assert_close(out, jnp.concatenate([jnp.full((4,), 2.5), jnp.arange(4, dtype=f32)]))
+
+
+def test_masked_tail_vector_add_over_non_divisible_length():
+  # The Triton idiom: a 1-D grid of fixed-size blocks over a ragged length, with a
+  # mask guarding both the load and the store.
+  n, block = 37, 16
+
+  def kernel(x_ref, y_ref, o_ref):
+    start = pl.program_id(0) * block
+    offsets = start + jnp.arange(block)
+    mask = offsets < n
+    x = pl.load(x_ref, (offsets,), mask=mask, other=0.0)
+    y = pl.load(y_ref, (offsets,), mask=mask, other=0.0)
+    pl.store(o_ref, (offsets,), x + y, mask=mask)
+
+  x, y = random_array((n,)), random_array((n,))
+  out = pallas_call(kernel, out_shape=sds(x), grid=(pl.cdiv(n, block),))(x, y)
+  assert_close(out, x + y)
+
+
+def test_store_through_at_view_and_load_from_at_view():
+  def kernel(x_ref, o_ref):
+    o_ref[...] = jnp.zeros(o_ref.shape, f32)
+    v = pl.load(x_ref.at[1], (pl.ds(0, 4),), mask=jnp.arange(4) < 3, other=9.0)
+    pl.store(o_ref.at[2], (pl.ds(1, 4),), v)
+
+  x = random_array((3, 5))
+  out = pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((4, 6), f32))(x)
+  expected = jnp.zeros((4, 6)).at[2, 1:5].set(jnp.where(jnp.arange(4) < 3, x[1, :4], 9.0))
+  assert_close(out, expected)
