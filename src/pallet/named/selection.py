@@ -15,7 +15,6 @@ first of them was when they are adjacent, and in front otherwise.
 from __future__ import annotations
 
 import dataclasses
-import operator
 from typing import Any, Mapping, Sequence
 
 import jax
