@@ -71,3 +71,25 @@ def is_tracer(x: Any) -> bool:
 
 def jaxpr_effects(closed_jaxpr: Any) -> Any:
   return closed_jaxpr.effects
+
+
+# --- Triton backend: where an equation came from, for comments and error messages ---
+from jax._src import source_info_util as _source_info_util
+
+
+def equation_source(eqn: Any) -> tuple[str, int] | None:
+  """(file, line) of the user code that produced `eqn`, or None."""
+  frame = _source_info_util.user_frame(eqn.source_info.traceback)
+  return (frame.file_name, frame.start_line) if frame is not None else None
+
+
+# --- Triton backend: scan's parameters changed shape between JAX 0.10 and 0.12 ----
+def scan_layout(params: dict) -> tuple[Any, tuple, int, int]:
+  """(open jaxpr, consts, num_consts, num_carry) of a `scan` equation."""
+  body = params["jaxpr"]
+  jaxpr, consts = (body.jaxpr, tuple(body.consts)) if hasattr(body, "consts") else (body, ())
+  if "num_consts" in params:
+    return jaxpr, consts, params["num_consts"], params["num_carry"]
+  n_in = len(jaxpr.invars)
+  const_ids, carry_ids, _ = params["ft_in"].update(list(range(n_in))).unpack()
+  return jaxpr, consts, len(list(const_ids)), len(list(carry_ids))

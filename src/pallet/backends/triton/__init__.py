@@ -1,0 +1,63 @@
+"""The Triton GPU backend: kernels compiled by Triton for NVIDIA and AMD GPUs.
+
+Pipeline, one file per stage:
+  schedule.py     grid axes -> launch grid (parallel) and in-program loops (sequential)
+  codegen.py      kernel description -> Python source of a `@triton.jit` function
+  ops.py, refs.py the rules codegen uses for array operations and for refs
+  compiler.py     source -> module -> `triton.compile` for a GPUTarget (cached)
+  launch.py       the XLA custom call that launches the compiled kernel (CUDA, ROCm)
+  interpreter.py  `interpret=True`: the same source under Triton's CPU interpreter
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import numpy as np
+from jax.interpreters import mlir
+
+from pallet.backends.triton.codegen import GeneratedKernel, generate
+from pallet.backends.triton.values import TritonLoweringError
+from pallet.tracing import KernelDescription
+
+NAME = "triton"
+
+
+@functools.lru_cache(maxsize=512)
+def generated(kernel: KernelDescription) -> GeneratedKernel:
+  """The generated kernel for a description (generated once per description)."""
+  result = generate(kernel)
+  if kernel.debug:
+    print(f"--- pallet Triton source for '{kernel.name}' ---\n{result.source}")
+  return result
+
+
+def lower(ctx: Any, *args: Any, kernel: KernelDescription, interpret: bool) -> list:
+  if interpret:
+    return _lower_interpreted(ctx, *args, kernel=kernel)
+  platforms = tuple(ctx.module_context.platforms)
+  if not any(p in ("cuda", "rocm") for p in platforms):
+    raise TritonLoweringError(
+        f"pallet Triton backend: kernel '{kernel.name}' ({kernel.source}) is being compiled "
+        f"for {platforms}; the Triton backend runs on CUDA and ROCm GPUs. Use "
+        f"backend='xla' on the CPU, or interpret=True to run the generated Triton code "
+        f"under Triton's interpreter")
+  from pallet.backends.triton import launch
+  return launch.lower_gpu(ctx, *args, kernel=kernel, platform=platforms[0])
+
+
+def _lower_interpreted(ctx: Any, *args: Any, kernel: KernelDescription) -> list:
+  gen = generated(kernel)
+  out_shapes = [jax.ShapeDtypeStruct(b.array_shape, b.dtype)
+                for b in kernel.grid_mapping.outputs]
+  aliases = dict(kernel.input_output_aliases)
+
+  def host(*arrays):
+    from pallet.backends.triton import interpreter
+    return interpreter.run(gen, [np.asarray(a) for a in arrays], aliases)
+
+  def run(*arrays):
+    return jax.pure_callback(host, out_shapes, *arrays)
+
+  return mlir.lower_fun(run, multiple_results=True)(ctx, *args)

@@ -1,0 +1,656 @@
+"""Kernel description -> the Python source of one `@triton.jit` function.
+
+The generated function takes one pointer per scalar-prefetch operand, input
+and output (and a workspace pointer when scratch must live in memory). Its body:
+
+  1. decodes the program id into the parallel grid indices (`schedule.py`),
+  2. loads resident output blocks kept in registers (`refs.RegisterRef`),
+  3. loops over the sequential grid axes; each step evaluates the index maps
+     (block offsets) and runs the kernel body, one line per jaxpr equation,
+     each group preceded by a comment naming the kernel source line,
+  4. stores the register-resident outputs.
+
+Array operations are written by `ops.py`; this module handles refs, control
+flow (cond -> if, while -> while, fori_loop/scan -> for) and the frame.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import linecache
+import math
+import os
+import re
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from pallet import _internals as internals
+from pallet.backends.triton import ops, refs
+from pallet.backends.triton.refs import ArrayDim, MemoryRef, RegisterRef
+from pallet.backends.triton.schedule import Schedule, make_schedule
+from pallet.backends.triton.values import (TritonLoweringError, Value, constant, padded,
+                                           python_literal, signature_dtype, tl_dtype)
+from pallet.grid_mapping import BlockMapping
+from pallet.tracing import KernelDescription
+
+_CALL_PRIMITIVES = ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call",
+                    "custom_vjp_call", "custom_vjp_call_jaxpr", "remat", "checkpoint",
+                    "custom_lin")
+_REF_PRIMITIVES = ("get", "swap", "addupdate", "masked_load", "masked_store",
+                   "atomic_rmw", "atomic_cas")
+
+
+@dataclasses.dataclass(frozen=True)
+class GeneratedKernel:
+  """The generated source and what a launcher needs to call it."""
+  source: str
+  function_name: str
+  parameters: tuple[str, ...]
+  signature: dict[str, str]           # parameter -> Triton type ("*fp32")
+  workspace_bytes: int                # per program; 0 when there is no workspace
+  schedule: Schedule
+  kernel: KernelDescription
+
+  @property
+  def launch_grid(self) -> tuple[int, int, int]:
+    return (self.schedule.num_programs, 1, 1)
+
+
+def _is_var(v: Any) -> bool:
+  return not hasattr(v, "val")
+
+
+def _sub_jaxpr(params: dict) -> tuple[Any, tuple]:
+  for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+    if key in params:
+      j = params[key]
+      return (j.jaxpr, tuple(j.consts)) if hasattr(j, "consts") else (j, ())
+  raise KeyError("no inner jaxpr")
+
+
+# ------------------------------------------------------------------ ref analysis
+def _whole_access_only(jaxpr: Any, keys: dict[Any, Any], bad: set) -> None:
+  """Adds to `bad` every ref (by key) that is accessed other than whole."""
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    ref_args = [(i, keys[v]) for i, v in enumerate(eqn.invars)
+                if _is_var(v) and v in keys]
+    if name == "new_ref":
+      keys[eqn.outvars[0]] = eqn.outvars[0]
+    elif name in ("get", "swap", "addupdate"):
+      first = 1 if name == "get" else 2
+      leaves = eqn.invars[first:]
+      transforms = refs.unflatten_transforms(eqn.params["tree"], list(leaves))
+      shape = eqn.invars[0].aval.shape
+      if leaves or not refs.is_whole(transforms, shape):
+        bad.add(keys.get(eqn.invars[0]))
+    elif name == "cond":
+      for branch in eqn.params["branches"]:
+        sub = dict(keys)
+        sub.update({bv: keys[v] for bv, v in zip(branch.jaxpr.invars, eqn.invars[1:])
+                    if _is_var(v) and v in keys})
+        _whole_access_only(branch.jaxpr, sub, bad)
+    elif name == "while":
+      nc, nb = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+      carry = eqn.invars[nc + nb:]
+      for j, ins in ((eqn.params["cond_jaxpr"], eqn.invars[:nc] + carry),
+                     (eqn.params["body_jaxpr"], eqn.invars[nc:nc + nb] + carry)):
+        jj = j.jaxpr if hasattr(j, "jaxpr") else j
+        sub = dict(keys)
+        sub.update({bv: keys[v] for bv, v in zip(jj.invars, ins) if _is_var(v) and v in keys})
+        _whole_access_only(jj, sub, bad)
+    elif name == "scan" or name in _CALL_PRIMITIVES:
+      inner = internals.scan_layout(eqn.params)[0] if name == "scan" else \
+          _sub_jaxpr(eqn.params)[0]
+      sub = dict(keys)
+      sub.update({bv: keys[v] for bv, v in zip(inner.invars, eqn.invars)
+                  if _is_var(v) and v in keys})
+      _whole_access_only(inner, sub, bad)
+    else:
+      bad.update(k for _, k in ref_args)
+
+
+# ------------------------------------------------------------------ the generator
+class KernelGenerator:
+  """Writes one kernel's Triton source; `ops` rules call back into it."""
+
+  def __init__(self, kernel: KernelDescription):
+    self.kernel = kernel
+    self.lines: list[str] = []
+    self.depth = 1
+    self.counter = 0
+    self.helpers: set[str] = set()
+    self.workspace_bytes = 0
+    self.eqn: Any = None
+    self.last_source: tuple[str, int] | None = None
+    self.promoted: set[Any] = set()
+
+  # -- emission ---------------------------------------------------------------
+  def line(self, text: str) -> None:
+    self.lines.append("    " * self.depth + text)
+
+  @contextlib.contextmanager
+  def block(self, header: str) -> Iterator[None]:
+    self.line(header)
+    self.depth += 1
+    start = len(self.lines)
+    try:
+      yield
+    finally:
+      if len(self.lines) == start:
+        self.line("pass")
+      self.depth -= 1
+
+  def fresh(self, prefix: str) -> str:
+    self.counter += 1
+    prefix = re.sub(r"\W", "_", prefix).strip("_") or "v"
+    return f"{prefix}_{self.counter}"
+
+  def let(self, prefix: str, expr: str, shape: Sequence[int], dtype: Any) -> Value:
+    name = self.fresh(prefix)
+    self.line(f"{name} = {expr}")
+    return Value(name, tuple(shape), np.dtype(dtype))
+
+  def assign(self, target: str, value: Value) -> None:
+    self.line(f"{target} = {value.typed}")
+
+  def require_helper(self, name: str) -> None:
+    self.helpers.add(name)
+
+  def where(self) -> str:
+    src = internals.equation_source(self.eqn) if self.eqn is not None else None
+    return f"{os.path.basename(src[0])}:{src[1]}" if src else self.kernel.source
+
+  def fail(self, what: str) -> None:
+    prim = self.eqn.primitive.name if self.eqn is not None else "kernel"
+    raise TritonLoweringError(
+        f"pallet Triton backend: kernel '{self.kernel.name}' ({self.kernel.source}) at "
+        f"{self.where()}: primitive '{prim}': {what} is not supported")
+
+  def mask_padding(self, v: Value, axes: Sequence[int], identity: str) -> Value:
+    """`v` with the power-of-two padding along `axes` replaced by `identity`."""
+    checks = [f"({refs._arange(v.shape[a], len(v.shape), a)} < {v.shape[a]})"
+              for a in axes if padded((v.shape[a],))[0] != v.shape[a]]
+    if not checks:
+      return v
+    return self.let("unpadded", f"tl.where({' & '.join(checks)}, {v.typed}, {identity})",
+                    v.shape, v.dtype)
+
+  def _comment_source(self, eqn: Any) -> None:
+    src = internals.equation_source(eqn)
+    if src is None or src == self.last_source:
+      return
+    self.last_source = src
+    text = linecache.getline(src[0], src[1]).strip()
+    self.line(f"# {os.path.basename(src[0])}:{src[1]}: {text}".rstrip())
+
+  # -- jaxpr evaluation ---------------------------------------------------------
+  def read(self, env: dict, v: Any) -> Any:
+    if not _is_var(v):
+      return constant(np.asarray(v.val).item(), v.aval.dtype, tuple(v.aval.shape)) \
+          if np.ndim(v.val) == 0 else self._array_constant(v.val)
+    return env[v]
+
+  def _array_constant(self, val: Any) -> Value:
+    arr = np.asarray(val)
+    if arr.size and np.all(arr == arr.reshape(-1)[0]):
+      return constant(arr.reshape(-1)[0].item(), arr.dtype, arr.shape)
+    self.fail(f"a non-uniform array constant of shape {arr.shape} captured by the kernel")
+
+  def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+    env: dict[Any, Any] = {}
+    for v, c in zip(jaxpr.constvars, consts):
+      env[v] = self._const_value(c)
+    for v, a in zip(jaxpr.invars, args):
+      env[v] = a
+    used = {v for e in jaxpr.eqns for v in e.invars if _is_var(v)}
+    used |= {v for v in jaxpr.outvars if _is_var(v)}
+    for eqn in jaxpr.eqns:
+      self.eqn = eqn
+      self._comment_source(eqn)
+      ins = [self.read(env, v) for v in eqn.invars]
+      outs = self.equation(eqn, ins, [v in used for v in eqn.outvars])
+      for v, o in zip(eqn.outvars, outs):
+        env[v] = o
+    return [self.read(env, v) for v in jaxpr.outvars]
+
+  def _const_value(self, c: Any) -> Value:
+    arr = np.asarray(c)
+    if arr.ndim == 0:
+      return constant(arr.item(), arr.dtype)
+    return self._array_constant(arr)
+
+  def equation(self, eqn: Any, ins: list[Any], used: list[bool]) -> list[Any]:
+    name = eqn.primitive.name
+    if name in _REF_PRIMITIVES:
+      return getattr(self, f"_ref_{name}")(eqn, ins, used)
+    if name in ("cond", "while", "scan", "new_ref", "multiple_of", "max_contiguous",
+                "debug_print"):
+      return getattr(self, f"_{name}")(eqn, ins)
+    if name in _CALL_PRIMITIVES:
+      jaxpr, consts = _sub_jaxpr(eqn.params)
+      return self.run(jaxpr, consts, ins)
+    rule = ops.RULES.get(name)
+    if rule is None:
+      self.fail("this primitive")
+    for v in ins:
+      if isinstance(v, (MemoryRef, RegisterRef)):
+        self.fail("a ref as an operand")
+    outs = rule(self, eqn, *ins)
+    return outs
+
+  # -- refs --------------------------------------------------------------------
+  def _transforms(self, eqn, ins, first):
+    return refs.unflatten_transforms(eqn.params["tree"], ins[first:first + eqn.params["tree"].num_leaves])
+
+  def _ref_get(self, eqn, ins, used):
+    ref = ins[0]
+    if isinstance(ref, RegisterRef):
+      return [ref.value]
+    return [self._load(ref, self._transforms(eqn, ins, 1), None, None)]
+
+  def _load(self, ref: MemoryRef, transforms, mask: Value | None, other: Value | None) -> Value:
+    pointer, structural, shape = refs.address(self, ref, transforms, ref.name)
+    masks = [m for m in (structural, mask.typed if mask is not None else None) if m]
+    args = ""
+    if masks:
+      fill = other.typed if other is not None else "0"
+      args = f", mask={' & '.join(masks)}, other={fill}"
+    return self.let(f"{ref.name}_load", f"tl.load({pointer}{args})", shape, ref.dtype)
+
+  def _store(self, ref: MemoryRef, transforms, value: Value, mask: Value | None) -> None:
+    pointer, structural, shape = refs.address(self, ref, transforms, ref.name)
+    masks = [m for m in (structural, mask.typed if mask is not None else None) if m]
+    val = value.typed if value.shape == shape and not value.is_constant else \
+        f"tl.broadcast_to({value.typed}, {list(padded(shape))})" if shape else value.typed
+    args = f", mask={' & '.join(masks)}" if masks else ""
+    self.line(f"tl.store({pointer}, {val}{args})")
+
+  def _ref_swap(self, eqn, ins, used):
+    ref, value = ins[0], ins[1]
+    if isinstance(ref, RegisterRef):
+      old = ref.value
+      if used[0]:
+        old = self.let(f"{ref.name}_old", ref.var, ref.shape, ref.dtype)
+      self.assign(ref.var, self._full(value, ref.shape, ref.dtype))
+      return [old]
+    transforms = self._transforms(eqn, ins, 2)
+    old = self._load(ref, transforms, None, None) if used[0] else None
+    self._store(ref, transforms, value, None)
+    return [old]
+
+  def _full(self, value: Value, shape, dtype) -> Value:
+    if value.is_constant:
+      return constant(value.constant, dtype, tuple(shape))
+    return value
+
+  def _ref_addupdate(self, eqn, ins, used):
+    ref, value = ins[0], ins[1]
+    if isinstance(ref, RegisterRef):
+      self.line(f"{ref.var} = {ref.var} + {value.typed}")
+      return []
+    transforms = self._transforms(eqn, ins, 2)
+    old = self._load(ref, transforms, None, None)
+    new = self.let(f"{ref.name}_sum", f"{old.expr} + {value.typed}", old.shape, old.dtype)
+    self._store(ref, transforms, new, None)
+    return []
+
+  def _memory(self, ref: Any) -> MemoryRef:
+    if isinstance(ref, RegisterRef):
+      self.fail("a register-resident ref used with masks or atomics")
+    return ref
+
+  def _ref_masked_load(self, eqn, ins, used):
+    ref = self._memory(ins[0])
+    n = eqn.params["tree"].num_leaves
+    transforms = self._transforms(eqn, ins, 1)
+    extra = ins[1 + n:]
+    mask, other = extra[0], (extra[1] if eqn.params["has_other"] else None)
+    return [self._load(ref, transforms, mask, other)]
+
+  def _ref_masked_store(self, eqn, ins, used):
+    ref = self._memory(ins[0])
+    n = eqn.params["tree"].num_leaves
+    transforms = self._transforms(eqn, ins, 1)
+    value, mask = ins[1 + n], ins[2 + n]
+    self._store(ref, transforms, value, mask)
+    return []
+
+  def _ref_atomic_rmw(self, eqn, ins, used):
+    ref = self._memory(ins[0])
+    n = eqn.params["tree"].num_leaves
+    transforms = self._transforms(eqn, ins, 1)
+    extra = ins[1 + n:]
+    value = extra[0]
+    mask = extra[1] if eqn.params["has_mask"] else None
+    pointer, structural, shape = refs.address(self, ref, transforms, ref.name)
+    masks = [m for m in (structural, mask.typed if mask is not None else None) if m]
+    args = f", mask={' & '.join(masks)}" if masks else ""
+    val = value.typed
+    op = eqn.params["op"]
+    return [self.let(f"atomic_{op}", f"tl.atomic_{op}({pointer}, {val}{args})", shape,
+                     ref.dtype)]
+
+  def _ref_atomic_cas(self, eqn, ins, used):
+    ref = self._memory(ins[0])
+    n = eqn.params["tree"].num_leaves
+    transforms = self._transforms(eqn, ins, 1)
+    cmp, value = ins[1 + n], ins[2 + n]
+    pointer, structural, shape = refs.address(self, ref, transforms, ref.name)
+    if structural:
+      self.fail("atomic_cas on a view that needs masking (Triton's atomic_cas has no mask)")
+    return [self.let("atomic_cas", f"tl.atomic_cas({pointer}, {cmp.typed}, {value.typed})",
+                     shape, ref.dtype)]
+
+  def _new_ref(self, eqn, ins):
+    (init,) = ins
+    shape, dtype = tuple(init.shape), init.dtype
+    if eqn.outvars[0] in self.promoted:
+      var = self.fresh("scoped")
+      self.assign(var, self._full(init, shape, dtype))
+      return [RegisterRef("scoped", var, shape, dtype)]
+    ref = self.workspace_ref(self.fresh("scoped"), shape, dtype)
+    self._store(ref, [], init, None)
+    return [ref]
+
+  def workspace_ref(self, name: str, shape: tuple[int, ...], dtype: Any) -> MemoryRef:
+    """A per-program buffer in the workspace (scratch that cannot live in registers)."""
+    dtype = np.dtype(dtype)
+    offset = -(-self.workspace_bytes // 16) * 16
+    self.workspace_bytes = offset + max(1, math.prod(shape)) * dtype.itemsize
+    pointer = self.let(f"{name}_ptr", f"(workspace_ptr + (pid * WORKSPACE_BYTES + {offset}))"
+                       f".to(tl.pointer_type({tl_dtype(dtype)}))", (), np.int64).expr
+    strides = _row_major_strides(shape)
+    dims = [ArrayDim(0, s, n, False, False, True) for s, n in zip(strides, shape)]
+    return MemoryRef(name, pointer, dims, dtype, shape)
+
+  # -- hints and printing ---------------------------------------------------------
+  def _multiple_of(self, eqn, ins):
+    (x,) = ins
+    values = list(eqn.params["values"])
+    if x.is_constant:
+      return [x]
+    return [self.let("multiple_of", f"tl.multiple_of({x.expr}, {values if len(values) > 1 else values[0]})", x.shape, x.dtype)]
+
+  def _max_contiguous(self, eqn, ins):
+    (x,) = ins
+    values = list(eqn.params["values"])
+    if x.is_constant:
+      return [x]
+    return [self.let("max_contiguous", f"tl.max_contiguous({x.expr}, {values if len(values) > 1 else values[0]})", x.shape, x.dtype)]
+
+  def _debug_print(self, eqn, ins):
+    prefix = eqn.params["fmt"].replace("{}", "").strip()
+    args = "".join(f", {v.typed}" for v in ins)
+    self.line(f"tl.device_print({prefix!r}{args})")
+    return []
+
+  # -- control flow ----------------------------------------------------------------
+  def _bind_outputs(self, names: list[str], values: list[Any]) -> None:
+    for n, v in zip(names, values):
+      self.line(f"{n} = {v.typed}")
+
+  def _cond(self, eqn, ins):
+    index, operands = ins[0], ins[1:]
+    branches = eqn.params["branches"]
+    if index.is_constant:
+      b = branches[int(np.clip(index.constant, 0, len(branches) - 1))]
+      return self.run(b.jaxpr, b.consts, operands)
+    names = [self.fresh("cond_out") for _ in eqn.outvars]
+    outs = [Value(n, tuple(v.aval.shape), np.dtype(v.aval.dtype))
+            for n, v in zip(names, eqn.outvars)]
+    order = list(range(len(branches) - 1, -1, -1)) if len(branches) == 2 else \
+        list(range(len(branches)))
+    for k, b in enumerate(order):
+      if len(branches) == 2:
+        header = f"if {index.typed} != 0:" if k == 0 else "else:"
+      else:
+        header = (f"if {index.typed} <= {b}:" if k == 0 else
+                  "else:" if k == len(order) - 1 else f"elif {index.typed} <= {b}:")
+      with self.block(header):
+        branch = branches[b]
+        self.last_source = None
+        results = self.run(branch.jaxpr, branch.consts, operands)
+        self._bind_outputs(names, [self._full(r, o.shape, o.dtype) for r, o in zip(results, outs)])
+    return outs
+
+  def _carry_vars(self, prefix: str, values: list[Value], avals: list[Any]) -> list[Value]:
+    out = []
+    for v, aval in zip(values, avals):
+      name = self.fresh(prefix)
+      val = self._full(v, tuple(aval.shape), np.dtype(aval.dtype))
+      self.line(f"{name} = {val.typed}")
+      out.append(Value(name, tuple(aval.shape), np.dtype(aval.dtype)))
+    return out
+
+  def _while(self, eqn, ins):
+    nc, nb = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+    cj, bj = eqn.params["cond_jaxpr"], eqn.params["body_jaxpr"]
+    cond_jaxpr, cond_consts = (cj.jaxpr, cj.consts) if hasattr(cj, "jaxpr") else (cj, ())
+    body_jaxpr, body_consts = (bj.jaxpr, bj.consts) if hasattr(bj, "jaxpr") else (bj, ())
+    cconsts, bconsts, init = ins[:nc], ins[nc:nc + nb], ins[nc + nb:]
+    carry = self._carry_vars("carry", init, [v.aval for v in eqn.outvars])
+    go = self.fresh("keep_going")
+    (first,) = self.run(cond_jaxpr, cond_consts, [*cconsts, *carry])
+    self.line(f"{go} = {first.typed}")
+    with self.block(f"while {go}:"):
+      self.last_source = None
+      new = self.run(body_jaxpr, body_consts, [*bconsts, *carry])
+      self._bind_outputs([c.expr for c in carry],
+                         [self._full(n, c.shape, c.dtype) for n, c in zip(new, carry)])
+      (again,) = self.run(cond_jaxpr, cond_consts, [*cconsts, *carry])
+      self.line(f"{go} = {again.typed}")
+    return carry
+
+  def _scan(self, eqn, ins):
+    jaxpr, consts, n_consts, n_carry = internals.scan_layout(eqn.params)
+    if len(ins) != n_consts + n_carry or len(eqn.outvars) != n_carry:
+      self.fail("scan over arrays (xs/ys); only loops with a carry (fori_loop) are")
+    length, reverse = eqn.params["length"], eqn.params["reverse"]
+    carry = self._carry_vars("carry", ins[n_consts:], [v.aval for v in eqn.outvars])
+    step = self.fresh("step")
+    with self.block(f"for {step} in range({length}):"):
+      self.last_source = None
+      new = self.run(jaxpr, consts, [*ins[:n_consts], *carry])
+      self._bind_outputs([c.expr for c in carry],
+                         [self._full(n, c.shape, c.dtype) for n, c in zip(new, carry)])
+    del reverse  # the body reads no xs, so the direction does not matter
+    return carry
+
+
+def _row_major_strides(shape: Sequence[int]) -> list[int]:
+  strides, acc = [], 1
+  for n in reversed(shape):
+    strides.append(acc)
+    acc *= n
+  return strides[::-1]
+
+
+# ------------------------------------------------------------------ the frame
+def _identifier(name: str) -> str:
+  name = re.sub(r"\W", "_", name)
+  return name if name and not name[0].isdigit() else f"k_{name}"
+
+
+def _param_names(kernel: KernelDescription) -> list[str]:
+  gm = kernel.grid_mapping
+  names = []
+  for i, _ in enumerate(gm.prefetch_avals):
+    names.append(f"prefetch{i}")
+  for kind, blocks in (("in", gm.inputs), ("out", gm.outputs)):
+    for i, b in enumerate(blocks):
+      m = re.search(r"\('(\w+)'\)", b.origin)
+      base = m.group(1) if m else f"{kind}{i}"
+      names.append(base)
+  seen: dict[str, int] = {}
+  unique = []
+  for n in names:
+    n = _identifier(n)
+    if n in seen or n in ("pid", "workspace_ptr", "tl", "triton", "libdevice"):
+      seen[n] = seen.get(n, 0) + 1
+      n = f"{n}_{seen[n]}"
+    seen.setdefault(n, 0)
+    unique.append(n)
+  return unique
+
+
+def _block_ref(gen: KernelGenerator, name: str, pointer: str, b: BlockMapping,
+               starts: list[Value | int]) -> MemoryRef:
+  strides = _row_major_strides(b.array_shape)
+  dims = []
+  for d, (dim, n, s, st) in enumerate(zip(b.dims, b.array_shape, starts, strides)):
+    if dim.kind == "element":
+      low, high = dim.padding[0] > 0, dim.padding[1] > 0 or n < dim.size
+    else:
+      low, high = False, n % dim.size != 0
+    dims.append(ArrayDim(s, st, n, low, high, dim.kind != "squeezed"))
+  return MemoryRef(name, pointer, dims, np.dtype(b.dtype), b.kernel_shape)
+
+
+def _block_starts(gen: KernelGenerator, b: BlockMapping, name: str, ids: list[Value],
+                  prefetch: list[MemoryRef]) -> list[Value | int]:
+  im = b.index_map
+  gen.eqn = None
+  indices = gen.run(im.jaxpr, im.consts, [*ids, *prefetch])
+  starts = []
+  for d, (dim, idx) in enumerate(zip(b.dims, indices)):
+    scale = 1 if dim.kind == "element" else dim.size
+    if idx.is_constant:
+      starts.append(int(idx.constant) * scale)
+    elif scale == 1:
+      starts.append(idx)
+    else:
+      starts.append(gen.let(f"{name}_start{d}", f"{idx.typed} * {scale}", (), np.int32))
+  return starts
+
+
+def generate(kernel: KernelDescription) -> GeneratedKernel:
+  """The Triton source for `kernel` (see the module docstring for its layout)."""
+  gm = kernel.grid_mapping
+  schedule = make_schedule(gm)
+  gen = KernelGenerator(kernel)
+  params = _param_names(kernel)
+  n_pre, n_in, n_out = len(gm.prefetch_avals), len(gm.inputs), len(gm.outputs)
+  ptrs = [f"{p}_ptr" for p in params]
+  pre_names, in_names, out_names = params[:n_pre], params[n_pre:n_pre + n_in], params[n_pre + n_in:]
+  jaxpr = kernel.jaxpr.jaxpr
+  g = len(gm.grid)
+  ref_invars = jaxpr.invars[g:]
+  out_invars = ref_invars[n_pre + n_in:n_pre + n_in + n_out]
+  scratch_invars = ref_invars[n_pre + n_in + n_out:]
+
+  # Which refs can live in registers: only ever accessed whole.
+  bad: set = set()
+  keys = {v: v for v in ref_invars}
+  _whole_access_only(jaxpr, keys, bad)
+  promoted_outputs = [v not in bad for v in out_invars]
+  gen.promoted = {v for v in keys if v not in bad}
+
+  # 1. program id -> parallel grid indices.
+  gen.line(f"# {schedule.describe()}")
+  gen.line("pid = tl.program_id(0)")
+  ids: list[Value] = [None] * g  # type: ignore
+  stride = 1
+  for a in reversed(schedule.parallel):
+    size = gm.grid[a]
+    expr = "pid" if stride == 1 else f"(pid // {stride})"
+    if stride * size < schedule.num_programs:
+      expr = f"{expr} % {size}"
+    ids[a] = gen.let(f"i{a}", expr, (), np.int32)
+    stride *= size
+  for a in schedule.sequential:
+    if gm.grid[a] == 1:
+      ids[a] = constant(0, np.int32)
+
+  prefetch = [MemoryRef(n, p, [ArrayDim(0, s, k, False, False, True) for s, k in
+                               zip(_row_major_strides(a.shape), a.shape)],
+                        np.dtype(a.dtype), tuple(a.shape))
+              for n, p, a in zip(pre_names, ptrs[:n_pre], gm.prefetch_avals)]
+
+  # 2. scratch and resident outputs that live in registers.
+  scratch_refs: list[Any] = []
+  for i, (v, aval) in enumerate(zip(scratch_invars, gm.scratch_avals)):
+    shape = tuple(aval.shape)
+    if v in gen.promoted:
+      var = f"scratch{i}"
+      gen.line(f"{var} = {refs.zeros_like_ref(shape, aval.dtype)}")
+      scratch_refs.append(RegisterRef(f"scratch{i}", var, shape, np.dtype(aval.dtype)))
+    else:
+      scratch_refs.append(gen.workspace_ref(f"scratch{i}", shape, aval.dtype))
+
+  def output_block(i, step_ids):
+    b = gm.outputs[i]
+    starts = _block_starts(gen, b, out_names[i], step_ids, prefetch)
+    return _block_ref(gen, out_names[i], ptrs[n_pre + n_in + i], b, starts)
+
+  hoisted: dict[int, tuple[MemoryRef, RegisterRef]] = {}
+  zero_ids = [ids[a] if a in schedule.parallel or ids[a] is not None else constant(0, np.int32)
+              for a in range(g)]
+  for i in range(n_out):
+    if promoted_outputs[i] and schedule.resident_outputs[i]:
+      mem = output_block(i, zero_ids)
+      reg = RegisterRef(out_names[i], f"{out_names[i]}_block", mem.shape, mem.dtype)
+      gen.line(f"{reg.var} = {gen._load(mem, [], None, None).expr}")
+      hoisted[i] = (mem, reg)
+
+  # 3. the sequential loops and the kernel body.
+  loops = [a for a in schedule.sequential if gm.grid[a] > 1]
+  with contextlib.ExitStack() as stack:
+    for a in loops:
+      ids[a] = Value(f"i{a}", (), np.dtype(np.int32))
+      stack.enter_context(gen.block(f"for i{a} in range({gm.grid[a]}):  # grid axis {a} (sequential)"))
+    gen.line("# block offsets of this grid step")
+    in_refs = []
+    for j, b in enumerate(gm.inputs):
+      starts = _block_starts(gen, b, in_names[j], ids, prefetch)
+      in_refs.append(_block_ref(gen, in_names[j], ptrs[n_pre + j], b, starts))
+    out_refs: list[Any] = []
+    per_step: list[tuple[MemoryRef, RegisterRef]] = []
+    for i in range(n_out):
+      if i in hoisted:
+        out_refs.append(hoisted[i][1])
+        continue
+      mem = output_block(i, ids)
+      if promoted_outputs[i]:
+        reg = RegisterRef(out_names[i], f"{out_names[i]}_block", mem.shape, mem.dtype)
+        gen.line(f"{reg.var} = {gen._load(mem, [], None, None).expr}")
+        per_step.append((mem, reg))
+        out_refs.append(reg)
+      else:
+        out_refs.append(mem)
+    gen.line(f"# kernel body ({kernel.source})")
+    gen.last_source = None
+    gen.run(jaxpr, kernel.jaxpr.consts, [*ids, *prefetch, *in_refs, *out_refs, *scratch_refs])
+    gen.eqn = None
+    for mem, reg in per_step:
+      gen._store(mem, [], reg.value, None)
+  for i, (mem, reg) in sorted(hoisted.items()):
+    gen._store(mem, [], reg.value, None)
+
+  # Assemble the module.
+  fn_name = _identifier(kernel.name)
+  parameters = list(ptrs)
+  signature = {p: "*" + signature_dtype(a.dtype) for p, a in zip(
+      ptrs, [*gm.prefetch_avals, *gm.inputs, *gm.outputs])}
+  if gen.workspace_bytes:
+    parameters.append("workspace_ptr")
+    signature["workspace_ptr"] = "*i8"
+  workspace = -(-gen.workspace_bytes // 16) * 16
+  header = [
+      "@triton.jit",
+      f"def {fn_name}({', '.join(parameters)}):",
+      f'    """pallet kernel \'{kernel.name}\' ({kernel.source}), grid {gm.grid}."""',
+  ]
+  module = ["# Generated by pallet's Triton backend from the kernel at "
+            f"{kernel.source}.", "import triton", "import triton.language as tl",
+            "from triton.language.extra import libdevice", ""]
+  if workspace:
+    module += ["# Bytes of per-program workspace (scratch that lives in global memory).",
+               f"WORKSPACE_BYTES = tl.constexpr({workspace})"]
+  module += ["", ""]
+  for h in sorted(gen.helpers):
+    module += [ops.HELPERS[h], ""]
+  source = "\n".join(module + header + gen.lines) + "\n"
+  return GeneratedKernel(source, fn_name, tuple(parameters), signature, workspace,
+                         schedule, kernel)

@@ -1,0 +1,100 @@
+"""Generated source -> a Python module -> a compiled GPU kernel.
+
+The source is written to pallet's cache directory under a name derived from its
+hash and imported from there (Triton reads a kernel's source with `inspect`, so
+it must live in a real file). Compiling for a `GPUTarget` goes through
+`triton.compile`, whose on-disk cache (TRITON_CACHE_DIR, ~/.triton/cache)
+stays on; in-process, each (source, target, options) compiles once.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import os
+import sys
+import tempfile
+from types import ModuleType
+from typing import Any
+
+from pallet.backends.triton.codegen import GeneratedKernel
+
+DEFAULT_NUM_WARPS = 4
+DEFAULT_NUM_STAGES = 3
+
+
+def cache_dir() -> str:
+  root = os.environ.get("PALLET_CACHE_DIR") or os.path.join(
+      os.path.expanduser("~"), ".cache", "pallet")
+  path = os.path.join(root, "triton_source")
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError:
+    path = os.path.join(tempfile.gettempdir(), "pallet_triton_source")
+    os.makedirs(path, exist_ok=True)
+  return path
+
+
+@functools.lru_cache(maxsize=1024)
+def load_module(source: str, interpret: bool) -> ModuleType:
+  """Imports the generated source; under `interpret` its `@triton.jit`
+  functions become Triton interpreter functions and libdevice runs on numpy."""
+  import triton
+  digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+  path = os.path.join(cache_dir(), f"pallet_kernel_{digest}.py")
+  if not os.path.exists(path):
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+      f.write(source)
+    os.replace(tmp, path)
+  name = f"pallet_kernel_{digest}_{'interpreted' if interpret else 'compiled'}"
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  knobs = triton.knobs.runtime
+  previous = knobs.interpret
+  knobs.interpret = interpret
+  try:
+    spec.loader.exec_module(module)
+  finally:
+    knobs.interpret = previous
+  if interpret:
+    from pallet.backends.triton import interpreter
+    module.libdevice = interpreter.numpy_libdevice
+  sys.modules[name] = module
+  return module
+
+
+def options_of(kernel_params: Any) -> tuple[int, int]:
+  """(num_warps, num_stages) from a kernel's compiler params (pallet.triton.CompilerParams)."""
+  warps = getattr(kernel_params, "num_warps", None) or DEFAULT_NUM_WARPS
+  stages = getattr(kernel_params, "num_stages", None) or DEFAULT_NUM_STAGES
+  return int(warps), int(stages)
+
+
+def compile_kernel(generated: GeneratedKernel, target: Any, num_warps: int | None = None,
+                   num_stages: int | None = None) -> Any:
+  """The `triton.compile`d kernel for `target` (a triton GPUTarget)."""
+  warps, stages = options_of(generated.kernel.compiler_params)
+  return _compile(generated.source, generated.function_name,
+                  tuple(generated.signature.items()), _target_key(target),
+                  num_warps or warps, num_stages or stages)
+
+
+def _target_key(target: Any) -> tuple:
+  return (target.backend, target.arch, target.warp_size)
+
+
+@functools.lru_cache(maxsize=512)
+def _compile(source: str, function_name: str, signature: tuple, target_key: tuple,
+             num_warps: int, num_stages: int) -> Any:
+  import triton
+  from triton.backends.compiler import GPUTarget
+  from triton.compiler import ASTSource
+  fn = getattr(load_module(source, False), function_name)
+  sig = dict(signature)
+  # Every pointer pallet passes is 16-byte aligned (XLA buffers, the workspace).
+  attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values())
+           if t.startswith("*")}
+  src = ASTSource(fn=fn, signature=sig, attrs=attrs)
+  return triton.compile(src, target=GPUTarget(*target_key),
+                        options={"num_warps": num_warps, "num_stages": num_stages})

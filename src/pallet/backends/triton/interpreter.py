@@ -1,0 +1,195 @@
+"""Running generated Triton code on the CPU with Triton's interpreter.
+
+`interpret=True, backend="triton"` executes the exact program that would run on
+a GPU, through `triton`'s interpreter (numpy semantics, one program at a time),
+from a host callback. Two pieces make that possible without torch:
+
+* `HostTensor`: the few torch-tensor methods the interpreter calls on kernel
+  arguments (`data_ptr`, `untyped_storage`, `set_`, ...), over a numpy array.
+  Zero-copy: the interpreter reads and writes the array's own memory.
+* `numpy_libdevice`: libdevice functions (tanh, erfinv, popc, ...) computed with
+  numpy, since the interpreter cannot call external device libraries.
+
+Both lean on interpreter internals of triton 3.x (`TensorHandle`, the argument
+protocol of `GridExecutor`); see tests/triton for the version they are tested with.
+"""
+from __future__ import annotations
+
+import math
+import types
+from typing import Any, Sequence
+
+import numpy as np
+
+
+class _HostStorage:
+  """The 'untyped storage' of a HostTensor: the bytes of its base array."""
+
+  def __init__(self, base: np.ndarray):
+    self.bytes = base.reshape(-1, order="A").view(np.uint8)
+
+  def data_ptr(self) -> int:
+    return self.bytes.__array_interface__["data"][0]
+
+  def cpu(self) -> "_HostStorage":
+    return self
+
+  def copy_(self, other: "_HostStorage") -> None:
+    if other.data_ptr() != self.data_ptr():
+      np.copyto(self.bytes, other.bytes)
+
+
+class HostTensor:
+  """A numpy array that Triton's interpreter accepts as a kernel argument."""
+
+  device = "cpu"
+
+  def __init__(self, array: np.ndarray):
+    if not array.flags.c_contiguous:
+      array = np.ascontiguousarray(array)
+    self.array = array
+    base = array
+    while isinstance(base.base, np.ndarray):
+      base = base.base
+    self._storage = _HostStorage(base if base.flags.c_contiguous else array)
+
+  @property
+  def dtype(self) -> np.dtype:
+    return self.array.dtype
+
+  @property
+  def data(self) -> "HostTensor":
+    return self
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return self.array.shape
+
+  def data_ptr(self) -> int:
+    return self.array.__array_interface__["data"][0]
+
+  def untyped_storage(self) -> _HostStorage:
+    return self._storage
+
+  def storage_offset(self) -> int:
+    return (self.data_ptr() - self._storage.data_ptr()) // self.array.itemsize
+
+  def size(self) -> tuple[int, ...]:
+    return self.array.shape
+
+  def stride(self, dim: int | None = None):
+    strides = tuple(s // self.array.itemsize for s in self.array.strides)
+    return strides if dim is None else strides[dim]
+
+  def new_empty(self, *sizes: Any, device: Any = None) -> "HostTensor":
+    return HostTensor(np.empty(0, self.array.dtype))
+
+  def set_(self, storage: _HostStorage, offset: int, size: Sequence[int],
+           stride: Sequence[int]) -> "HostTensor":
+    item = self.array.itemsize
+    self._storage = storage
+    self.array = np.ndarray(tuple(size), self.array.dtype, buffer=storage.bytes,
+                            offset=offset * item, strides=tuple(s * item for s in stride))
+    return self
+
+  def copy_(self, other: "HostTensor") -> "HostTensor":
+    np.copyto(self.array, other.array)
+    return self
+
+
+# ------------------------------------------------------------------ libdevice on numpy
+def _wrap(fn):
+  def call(*args, _semantic=None, **kwargs):
+    import triton.language as tl
+    from triton.runtime.interpreter import TensorHandle
+    first = next(a for a in args if isinstance(a, tl.tensor))
+    data = [a.handle.data if isinstance(a, tl.tensor) else a for a in args]
+    with np.errstate(all="ignore"):
+      out = np.asarray(fn(*data))
+    dtype = first.handle.dtype.scalar if hasattr(first.handle.dtype, "scalar") else \
+        first.handle.dtype
+    if out.dtype != first.handle.data.dtype:
+      out = out.astype(first.handle.data.dtype)
+    return tl.tensor(TensorHandle(out, dtype), first.type)
+  return call
+
+
+def _erfinv(y):
+  y = np.asarray(y)
+  wide = y.astype(np.float64)
+  # Giles' single-precision approximation, then Newton steps on erf.
+  w = -np.log((1.0 - wide) * (1.0 + wide))
+  small = w < 5.0
+  ws = w - 2.5
+  wl = np.sqrt(np.maximum(w, 5.0)) - 3.0
+  p_small = 2.81022636e-08
+  for c in (3.43273939e-07, -3.5233877e-06, -4.39150654e-06, 0.00021858087,
+            -0.00125372503, -0.00417768164, 0.246640727, 1.50140941):
+    p_small = c + p_small * ws
+  p_large = -0.000200214257
+  for c in (0.000100950558, 0.00134934322, -0.00367342844, 0.00573950773,
+            -0.0076224613, 0.00943887047, 1.00167406, 2.83297682):
+    p_large = c + p_large * wl
+  x = np.where(small, p_small, p_large) * wide
+  erf = np.vectorize(math.erf)
+  for _ in range(2):
+    finite = np.isfinite(x)
+    xf = np.where(finite, x, 0.0)
+    err = erf(xf) - wide
+    x = np.where(finite, xf - err / (2.0 / math.sqrt(math.pi) * np.exp(-xf * xf)), x)
+  x = np.where(wide == 1.0, np.inf, np.where(wide == -1.0, -np.inf, x))
+  return np.where(np.abs(wide) > 1.0, np.nan, x)
+
+
+def _popc(x):
+  x = np.asarray(x)
+  unsigned = x.view(np.dtype(f"u{x.itemsize}"))
+  return np.bitwise_count(unsigned).astype(x.dtype)
+
+
+def _clz(x):
+  x = np.asarray(x)
+  bits = x.itemsize * 8
+  u = x.view(np.dtype(f"u{x.itemsize}")).astype(np.uint64)
+  count = np.zeros(x.shape, np.int64)
+  for b in range(bits):
+    leading = (u >> np.uint64(bits - 1 - b)) == 0
+    count += leading    # the top b+1 bits are all zero
+  return count.astype(x.dtype)
+
+
+numpy_libdevice = types.SimpleNamespace(
+    tan=_wrap(np.tan), asin=_wrap(np.arcsin), acos=_wrap(np.arccos), atan=_wrap(np.arctan),
+    sinh=_wrap(np.sinh), cosh=_wrap(np.cosh), tanh=_wrap(np.tanh),
+    asinh=_wrap(np.arcsinh), acosh=_wrap(np.arccosh), atanh=_wrap(np.arctanh),
+    expm1=_wrap(np.expm1), log1p=_wrap(np.log1p), cbrt=_wrap(np.cbrt),
+    erfinv=_wrap(_erfinv), erfc=_wrap(np.vectorize(math.erfc)),
+    lgamma=_wrap(np.vectorize(math.lgamma)), atan2=_wrap(np.arctan2),
+    pow=_wrap(np.power), nextafter=_wrap(np.nextafter),
+    popc=_wrap(_popc), popcll=_wrap(_popc), clz=_wrap(_clz), clzll=_wrap(_clz),
+)
+
+
+# ------------------------------------------------------------------ running a kernel
+def run(generated: Any, operands: Sequence[np.ndarray],
+        aliases: dict[int, int]) -> list[np.ndarray]:
+  """Runs the generated kernel on host arrays; returns the outputs."""
+  from pallet.backends.triton.compiler import load_module
+  gm = generated.kernel.grid_mapping
+  fn = getattr(load_module(generated.source, True), generated.function_name)
+  ins = [np.ascontiguousarray(np.asarray(a)) for a in operands]
+  n_pre = len(gm.prefetch_avals)
+  outs = []
+  by_output = {o: i for i, o in aliases.items()}
+  for k, b in enumerate(gm.outputs):
+    if k in by_output:
+      outs.append(np.array(ins[n_pre + by_output[k]], copy=True))
+    else:
+      outs.append(np.zeros(b.array_shape, b.dtype))
+  args = [HostTensor(a) for a in ins + outs]
+  if generated.workspace_bytes:
+    args.append(HostTensor(np.zeros(generated.workspace_bytes * generated.schedule.num_programs,
+                                    np.int8)))
+  if generated.schedule.num_programs and all(gm.grid):
+    fn[generated.launch_grid](*args)
+  return outs

@@ -1,0 +1,637 @@
+"""Array operations: one rule per JAX primitive, each writing Triton source.
+
+A rule takes the code generator, the equation and its operand `Value`s and
+returns the result `Value`s (usually one line of generated code each). Math that
+Triton only offers through libdevice goes through `libdevice.<fn>`; bf16/fp16
+inputs to math functions are computed in float32 and cast back, since Triton
+rejects most math on 16-bit floats.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import numpy as np
+
+from pallet.backends.triton.values import (TritonLoweringError, Value, bit_width, constant,
+                                           is_bool, is_float, is_int, is_signed,
+                                           next_pow2, python_literal, tl_dtype)
+
+Rule = Callable[..., list[Value]]
+RULES: dict[str, Rule] = {}
+
+
+def rule(*names: str) -> Callable[[Rule], Rule]:
+  def register(fn: Rule) -> Rule:
+    for n in names:
+      RULES[n] = fn
+    return fn
+  return register
+
+
+def _out(eqn, i=0):
+  aval = eqn.outvars[i].aval
+  return tuple(aval.shape), np.dtype(aval.dtype)
+
+
+def _operands(a: Value, b: Value) -> tuple[str, str]:
+  """Source for a binary operation's operands; 32-bit constants stay Python
+  literals (Triton gives them the other operand's type), the rest are typed."""
+  def text(v, other):
+    if v.is_constant and not other.is_constant and v.dtype == other.dtype and \
+        v.dtype.name in ("float32", "int32"):
+      return python_literal(v.constant, v.dtype)
+    return v.typed
+  return text(a, b), text(b, a)
+
+
+# ------------------------------------------------------------------ elementwise
+_BINARY = {"add": "{a} + {b}", "sub": "{a} - {b}", "mul": "{a} * {b}",
+           "and": "{a} & {b}", "or": "{a} | {b}", "xor": "{a} ^ {b}",
+           "eq": "{a} == {b}", "ne": "{a} != {b}", "lt": "{a} < {b}",
+           "le": "{a} <= {b}", "gt": "{a} > {b}", "ge": "{a} >= {b}",
+           "rem": "{a} % {b}"}
+
+
+@rule(*_BINARY)
+def _binary(gen, eqn, a, b):
+  shape, dtype = _out(eqn)
+  x, y = _operands(a, b)
+  return [gen.let(eqn.primitive.name, _BINARY[eqn.primitive.name].format(a=x, b=y),
+                  shape, dtype)]
+
+
+@rule("div")
+def _div(gen, eqn, a, b):
+  shape, dtype = _out(eqn)
+  x, y = _operands(a, b)
+  if is_float(dtype):
+    return [gen.let("div", f"{x} / {y}", shape, dtype)]
+  # lax.div rounds toward zero, as Triton's integer `//` does.
+  return [gen.let("div", f"{x} // {y}", shape, dtype)]
+
+
+@rule("max", "min")
+def _max_min(gen, eqn, a, b):
+  shape, dtype = _out(eqn)
+  x, y = _operands(a, b)
+  fn = "tl.maximum" if eqn.primitive.name == "max" else "tl.minimum"
+  nan = ", propagate_nan=tl.PropagateNan.ALL" if is_float(dtype) else ""
+  if is_bool(dtype):
+    op = "|" if eqn.primitive.name == "max" else "&"
+    return [gen.let(eqn.primitive.name, f"{x} {op} {y}", shape, dtype)]
+  return [gen.let(eqn.primitive.name, f"{fn}({x}, {y}{nan})", shape, dtype)]
+
+
+@rule("neg")
+def _neg(gen, eqn, x):
+  shape, dtype = _out(eqn)
+  return [gen.let("neg", f"-{x.typed}", shape, dtype)]
+
+
+@rule("not")
+def _not(gen, eqn, x):
+  shape, dtype = _out(eqn)
+  if is_bool(dtype):
+    return [gen.let("not", f"{x.typed} == 0", shape, dtype)]
+  return [gen.let("not", f"~{x.typed}", shape, dtype)]
+
+
+@rule("abs")
+def _abs(gen, eqn, x):
+  shape, dtype = _out(eqn)
+  return [gen.let("abs", f"tl.abs({x.typed})", shape, dtype)]
+
+
+@rule("sign")
+def _sign(gen, eqn, x):
+  shape, dtype = _out(eqn)
+  t = tl_dtype(dtype)
+  if is_float(dtype):  # keeps -0.0, 0.0 and NaN as they are, like lax.sign
+    expr = f"tl.where({x.typed} > 0, 1.0, tl.where({x.typed} < 0, -1.0, {x.typed})).to({t})"
+  elif is_signed(dtype):
+    expr = f"tl.where({x.typed} > 0, 1, tl.where({x.typed} < 0, -1, 0)).to({t})"
+  else:
+    expr = f"({x.typed} != 0).to({t})"
+  return [gen.let("sign", expr, shape, dtype)]
+
+
+def _math(template: str, upcast: bool = True) -> Rule:
+  """A float math function; 16-bit inputs are computed in float32."""
+  def fn(gen, eqn, *args):
+    shape, dtype = _out(eqn)
+    wide = upcast and dtype.name in ("float16", "bfloat16")
+    texts = [f"{a.typed}.to(tl.float32)" if wide else a.typed for a in args]
+    expr = template.format(*texts)
+    if wide:
+      expr = f"({expr}).to({tl_dtype(dtype)})"
+    return [gen.let(eqn.primitive.name, expr, shape, dtype)]
+  return fn
+
+
+for _name, _template in {
+    "exp": "tl.exp({})", "exp2": "tl.exp2({})", "log": "tl.log({})",
+    "sin": "tl.sin({})", "cos": "tl.cos({})", "erf": "tl.erf({})",
+    "rsqrt": "tl.rsqrt({})", "logistic": "tl.sigmoid({})",
+    "floor": "tl.floor({})", "ceil": "tl.ceil({})",
+    "tan": "libdevice.tan({})", "asin": "libdevice.asin({})",
+    "acos": "libdevice.acos({})", "atan": "libdevice.atan({})",
+    "sinh": "libdevice.sinh({})", "cosh": "libdevice.cosh({})",
+    "tanh": "libdevice.tanh({})", "asinh": "libdevice.asinh({})",
+    "acosh": "libdevice.acosh({})", "atanh": "libdevice.atanh({})",
+    "expm1": "libdevice.expm1({})", "log1p": "libdevice.log1p({})",
+    "cbrt": "libdevice.cbrt({})", "erf_inv": "libdevice.erfinv({})",
+    "erfc": "libdevice.erfc({})", "lgamma": "libdevice.lgamma({})",
+    "atan2": "libdevice.atan2({}, {})", "pow": "libdevice.pow({}, {})",
+    "nextafter": "libdevice.nextafter({}, {})",
+}.items():
+  RULES[_name] = _math(_template)
+
+
+@rule("sqrt")
+def _sqrt(gen, eqn, x):
+  shape, dtype = _out(eqn)
+  # sqrt_rn is correctly rounded, like XLA's sqrt; tl.sqrt is approximate.
+  return _math("tl.sqrt_rn({})" if dtype.name in ("float32", "float64")
+               else "tl.sqrt({})")(gen, eqn, x)
+
+
+@rule("round")
+def _round(gen, eqn, x):
+  shape, dtype = _out(eqn)
+  method = int(getattr(eqn.params.get("rounding_method"), "value",
+                       eqn.params.get("rounding_method", 0)))
+  fn = "_round_half_even" if method == 1 else "_round_half_away"
+  gen.require_helper(fn)
+  return _math(fn + "({})")(gen, eqn, x)
+
+
+@rule("is_finite")
+def _is_finite(gen, eqn, x):
+  shape, dtype = _out(eqn)
+  return [gen.let("is_finite", f"tl.abs({x.typed}.to(tl.float32)) < float(\"inf\")",
+                  shape, dtype)]
+
+
+@rule("square")
+def _square(gen, eqn, x):
+  shape, dtype = _out(eqn)
+  return [gen.let("square", f"{x.typed} * {x.typed}", shape, dtype)]
+
+
+@rule("integer_pow")
+def _integer_pow(gen, eqn, x):
+  shape, dtype = _out(eqn)
+  y = int(eqn.params["y"])
+  if y == 0:
+    return [gen.let("integer_pow", f"tl.full({list(x.tensor_shape)}, 1, {tl_dtype(dtype)})",
+                    shape, dtype)]
+  # Square-and-multiply keeps the number of multiplications logarithmic.
+  result, base, n = None, x.typed, abs(y)
+  while n:
+    if n & 1:
+      result = base if result is None else gen.let("pow_part", f"{result} * {base}",
+                                                   shape, dtype).expr
+    n >>= 1
+    if n:
+      base = gen.let("pow_base", f"{base} * {base}", shape, dtype).expr
+  if y < 0:
+    result = f"1.0 / {result}" if is_float(dtype) else f"1 // {result}"
+  return [gen.let("integer_pow", result, shape, dtype)]
+
+
+@rule("clamp")
+def _clamp(gen, eqn, lo, x, hi):
+  shape, dtype = _out(eqn)
+  return [gen.let("clamp", f"tl.minimum(tl.maximum({x.typed}, {lo.typed}), {hi.typed})",
+                  shape, dtype)]
+
+
+@rule("shift_left", "shift_right_arithmetic", "shift_right_logical")
+def _shift(gen, eqn, x, s):
+  shape, dtype = _out(eqn)
+  bits, t = bit_width(dtype), tl_dtype(dtype)
+  name = eqn.primitive.name
+  xs, ss = _operands(x, s)
+  if name == "shift_left":
+    shifted, overflow = f"{xs} << {ss}", "0"
+  elif name == "shift_right_arithmetic":
+    shifted = f"{xs} >> {ss}"
+    overflow = f"tl.where({xs} < 0, -1, 0)" if is_signed(dtype) else "0"
+  else:
+    unsigned = t.replace("tl.int", "tl.uint")
+    shifted = f"({xs}.to({unsigned}, bitcast=True) >> {ss}.to({unsigned}, bitcast=True)).to({t}, bitcast=True)"
+    overflow = "0"
+  # XLA defines shifts by >= the bit width (Triton leaves them undefined).
+  expr = f"tl.where(({ss} >= 0) & ({ss} < {bits}), {shifted}, {overflow}).to({t})"
+  return [gen.let(name, expr, shape, dtype)]
+
+
+@rule("population_count", "clz")
+def _bit_count(gen, eqn, x):
+  shape, dtype = _out(eqn)
+  bits, t = bit_width(dtype), tl_dtype(dtype)
+  wide = "ll" if bits == 64 else ""
+  fn = "popc" if eqn.primitive.name == "population_count" else "clz"
+  arg = x.typed
+  if bits < 32:
+    arg = f"{arg}.to({t.replace('tl.int', 'tl.uint')}, bitcast=True).to(tl.int32)"
+  expr = f"libdevice.{fn}{wide}({arg})"
+  if fn == "clz" and bits < 32:
+    expr = f"({expr} - {32 - bits})"
+  return [gen.let(eqn.primitive.name, f"{expr}.to({t})", shape, dtype)]
+
+
+@rule("convert_element_type")
+def _convert(gen, eqn, x):
+  shape, dtype = _out(eqn)
+  if x.is_constant:
+    return [constant(np.asarray(x.constant).astype(dtype).item(), dtype, shape)]
+  if x.dtype == dtype:
+    return [x]
+  return [gen.let("convert", f"{x.expr}.to({tl_dtype(dtype)})", shape, dtype)]
+
+
+@rule("bitcast_convert_type")
+def _bitcast(gen, eqn, x):
+  shape, dtype = _out(eqn)
+  if bit_width(dtype) != bit_width(x.dtype):
+    gen.fail(f"bitcast between types of different widths ({x.dtype} -> {dtype})")
+  return [gen.let("bitcast", f"{x.typed}.to({tl_dtype(dtype)}, bitcast=True)", shape, dtype)]
+
+
+@rule("reduce_precision")
+def _reduce_precision(gen, eqn, x):
+  shape, dtype = _out(eqn)
+  target = {(8, 7): "tl.bfloat16", (5, 10): "tl.float16", (8, 23): "tl.float32"}.get(
+      (eqn.params["exponent_bits"], eqn.params["mantissa_bits"]))
+  if target is None:
+    gen.fail(f"reduce_precision to {eqn.params}")
+  return [gen.let("reduce_precision", f"{x.typed}.to({target}).to({tl_dtype(dtype)})",
+                  shape, dtype)]
+
+
+@rule("select_n")
+def _select_n(gen, eqn, pred, *cases):
+  shape, dtype = _out(eqn)
+  if len(cases) == 1:
+    return [cases[0]]
+  if is_bool(pred.dtype):
+    return [gen.let("select", f"tl.where({pred.typed}, {cases[1].typed}, {cases[0].typed})",
+                    shape, dtype)]
+  expr = cases[-1].typed
+  for i in range(len(cases) - 2, -1, -1):
+    expr = f"tl.where({pred.typed} == {i}, {cases[i].typed}, {expr})"
+  return [gen.let("select", expr, shape, dtype)]
+
+
+@rule("copy", "copy_p", "optimization_barrier")
+def _copy(gen, eqn, *xs):
+  return list(xs)
+
+
+# ------------------------------------------------------------------ shapes
+def _expand_to_rank(expr: str, rank: int, positions: list[int]) -> str:
+  """`expr` (a tensor with len(positions) dims) as a rank-`rank` tensor whose
+  dims sit at `positions`, the others of size 1."""
+  if rank == len(positions):
+    return expr
+  if not positions:
+    for _ in range(rank):
+      expr = f"tl.expand_dims({expr}, 0)"
+    return expr
+  index = ", ".join(":" if d in positions else "None" for d in range(rank))
+  return f"{expr}[{index}]"
+
+
+@rule("broadcast_in_dim")
+def _broadcast_in_dim(gen, eqn, x):
+  shape, dtype = _out(eqn)
+  tshape = list(Value("", shape, dtype).tensor_shape)
+  if x.is_constant:
+    return [constant(x.constant, dtype, shape)]
+  dims = list(eqn.params["broadcast_dimensions"])
+  # Size-1 operand dims that are broadcast up are dropped first.
+  keep = [i for i, d in enumerate(dims) if x.shape[i] == shape[d]]
+  expr = x.expr
+  if len(keep) != len(dims):
+    squeezed = [x.tensor_shape[i] for i in keep]
+    expr = f"tl.reshape({expr}, {squeezed})"
+  expr = _expand_to_rank(expr, len(shape), [dims[i] for i in keep])
+  return [gen.let("broadcast", f"tl.broadcast_to({expr}, {tshape})", shape, dtype)]
+
+
+def _reshape(gen, x: Value, shape: tuple[int, ...], what: str) -> Value:
+  dtype = x.dtype
+  if [d for d in x.shape if d != 1] != [d for d in shape if d != 1]:
+    if x.is_padded or Value("", shape, dtype).is_padded:
+      gen.fail(f"{what} from {x.shape} to {shape}: blocks whose dimensions are not powers "
+               f"of two can only gain or lose dimensions of size 1 (Triton tensors are "
+               f"padded to powers of two)")
+  if x.is_constant:
+    return constant(x.constant, dtype, shape)
+  tshape = list(Value("", shape, dtype).tensor_shape)
+  if not tshape:
+    # A one-element tensor to a scalar.
+    return gen.let(what, f"tl.sum(tl.reshape({x.expr}, [1]), axis=0)", shape, dtype)
+  return gen.let(what, f"tl.reshape({x.expr}, {tshape})", shape, dtype)
+
+
+@rule("reshape")
+def _reshape_rule(gen, eqn, x, *dyn):
+  shape, _ = _out(eqn)
+  if eqn.params.get("dimensions") not in (None, ()):
+    gen.fail("reshape with a dimension permutation")
+  return [_reshape(gen, x, shape, "reshape")]
+
+
+@rule("squeeze")
+def _squeeze(gen, eqn, x):
+  shape, _ = _out(eqn)
+  return [_reshape(gen, x, shape, "squeeze")]
+
+
+@rule("expand_dims")
+def _expand_dims(gen, eqn, x):
+  shape, _ = _out(eqn)
+  return [_reshape(gen, x, shape, "expand_dims")]
+
+
+@rule("transpose")
+def _transpose(gen, eqn, x):
+  shape, dtype = _out(eqn)
+  perm = list(eqn.params["permutation"])
+  if perm == list(range(len(perm))):
+    return [x]
+  return [gen.let("transpose", f"tl.permute({x.typed}, {perm})", shape, dtype)]
+
+
+@rule("iota")
+def _iota(gen, eqn):
+  shape, dtype = _out(eqn)
+  dim = eqn.params["dimension"]
+  tshape = list(Value("", shape, dtype).tensor_shape)
+  expr = _expand_to_rank(f"tl.arange(0, {tshape[dim]})", len(shape), [dim])
+  if len(shape) > 1:
+    expr = f"tl.broadcast_to({expr}, {tshape})"
+  if dtype != np.int32:
+    expr = f"({expr}).to({tl_dtype(dtype)})"
+  return [gen.let("iota", expr, shape, dtype)]
+
+
+def _gather_along(gen, x: Value, axis: int, index: str, out_shape: tuple[int, ...],
+                  name: str) -> Value:
+  """x taken at positions `index` (a 1-d int32 tensor) along `axis`."""
+  tshape = list(Value("", out_shape, x.dtype).tensor_shape)
+  idx = _expand_to_rank(index, len(out_shape), [axis])
+  idx = f"tl.broadcast_to({idx}, {tshape})"
+  return gen.let(name, f"tl.gather({x.typed}, {idx}, {axis})", out_shape, x.dtype)
+
+
+@rule("slice")
+def _slice(gen, eqn, x):
+  shape, dtype = _out(eqn)
+  starts, strides = eqn.params["start_indices"], eqn.params["strides"] or (1,) * len(shape)
+  out = x
+  for axis, (start, stride) in enumerate(zip(starts, strides)):
+    if start == 0 and stride == 1 and shape[axis] == x.shape[axis]:
+      continue
+    size = next_pow2(shape[axis])
+    index = f"tl.minimum({start} + {stride} * tl.arange(0, {size}), {out.tensor_shape[axis] - 1})"
+    new_shape = out.shape[:axis] + (shape[axis],) + out.shape[axis + 1:]
+    out = _gather_along(gen, out, axis, index, new_shape, "slice")
+  return [out]
+
+
+@rule("dynamic_slice")
+def _dynamic_slice(gen, eqn, x, *starts):
+  shape, dtype = _out(eqn)
+  out = x
+  for axis, start in enumerate(starts):
+    if shape[axis] == x.shape[axis]:
+      continue
+    # XLA clamps the start so that the slice lies inside the operand.
+    s = f"tl.minimum(tl.maximum({start.typed}, 0), {x.shape[axis] - shape[axis]})"
+    index = f"{s} + tl.arange(0, {next_pow2(shape[axis])})"
+    new_shape = out.shape[:axis] + (shape[axis],) + out.shape[axis + 1:]
+    out = _gather_along(gen, out, axis, index, new_shape, "dynamic_slice")
+  return [out]
+
+
+@rule("rev")
+def _rev(gen, eqn, x):
+  shape, dtype = _out(eqn)
+  out = x
+  for axis in eqn.params["dimensions"]:
+    n = x.shape[axis]
+    index = f"tl.maximum({n - 1} - tl.arange(0, {next_pow2(n)}), 0)"
+    out = _gather_along(gen, out, axis, index, out.shape, "rev")
+  return [out]
+
+
+@rule("concatenate")
+def _concatenate(gen, eqn, *xs):
+  shape, dtype = _out(eqn)
+  axis = eqn.params["dimension"]
+  sizes = {x.shape[axis] for x in xs}
+  n = len(xs)
+  if len(sizes) != 1 or n & (n - 1) or any(x.is_padded for x in xs):
+    gen.fail(f"concatenate of {[x.shape for x in xs]} along axis {axis}: the Triton backend "
+             f"concatenates a power-of-two number of equal power-of-two pieces")
+  parts = [x.typed for x in xs]
+  piece_shape = list(xs[0].tensor_shape)
+  rank = len(piece_shape)
+  perm = list(range(axis)) + [rank] + list(range(axis, rank))
+  while len(parts) > 1:
+    # join stacks two pieces on a new last axis; moving it in front of `axis`
+    # and merging gives [a..., b...] along `axis`.
+    merged = piece_shape[:axis] + [2 * piece_shape[axis]] + piece_shape[axis + 1:]
+    parts = [gen.let("concat", f"tl.reshape(tl.permute(tl.join({a}, {b}), {perm}), {merged})",
+                     tuple(merged), dtype).expr
+             for a, b in zip(parts[::2], parts[1::2])]
+    piece_shape = merged
+  return [gen.let("concatenate", parts[0], shape, dtype)]
+
+
+# ------------------------------------------------------------------ reductions
+def _identity(kind: str, dtype: np.dtype) -> str:
+  if kind in ("sum", "or", "argmax_pad_or"):
+    return "0" if not is_bool(dtype) else "False"
+  if kind == "prod":
+    return "1"
+  if kind == "and":
+    return "True" if is_bool(dtype) else "-1"
+  lowest = kind in ("max", "argmax")
+  if is_float(dtype):
+    return '-float("inf")' if lowest else 'float("inf")'
+  if is_bool(dtype):
+    return "False" if lowest else "True"
+  info = np.iinfo(dtype)
+  return str(info.min if lowest else info.max)
+
+
+_REDUCERS = {
+    "reduce_sum": ("sum", "tl.sum({x}, axis={a})"),
+    "reduce_max": ("max", "tl.max({x}, axis={a})"),
+    "reduce_min": ("min", "tl.min({x}, axis={a})"),
+    "reduce_prod": ("prod", "tl.reduce({x}, {a}, _multiply)"),
+    "reduce_and": ("and", "tl.reduce({x}, {a}, _bitwise_and)"),
+    "reduce_or": ("or", "tl.reduce({x}, {a}, _bitwise_or)"),
+    "reduce_xor": ("sum", "tl.reduce({x}, {a}, _bitwise_xor)"),
+}
+_COMBINE_HELPERS = {"prod": "_multiply", "and": "_bitwise_and", "or": "_bitwise_or",
+                    "reduce_xor": "_bitwise_xor"}
+
+
+@rule(*_REDUCERS)
+def _reduce(gen, eqn, x):
+  shape, dtype = _out(eqn)
+  kind, template = _REDUCERS[eqn.primitive.name]
+  for helper in ("_multiply", "_bitwise_and", "_bitwise_or", "_bitwise_xor"):
+    if helper in template:
+      gen.require_helper(helper)
+  axes = sorted(eqn.params["axes"], reverse=True)
+  x = gen.mask_padding(x, axes, _identity(kind, dtype))
+  expr, cur_shape = x.typed, list(x.shape)
+  if is_bool(dtype) and kind in ("sum", "max", "min"):
+    expr = f"{expr}.to(tl.int32)"
+  for a in axes:
+    expr = template.format(x=expr, a=a)
+    cur_shape.pop(a)
+  if is_bool(dtype):
+    expr = f"({expr}).to(tl.int1)"
+  elif dtype.name in ("float16", "bfloat16", "int8", "int16", "uint8", "uint16"):
+    expr = f"({expr}).to({tl_dtype(dtype)})"   # tl.sum widens small types
+  return [gen.let(eqn.primitive.name, expr, shape, dtype)]
+
+
+@rule("argmax", "argmin")
+def _arg_reduce(gen, eqn, x):
+  shape, dtype = _out(eqn)
+  (axis,) = eqn.params["axes"]
+  kind = eqn.primitive.name
+  x = gen.mask_padding(x, [axis], _identity("max" if kind == "argmax" else "min", x.dtype))
+  src = x.typed
+  if is_bool(x.dtype):
+    src = f"{src}.to(tl.int32)"
+  expr = f"tl.{kind}({src}, axis={axis}, tie_break_left=True).to({tl_dtype(dtype)})"
+  return [gen.let(kind, expr, shape, dtype)]
+
+
+_SCANS = {"cumsum": ("sum", "tl.cumsum({x}, axis={a}, reverse={r})"),
+          "cumprod": ("prod", "tl.cumprod({x}, axis={a}, reverse={r})"),
+          "cummax": ("max", "tl.associative_scan({x}, {a}, _maximum, reverse={r})"),
+          "cummin": ("min", "tl.associative_scan({x}, {a}, _minimum, reverse={r})")}
+
+
+@rule(*_SCANS)
+def _cumulative(gen, eqn, x):
+  shape, dtype = _out(eqn)
+  kind, template = _SCANS[eqn.primitive.name]
+  for helper in ("_maximum", "_minimum"):
+    if helper in template:
+      gen.require_helper(helper)
+  axis, reverse = eqn.params["axis"], bool(eqn.params["reverse"])
+  if reverse:
+    # Padding sits at the end of the axis: a reverse scan would carry it in.
+    x = gen.mask_padding(x, [axis], _identity(kind, dtype))
+  src = x.typed
+  expr = template.format(x=src, a=axis, r=reverse)
+  if dtype.name in ("float16", "bfloat16", "int8", "int16", "uint8", "uint16", "bool"):
+    expr = f"({expr}).to({tl_dtype(dtype)})"
+  return [gen.let(eqn.primitive.name, expr, shape, dtype)]
+
+
+# ------------------------------------------------------------------ dot_general
+_PRECISIONS = {"HIGHEST": "ieee", "HIGH": "tf32x3", "DEFAULT": "tf32"}
+
+
+def input_precision(precision: Any, a: Value, b: Value) -> str | None:
+  """Triton's input_precision for a float32 dot (None for other dtypes)."""
+  if not (a.dtype.name == "float32" and b.dtype.name == "float32"):
+    return None
+  names = []
+  for p in (precision if isinstance(precision, tuple) else (precision,)):
+    if p is not None:
+      names.append(getattr(p, "name", str(p)).upper())
+  if not names:
+    return "tf32"     # what XLA does for float32 matmuls on GPUs by default
+  best = max(names, key=["DEFAULT", "HIGH", "HIGHEST"].index)
+  return _PRECISIONS.get(best, "ieee")
+
+
+@rule("dot_general")
+def _dot_general(gen, eqn, a, b):
+  shape, dtype = _out(eqn)
+  (ca, cb), (ba, bb) = eqn.params["dimension_numbers"]
+  if len(ca) != 1 or len(cb) != 1 or len(ba) > 1:
+    gen.fail(f"dot_general with dimension numbers {eqn.params['dimension_numbers']}: "
+             f"the Triton backend contracts one dimension, with at most one batch dimension")
+  # Bring both operands to (batch, M, K) x (batch, K, N).
+  def arrange(v, contract, batch, lhs):
+    free = [d for d in range(len(v.shape)) if d not in (contract, *batch)]
+    if len(free) > 1:
+      gen.fail(f"dot_general operand of shape {v.shape} has {len(free)} free dimensions")
+    order = list(batch) + (free + [contract] if lhs else [contract] + free)
+    v = _transpose_value(gen, v, order)
+    if not free:   # a vector: add a size-1 free dimension
+      pos = len(batch) + (0 if lhs else 1)
+      new_shape = v.shape[:pos] + (1,) + v.shape[pos:]
+      v = _reshape(gen, v, new_shape, "as_matrix")
+    return v, bool(free)
+  a2, a_free = arrange(a, ca[0], ba, True)
+  b2, b_free = arrange(b, cb[0], bb, False)
+  k = a2.shape[-1]
+  if a2.is_padded or b2.is_padded:
+    # Padding along K must be zero in both operands, or it pollutes every sum.
+    a2 = gen.mask_padding(a2, [len(a2.shape) - 1], "0")
+    b2 = gen.mask_padding(b2, [len(b2.shape) - 2], "0")
+  acc = np.dtype(np.float32) if is_float(dtype) or is_float(a.dtype) else np.dtype(np.int32)
+  if dtype.name == "float64":
+    acc = dtype
+  m, n = a2.tensor_shape[-2], b2.tensor_shape[-1]
+  kt = a2.tensor_shape[-1]
+  prod_shape = a2.shape[:-1] + (b2.shape[-1],)
+  if min(m, n, kt) >= 16 and acc.name != "float64":
+    prec = input_precision(eqn.params.get("precision"), a, b)
+    extra = f", input_precision=\"{prec}\"" if prec else ""
+    expr = f"tl.dot({a2.typed}, {b2.typed}, out_dtype={tl_dtype(acc)}{extra})"
+  else:
+    # Triton's tensor-core dot needs M, N, K >= 16; small products are broadcast sums.
+    r = len(a2.shape)
+    lhs = f"tl.expand_dims({a2.typed}.to({tl_dtype(acc)}), {r})"
+    rhs = f"tl.expand_dims({b2.typed}.to({tl_dtype(acc)}), {r - 2})"
+    expr = f"tl.sum({lhs} * {rhs}, axis={r - 1})"
+  out = gen.let("dot", expr, prod_shape, acc)
+  if not a_free or not b_free:
+    out = _reshape(gen, out, shape, "dot")
+  if dtype != acc:
+    out = gen.let("dot", f"{out.expr}.to({tl_dtype(dtype)})", shape, dtype)
+  return [out]
+
+
+def _transpose_value(gen, v: Value, order: list[int]) -> Value:
+  if order == list(range(len(order))):
+    return v
+  shape = tuple(v.shape[d] for d in order)
+  return gen.let("transpose", f"tl.permute({v.typed}, {order})", shape, v.dtype)
+
+
+# Helpers that generated code may call, defined once at the top of the module.
+HELPERS = {
+    "_multiply": "@triton.jit\ndef _multiply(a, b):\n    return a * b\n",
+    "_bitwise_and": "@triton.jit\ndef _bitwise_and(a, b):\n    return a & b\n",
+    "_bitwise_or": "@triton.jit\ndef _bitwise_or(a, b):\n    return a | b\n",
+    "_bitwise_xor": "@triton.jit\ndef _bitwise_xor(a, b):\n    return a ^ b\n",
+    "_maximum": "@triton.jit\ndef _maximum(a, b):\n    return tl.maximum(a, b)\n",
+    "_minimum": "@triton.jit\ndef _minimum(a, b):\n    return tl.minimum(a, b)\n",
+    "_round_half_away": (
+        "@triton.jit\ndef _round_half_away(x):\n"
+        "    return tl.where(x >= 0, tl.floor(x + 0.5), tl.ceil(x - 0.5))\n"),
+    "_round_half_even": (
+        "@triton.jit\ndef _round_half_even(x):\n"
+        "    r = tl.floor(x + 0.5)\n"
+        "    tie = (r - x) == 0.5\n"
+        "    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0\n"
+        "    return tl.where(tie & odd, r - 1.0, r)\n"),
+}

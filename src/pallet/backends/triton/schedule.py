@@ -1,0 +1,71 @@
+"""Which grid axes become the launch grid and which become loops in the program.
+
+A grid axis is parallel when some output block moves along it (or the user's
+dimension_semantics say "parallel"): programs along it write disjoint blocks and
+can run concurrently, so it joins the launch grid (all parallel axes flattened
+into launch axis 0, whose limit is 2**31 - 1). Every other axis is sequential:
+it becomes a `for` loop inside each program, in grid order, so a program that
+accumulates into a resident output block over a reduction axis sees every step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from pallet.grid_mapping import BlockMapping, GridMapping
+
+
+def _depends_on(closed_jaxpr: Any, n_inputs: int) -> list[set[int]]:
+  """For each output of a jaxpr, the set of its first `n_inputs` inputs it depends on."""
+  jaxpr = closed_jaxpr.jaxpr
+  deps: dict[Any, set[int]] = {v: {i} for i, v in enumerate(jaxpr.invars[:n_inputs])}
+  for v in jaxpr.invars[n_inputs:]:
+    deps[v] = set()
+  for eqn in jaxpr.eqns:
+    found: set[int] = set()
+    for v in eqn.invars:
+      if hasattr(v, "aval") and not hasattr(v, "val"):
+        found |= deps.get(v, set())
+    for v in eqn.outvars:
+      deps[v] = found
+  return [deps.get(v, set()) if not hasattr(v, "val") else set() for v in jaxpr.outvars]
+
+
+def moving_axes(mapping: BlockMapping, num_axes: int) -> set[int]:
+  """Grid axes the block's position can depend on."""
+  out: set[int] = set()
+  for d in _depends_on(mapping.index_map, num_axes):
+    out |= d
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  grid: tuple[int, ...]
+  parallel: tuple[int, ...]      # launch grid axes, in grid order
+  sequential: tuple[int, ...]    # loop axes, outermost first
+  resident_outputs: tuple[bool, ...]   # output block fixed across all loop axes
+
+  @property
+  def num_programs(self) -> int:
+    return math.prod(self.grid[a] for a in self.parallel)
+
+  def describe(self) -> str:
+    par = ", ".join(f"{a} (size {self.grid[a]})" for a in self.parallel) or "none"
+    seq = ", ".join(f"{a} (size {self.grid[a]})" for a in self.sequential) or "none"
+    return (f"grid {self.grid}: parallel axes {par} -> {self.num_programs} programs; "
+            f"sequential axes {seq} -> loops in each program")
+
+
+def make_schedule(gm: GridMapping) -> Schedule:
+  g = len(gm.grid)
+  moves = [moving_axes(o, g) for o in gm.outputs]
+  if gm.dimension_semantics is not None:
+    parallel = [a for a in range(g) if gm.dimension_semantics[a] == "parallel"]
+  else:
+    parallel = [a for a in range(g)
+                if gm.grid[a] > 1 and any(a in m for m in moves)]
+  sequential = [a for a in range(g) if a not in parallel]
+  resident = tuple(not (m & set(sequential)) for m in moves)
+  return Schedule(tuple(gm.grid), tuple(parallel), tuple(sequential), resident)
