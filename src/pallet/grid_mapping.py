@@ -122,7 +122,7 @@ def _static_int(x: Any, where: str) -> int:
   return int(x)
 
 
-def _positional_arity(fn: Callable) -> int | None:
+def positional_arity(fn: Callable) -> int | None:
   """Number of positional parameters fn takes, or None when it takes *args."""
   try:
     sig = inspect.signature(fn)
@@ -154,7 +154,7 @@ def trace_index_map(index_map: Callable | None, grid: tuple[int, ...],
   n_args = len(grid) + len(prefetch_avals)
   if index_map is None:
     index_map = lambda *_: (0,) * ndim
-  arity = _positional_arity(index_map)
+  arity = positional_arity(index_map)
   if arity is not None and arity != n_args:
     extra = f" plus {len(prefetch_avals)} scalar-prefetch refs" if prefetch_avals else ""
     raise PalletError(f"{where}: index_map takes {arity} positional arguments but the grid "

@@ -152,7 +152,7 @@ def _check_aliases(aliases, in_avals, out_avals, name):
 
 def _check_kernel_arity(kernel, name, n_refs, n_prefetch, n_in, n_out, n_scratch):
   params = gm_lib.kernel_parameter_names(kernel)
-  arity = gm_lib._positional_arity(kernel)
+  arity = gm_lib.positional_arity(kernel)
   if arity is None or arity == n_refs:
     return
   parts = [f"{n_in} inputs", f"{n_out} outputs"]
