@@ -175,3 +175,29 @@ def test_vmap_over_functions_that_name_their_inputs():
   raw = jax.random.normal(jax.random.PRNGKey(4), (2, 3, 4))
   out = jax.vmap(lambda v: pn.sum(pn.named(v, (A, B)) * 2, "b").array)(raw)
   np.testing.assert_allclose(out, 2 * raw.sum(2), rtol=1e-5)
+
+
+def test_remaining_errors_name_what_was_expected():
+  x = rand((A, B))
+  with pytest.raises(TypeError, match="expected an Axis, a sequence of Axis or a"):
+    pn.zeros("a")
+  with pytest.raises(TypeError, match="expected a sequence of Axis, got element 3"):
+    pn.zeros((A, 3))
+  with pytest.raises(TypeError, match="NamedArray axes must be Axis objects"):
+    pn.NamedArray(jnp.zeros(3), ("a",))
+  with pytest.raises(ValueError, match="rearrange: at most one"):
+    x.rearrange((..., "a", ...))
+  with pytest.raises(ValueError, match="rearrange: axis 'a' is listed twice"):
+    x.rearrange(("a", "a", "b"))
+  with pytest.raises(ValueError, match="axis 'b' has size 4, the target has 9"):
+    x.broadcast_to((A, B.resize(9)))
+  with pytest.raises(ValueError, match="unknown axis 'q'"):
+    x.rename({"q": "z"})
+  with pytest.raises(ValueError, match="dot: axis 'b' has sizes 4 and 2"):
+    pn.dot(x, rand((B.resize(2),)), axis="a")
+  with pytest.raises(TypeError, match="len\\(\\) of a NamedArray is ambiguous"):
+    len(x)
+  with pytest.raises(TypeError, match="iterating a NamedArray is ambiguous"):
+    iter(x)
+  with pytest.raises(TypeError, match="expected an Axis or an axis name"):
+    pn.sum(x, 0)

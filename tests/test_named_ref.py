@@ -143,6 +143,8 @@ def test_new_ref_from_raw_array_and_axis_spec():
     hax.new_ref(hax.named(raw, ("Batch", "Feature")), ("x", "y"))
   with pytest.raises(ValueError, match="axis 'Feature' has size 8 but the array has 4"):
     hax.new_ref(raw.T, (Batch.resize(8), Feature))
+  with pytest.raises(ValueError, match=r"NamedRef: ref of shape \(4, 8\) does not match"):
+    hax.NamedRef(jax.new_ref(raw), (Feature, Batch))
 
 
 def test_axes_of_a_view_drop_fixed_and_resize_sliced():
@@ -185,6 +187,12 @@ def test_out_of_range_and_unknown_axes():
     ref[{"layer": slice(None, None, -1)}]
   with pytest.raises(TypeError, match="unsupported indexer 'x'"):
     ref[{"layer": "x"}]
+  with pytest.raises(TypeError, match="ds needs a static size >= 0 and stride >= 1"):
+    ref[{"layer": hax.ds(0, 2, 0)}]
+  with pytest.raises(TypeError, match="axis 'layer': expected an integer scalar"):
+    jax.jit(lambda f: ref[{"layer": hax.ds(f, 2)}])(1.0)
+  with pytest.raises(TypeError, match="an Ellipsis key must map to"):
+    ref[{...: 0}]
 
 
 def test_positional_selection_and_ellipsis_fill_axes_in_order():
@@ -293,8 +301,10 @@ def test_indexing_errors_for_arrays():
   ref = hax.new_ref(rand((Cache, Head)))
   with pytest.raises(TypeError, match="must be 0-d or 1-d"):
     ref[{"layer": jnp.zeros((2, 2), jnp.int32)}]
-  with pytest.raises(TypeError, match="must hold integers"):
+  with pytest.raises(TypeError, match="array indexers must hold integers"):
     ref[{"layer": jnp.zeros((2,))}]
+  with pytest.raises(TypeError, match="a NamedArray indexer must hold integers"):
+    ref[{"layer": hax.zeros((hax.Axis("k", 2),))}]
   with pytest.raises(ValueError, match="would produce axis 'head' twice"):
     ref[{"layer": hax.named(jnp.array([1, 2]), ("head",))}]
 

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallet.named import selection as _selection
-from pallet.named.axis import (Axis, AxisSelector, axis_name, axes_shape, check_unique,
-                               find_axis)
+from pallet.named.axis import (Axis, AxisSelector, axes_shape, axis_name, axis_names,
+                               check_unique, find_axis)
 
 
 class NamedArray:
@@ -257,9 +257,7 @@ def reduce(fn: Callable, x: NamedArray, axis: AxisSelector | Sequence[AxisSelect
   """`fn` over the named axes (all of them when `axis` is None); those axes disappear."""
   if axis is None:
     positions = tuple(range(x.ndim))
-  elif isinstance(axis, (str, Axis)):
-    positions = (find_axis(x.axes, axis),)
   else:
-    positions = tuple(find_axis(x.axes, a) for a in axis)
+    positions = tuple(find_axis(x.axes, a) for a in axis_names(axis))
   kept = [ax for i, ax in enumerate(x.axes) if i not in positions]
   return NamedArray(fn(x.array, axis=positions), kept)

@@ -42,6 +42,13 @@ def axis_name(axis: AxisSelector) -> str:
   raise TypeError(f"expected an Axis or an axis name, got {axis!r}")
 
 
+def axis_names(selectors: AxisSelector | Sequence[AxisSelector]) -> tuple[str, ...]:
+  """Names from one axis selector or a sequence of them (as reductions and `dot` take)."""
+  if isinstance(selectors, (list, tuple)):
+    return tuple(axis_name(s) for s in selectors)
+  return (axis_name(selectors),)
+
+
 def as_axes(spec: AxisSpec) -> tuple[Axis, ...]:
   """Normalises the ways a shape can be written (one Axis, several, or {name: size})."""
   if isinstance(spec, Axis):

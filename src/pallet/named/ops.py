@@ -6,7 +6,7 @@ from typing import Any, Callable, Sequence
 import jax.numpy as jnp
 
 from pallet.named.array import NamedArray, align, binary, reduce
-from pallet.named.axis import Axis, AxisSelector, AxisSpec, as_axes, axis_name
+from pallet.named.axis import Axis, AxisSelector, AxisSpec, as_axes, axis_names
 
 # --- constructors ----------------------------------------------------------------
 
@@ -110,8 +110,7 @@ def dot(*arrays: NamedArray, axis: AxisSelector | Sequence[AxisSelector],
   Axes shared by operands but not contracted are batch axes; the result keeps every
   non-contracted axis in order of first appearance.
   """
-  contracted = {axis_name(axis)} if isinstance(axis, (str, Axis)) \
-      else {axis_name(a) for a in axis}
+  contracted = set(axis_names(axis))
   for name in contracted:
     if not any(name in x.names for x in arrays):
       raise ValueError(f"dot: axis {name!r} is in none of the operands "
