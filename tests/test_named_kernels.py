@@ -149,6 +149,30 @@ def test_named_kernel_under_jit_and_grad():
   assert_close(grad.array, 2 * x.array)
 
 
+def test_named_scratch_accumulates_across_grid_steps():
+  x = rand((Seq, Feature))
+  Acc = pn.NamedShapeDtype((Feature,), jnp.float32)
+
+  def column_sums(x_ref, o_ref, acc_ref):
+    @pl.when(pn.program_id("seq") == 0)
+    def _():
+      acc_ref[...] = 0.0
+    acc_ref[...] += pn.sum(x_ref[...], "seq")
+    o_ref[...] = acc_ref[...]
+
+  out = named_call(column_sums, out_shape=Acc, grid={"seq": 4}, in_specs=[{"seq": 8}],
+                   out_specs=[None], scratch_shapes=[Acc])(x)
+  assert out.axes == (Feature,)
+  assert_close(out.array, x.array.sum(0))
+
+
+def test_partial_kernels_keep_their_name_in_errors():
+  x = rand((Seq, Feature))
+  with pytest.raises(pl.PalletError, match="kernel 'add_kernel' takes 3 positional"):
+    named_call(functools.partial(add_kernel), out_shape=x, grid={"seq": 4},
+               block={"seq": 8})(x)
+
+
 # ============================================================ attention
 
 

@@ -18,6 +18,7 @@ Rules:
   * `out_shape` entries may be `NamedShapeDtype(axes, dtype)` or a NamedArray used as a
     template; those outputs come back as NamedArrays. Raw arrays and
     `jax.ShapeDtypeStruct`s pass through with ordinary `BlockSpec`s.
+  * `scratch_shapes` entries may be `NamedShapeDtype`s too; the kernel gets NamedRefs.
   * Inside the kernel `program_id("seq")` / `num_programs("seq")` address the grid by name.
 """
 from __future__ import annotations
@@ -174,6 +175,7 @@ def _block_spec(axes: tuple[Axis, ...], spec: NamedBlockSpec, grid_names: tuple[
 
 
 def _out_named_axes(o: Any) -> tuple[Axis, ...] | None:
+  """Axes of an output or scratch request given by name (None: a raw request)."""
   if isinstance(o, (NamedShapeDtype, NamedArray)):
     return o.axes
   return None
@@ -217,6 +219,18 @@ def _operand_specs(operand_axes: Sequence[tuple[Axis, ...] | None], specs: Any,
   return core_specs, block_axes
 
 
+def _kernel_name(kernel: Callable) -> str:
+  while hasattr(kernel, "func"):  # functools.partial
+    kernel = kernel.func
+  return getattr(kernel, "__name__", type(kernel).__name__)
+
+
+def _raw_scratch(s: Any) -> Any:
+  if isinstance(s, NamedShapeDtype):
+    return specs_lib.ScratchShape(tuple(ax.size for ax in s.axes), s.dtype)
+  return s
+
+
 def pallas_call(kernel: Callable[..., None], out_shape: Any, *, grid: Any = (),
                 block: BlockSizes | None = None, in_specs: Any = None, out_specs: Any = None,
                 scratch_shapes: Sequence[Any] = (), **options: Any) -> Callable[..., Any]:
@@ -228,7 +242,7 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *, grid: Any = (),
   NamedArrays (None: use `block`), a pallet `BlockSpec` for raw arrays. Other options
   (`interpret`, `backend`, `debug`, `name`, `compiler_params`, ...) go to the core.
   """
-  kernel_name = options.get("name") or getattr(kernel, "__name__", type(kernel).__name__)
+  kernel_name = options.get("name") or _kernel_name(kernel)
   grid_names, grid_sizes = _named_grid(grid, kernel_name)
   default_block = dict(block or {})
   single_out = not isinstance(out_shape, (tuple, list))
@@ -241,20 +255,22 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *, grid: Any = (),
                                             "in_specs", kernel_name)
     core_out, out_block_axes = _operand_specs(out_axes, out_specs, default_block, grid_names,
                                               "out_specs", kernel_name)
-    ref_axes = in_block_axes + out_block_axes
+    scratch_axes = [_out_named_axes(s) for s in scratch_shapes]
+    ref_axes = in_block_axes + out_block_axes + scratch_axes
 
-    @functools.wraps(kernel)
+    @functools.wraps(kernel)  # keeps the user's signature for the core's arity check
     def kernel_over_blocks(*refs):
       named_refs = [r if axes is None else NamedRef(r, axes)
                     for r, axes in zip(refs, ref_axes)]
       with _naming_grid(grid_names):
-        kernel(*named_refs, *refs[len(ref_axes):])
+        kernel(*named_refs)
+    kernel_over_blocks.__name__ = kernel_name
 
     raw_outs = tuple(_raw_out_shape(o) for o in outs)
     call = _core_pallas_call(
         kernel_over_blocks, raw_outs[0] if single_out else raw_outs, grid=grid_sizes,
         in_specs=core_in, out_specs=core_out[0] if single_out else core_out,
-        scratch_shapes=scratch_shapes, **options)
+        scratch_shapes=tuple(_raw_scratch(s) for s in scratch_shapes), **options)
     results = call(*(a.array if isinstance(a, NamedArray) else a for a in args))
     results = (results,) if single_out else tuple(results)
     named_results = tuple(r if axes is None else NamedArray(r, axes)
