@@ -50,6 +50,7 @@ def test_seed_reading_and_writing():
   np.testing.assert_array_equal(logits_ref[{"Batch": 0}].array, new_row.array)
   np.testing.assert_array_equal(logits_ref[{"Batch": slice(1, None)}].array, np.zeros((3, 8)))
   np.testing.assert_array_equal(hax.ref.get(logits_ref, {"Batch": 0}).array, new_row.array)
+  np.testing.assert_array_equal(hax.get(logits_ref, sel=...).array, logits_ref[...].array)
 
 
 def test_seed_slice_refs():

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallet.named import selection as sel_
+from pallet.named import selection
 from pallet.named.array import NamedArray, named
 from pallet.named.axis import Axis, AxisSelector, axes_shape
 
@@ -22,13 +22,13 @@ class NamedRef:
   """A mutable, named view on a JAX ref; reads give NamedArrays, writes align by name."""
   __slots__ = ("ref", "base_axes", "prefix")
 
-  def __init__(self, ref: Any, axes: Sequence[Axis], prefix: Sequence[sel_.Entry] | None = None):
+  def __init__(self, ref: Any, axes: Sequence[Axis], prefix: Sequence[selection.Entry] | None = None):
     axes = tuple(axes)
     if tuple(ref.shape) != tuple(ax.size for ax in axes):
       raise ValueError(f"NamedRef: ref of shape {tuple(ref.shape)} does not match axes {axes}")
     self.ref = ref
     self.base_axes = axes
-    self.prefix = sel_.full_prefix(axes) if prefix is None else tuple(prefix)
+    self.prefix = selection.full_prefix(axes) if prefix is None else tuple(prefix)
 
   @classmethod
   def _unchecked(cls, ref: Any, axes: tuple[Axis, ...], prefix: tuple) -> "NamedRef":
@@ -39,7 +39,7 @@ class NamedRef:
   # --- shape of the view -----------------------------------------------------------
   @property
   def axes(self) -> tuple[Axis, ...]:
-    return sel_.view_axes(self.base_axes, self.prefix)
+    return selection.view_axes(self.base_axes, self.prefix)
 
   @property
   def shape(self) -> dict[str, int]:
@@ -58,36 +58,36 @@ class NamedRef:
     return f"NamedRef({names}; dtype={self.dtype})"
 
   # --- views -----------------------------------------------------------------------
-  def slice(self, selection: Any) -> "NamedRef":
-    """A ref on the same buffer with `selection` staged (ints and slices/ds only)."""
-    entries = sel_.compose(self.base_axes, self.prefix, selection, allow_arrays=False)
+  def slice(self, sel: Any) -> "NamedRef":
+    """A ref on the same buffer with `sel` staged (ints and slices/ds only)."""
+    entries = selection.compose(self.base_axes, self.prefix, sel, allow_arrays=False)
     return NamedRef._unchecked(self.ref, self.base_axes, entries)
 
   def unsliced(self) -> "NamedRef":
     """The whole buffer again, without any staged prefix."""
-    return NamedRef._unchecked(self.ref, self.base_axes, sel_.full_prefix(self.base_axes))
+    return NamedRef._unchecked(self.ref, self.base_axes, selection.full_prefix(self.base_axes))
 
   # --- reads and writes ------------------------------------------------------------
-  def _target(self, selection: Any):
-    entries = sel_.compose(self.base_axes, self.prefix, selection, allow_arrays=True)
-    raw_axes = sel_.result_axes(self.base_axes, entries)
-    shown_axes = sel_.user_axes(self.base_axes, self.prefix, entries)
-    return sel_.ref_index(entries), raw_axes, shown_axes
+  def _target(self, sel: Any):
+    entries = selection.compose(self.base_axes, self.prefix, sel, allow_arrays=True)
+    raw_axes = selection.result_axes(self.base_axes, entries)
+    shown_axes = selection.user_axes(self.base_axes, self.prefix, entries)
+    return selection.ref_index(entries), raw_axes, shown_axes
 
-  def get(self, selection: Any = ...) -> NamedArray:
-    index, raw_axes, shown_axes = self._target(selection)
+  def get(self, sel: Any = ...) -> NamedArray:
+    index, raw_axes, shown_axes = self._target(sel)
     raw = NamedArray(jax.ref.get(self.ref, index), raw_axes)
     return raw.rearrange([ax.name for ax in shown_axes])
 
-  def swap(self, selection: Any, value: Any) -> NamedArray:
-    """Stores `value` at `selection` and returns what was there."""
-    index, raw_axes, shown_axes = self._target(selection)
+  def swap(self, sel: Any, value: Any) -> NamedArray:
+    """Stores `value` at `sel` and returns what was there."""
+    index, raw_axes, shown_axes = self._target(sel)
     new = _value_for(value, raw_axes, shown_axes, self.dtype)
     old = NamedArray(jax.ref.swap(self.ref, index, new), raw_axes)
     return old.rearrange([ax.name for ax in shown_axes])
 
-  def set(self, selection: Any, value: Any) -> None:
-    index, raw_axes, shown_axes = self._target(selection)
+  def set(self, sel: Any, value: Any) -> None:
+    index, raw_axes, shown_axes = self._target(sel)
     jax.ref.set(self.ref, index, _value_for(value, raw_axes, shown_axes, self.dtype))
 
   __getitem__ = get
@@ -114,8 +114,8 @@ class _RefStructure:
 
   def _key(self) -> tuple:
     for entry in self.prefix:
-      for field in (entry.start,) if isinstance(entry, sel_.Range) else (entry.index,):
-        if sel_.is_dynamic(field):
+      for field in (entry.start,) if isinstance(entry, selection.Range) else (entry.index,):
+        if selection.is_dynamic(field):
           raise TypeError(
               "a NamedRef whose slice prefix holds a traced index cannot be passed into a "
               "transformed function; pass the unsliced ref (or call .slice inside)")
@@ -209,13 +209,16 @@ def new_ref(x: Any, axes: Sequence[AxisSelector] | None = None) -> NamedRef:
   return NamedRef(jax.new_ref(x.array), x.axes)
 
 
-def get(ref: NamedRef, selection: Any = ...) -> NamedArray:
-  return ref.get(selection)
+def get(ref: NamedRef, sel: Any = ...) -> NamedArray:
+  """`ref[sel]`, as a function."""
+  return ref.get(sel)
 
 
-def swap(ref: NamedRef, selection: Any, value: Any) -> NamedArray:
-  return ref.swap(selection, value)
+def swap(ref: NamedRef, sel: Any, value: Any) -> NamedArray:
+  """Stores `value` at `sel` and returns the previous contents."""
+  return ref.swap(sel, value)
 
 
 def freeze(ref: NamedRef) -> NamedArray:
+  """A snapshot of the ref's view (the ref stays usable)."""
   return ref.freeze()
