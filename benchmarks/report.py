@@ -183,6 +183,7 @@ def write_chart(path: Path, results: Sequence[BenchmarkResult], title: str) -> N
   variants = [v for v in ("jnp", "pallet", "interpret")
               if any(v in r.variants for r in results)]
   width = 0.8 / len(variants)
+  all_ms = [v.median_ms for r in results for v in r.variants.values() if v.timed]
   fig, ax = plt.subplots(figsize=(max(8.0, 0.9 * len(results) + 2), 5))
   for k, name in enumerate(variants):
     xs, heights = [], []
@@ -193,6 +194,8 @@ def write_chart(path: Path, results: Sequence[BenchmarkResult], title: str) -> N
         heights.append(ms)
     ax.bar(xs, heights, width, label=name)
   ax.set_yscale("log")
+  if all_ms:  # bars grow from a decade below the fastest time, not from 0
+    ax.set_ylim(bottom=10 ** math.floor(math.log10(min(all_ms)) - 1))
   ax.set_ylabel("median time per call (ms, log scale)")
   ax.set_xticks(range(len(results)))
   ax.set_xticklabels([r.bench.name for r in results], rotation=30, ha="right")

@@ -1,0 +1,134 @@
+"""Smoke tests for the benchmark suite: every kernel at tiny size through pallet,
+checked against its jax.numpy program, plus the runner, report and CLI plumbing."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from benchmarks import catalog, report
+from benchmarks.__main__ import main
+from benchmarks.case import Benchmark
+from benchmarks.checking import MismatchError, check_matches
+from benchmarks.elementwise import vector_add
+from benchmarks.runner import BenchmarkResult, PeerPolicy, VariantResult, run_benchmark
+from benchmarks.variants import program_for
+
+TINY = catalog.all_benchmarks("tiny")
+
+
+@pytest.mark.parametrize("bench", TINY, ids=[b.name for b in TINY])
+def test_kernel_matches_jnp_through_pallet(bench):
+  args = bench.make_inputs(jax.random.key(1))
+  expected = jax.jit(bench.reference)(*args)
+  actual = jax.jit(program_for(bench, "pallet"))(*args)
+  check_matches(bench, "pallet", actual, expected)
+
+
+def test_every_family_has_a_tiny_benchmark_with_several_grid_steps():
+  names = {b.name for b in TINY}
+  assert names == {b.name for b in catalog.all_benchmarks("full")}
+  assert all(b.grid_steps >= 2 for b in TINY)
+
+
+def test_check_matches_names_kernel_variant_and_worst_element():
+  bench = TINY[0]
+  expected = jnp.arange(8, dtype=jnp.float32)
+  wrong = expected.at[5].set(-1.0)
+  with pytest.raises(MismatchError, match=rf"{bench.name}: pallet differs .* index \(5,\)"):
+    check_matches(bench, "pallet", wrong, expected)
+  with pytest.raises(MismatchError, match="is int32"):
+    check_matches(bench, "pallet", expected.astype(jnp.int32), expected)
+
+
+def _wrong_vector_add(pl, **kwargs):
+  """vector_add with the kernel's sign flipped: must be caught, never timed."""
+  call = vector_add(pl, **kwargs)
+  return lambda x, y: call(x, -y)
+
+
+def test_runner_reports_a_wrong_pallet_result_as_mismatch_and_does_not_time_it():
+  good = next(b for b in TINY if b.name == "vadd_b65536")
+  bad = dataclasses.replace(
+      good, build_pallas=functools.partial(_wrong_vector_add, n=128 * 1024, block=65536))
+  result = run_benchmark(bad, ["jnp", "pallet"], reps=2, peer=PeerPolicy())
+  pallet = result.variants["pallet"]
+  assert pallet.status == "mismatch" and "vadd_b65536: pallet differs" in pallet.message
+  assert pallet.samples_s == [] and result.ratio("pallet", "jnp") is None
+  assert len(result.variants["jnp"].samples_s) == 2
+
+
+def test_runner_reports_a_failing_variant_as_error():
+  good = TINY[0]
+
+  def broken(pl, **kwargs):
+    raise ValueError("kernel refuses to build")
+
+  result = run_benchmark(dataclasses.replace(good, build_pallas=broken), ["jnp", "pallet"],
+                         reps=1, peer=PeerPolicy())
+  assert result.variants["pallet"].status == "error"
+  assert "ValueError: kernel refuses to build" in result.variants["pallet"].message
+
+
+def test_peer_policy_single_run_and_budget():
+  bench = next(b for b in TINY if b.name == "vadd_b65536")
+  once = run_benchmark(bench, ["jnp", "interpret"], reps=5,
+                       peer=PeerPolicy(reps=3, single_run_s=0.0))
+  assert once.variants["interpret"].status == "ok"
+  assert len(once.variants["interpret"].samples_s) == 1
+  assert len(once.variants["jnp"].samples_s) == 5
+  spent = run_benchmark(bench, ["jnp", "interpret"], reps=1, peer=PeerPolicy(budget_s=0.0))
+  assert spent.variants["interpret"].status == "skipped"
+  assert spent.variants["interpret"].message.startswith("n/a")
+
+
+def _result(name, steps, jnp_ms, pallet_ms, interpret_ms):
+  bench = dataclasses.replace(TINY[0], name=name, grid=(steps,))
+  timed = lambda ms: VariantResult("ok", samples_s=[ms / 1e3])
+  return BenchmarkResult(bench, {"jnp": timed(jnp_ms), "pallet": timed(pallet_ms),
+                                 "interpret": timed(interpret_ms)})
+
+
+def test_summary_geomean_max_and_peer_speedup():
+  results = [_result("a", 512, 1.0, 2.0, 300.0), _result("b", 16, 2.0, 1.0, 5.0),
+             _result("c", 256, 1.0, 1.5, 1000.0)]
+  s = report.summarize(results)
+  assert math.isclose(s.geomean, (2.0 * 0.5 * 1.5) ** (1 / 3))
+  assert s.max_ratio == ("a", 2.0)
+  assert s.min_peer_speedup == ("a", 150.0) and s.peer_count == 2
+  text = "\n".join(s.lines())
+  assert "max: 2.00 (a) (target <= 2.0: met)" in text
+  assert "150x (a)" in text
+
+
+def test_main_writes_table_json_and_chart(tmp_path, capsys):
+  code = main(["--size", "tiny", "--only", "vadd_b65536", "--only", "gather", "--no-peer",
+               "--reps", "2", "--out", str(tmp_path)])
+  assert code == 0
+  out = capsys.readouterr().out
+  assert "pallet/jnp" in out and "vadd_b65536" in out and "gather" in out
+  data = json.loads((tmp_path / "perf_cpu_tiny.json").read_text())
+  assert [r["name"] for r in data["results"]] == ["vadd_b65536", "gather"]
+  assert all(len(r["variants"]["pallet"]["samples_ms"]) == 2 for r in data["results"])
+  assert "interpret" not in data["results"][0]["variants"]
+  assert (tmp_path / "perf_cpu_tiny.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_main_rejects_unknown_benchmark_name(capsys):
+  with pytest.raises(SystemExit) as exc:
+    main(["--only", "no_such_kernel", "--no-peer"])
+  assert exc.value.code == 2
+  err = capsys.readouterr().err
+  assert "'no_such_kernel'" in err and "vadd_b1024" in err
+
+
+def test_main_rejects_nonpositive_reps(capsys):
+  with pytest.raises(SystemExit):
+    main(["--reps", "0"])
+  assert "must be >= 1" in capsys.readouterr().err
