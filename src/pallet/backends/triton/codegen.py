@@ -48,6 +48,7 @@ class GeneratedKernel:
   function_name: str
   parameters: tuple[str, ...]
   signature: dict[str, str]           # parameter -> Triton type ("*fp32")
+  constants: tuple[np.ndarray, ...]   # arrays the kernel closes over, passed after the outputs
   workspace_bytes: int                # per program; 0 when there is no workspace
   schedule: Schedule
   kernel: KernelDescription
@@ -70,8 +71,9 @@ def _sub_jaxpr(params: dict) -> tuple[Any, tuple]:
 
 
 # ------------------------------------------------------------------ ref analysis
-def _whole_access_only(jaxpr: Any, keys: dict[Any, Any], bad: set) -> None:
-  """Adds to `bad` every ref (by key) that is accessed other than whole."""
+def _whole_access_only(jaxpr: Any, keys: dict[Any, Any], bad: set, reads: set) -> None:
+  """Adds to `bad` every ref (by key) that is accessed other than whole, and to
+  `reads` every ref whose contents the kernel may read."""
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
     ref_args = [(i, keys[v]) for i, v in enumerate(eqn.invars)
@@ -85,12 +87,14 @@ def _whole_access_only(jaxpr: Any, keys: dict[Any, Any], bad: set) -> None:
       shape = eqn.invars[0].aval.shape
       if leaves or not refs.is_whole(transforms, shape):
         bad.add(keys.get(eqn.invars[0]))
+      if name != "swap" or type(eqn.outvars[0]).__name__ != "DropVar":
+        reads.add(keys.get(eqn.invars[0]))
     elif name == "cond":
       for branch in eqn.params["branches"]:
         sub = dict(keys)
         sub.update({bv: keys[v] for bv, v in zip(branch.jaxpr.invars, eqn.invars[1:])
                     if _is_var(v) and v in keys})
-        _whole_access_only(branch.jaxpr, sub, bad)
+        _whole_access_only(branch.jaxpr, sub, bad, reads)
     elif name == "while":
       nc, nb = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
       carry = eqn.invars[nc + nb:]
@@ -99,16 +103,17 @@ def _whole_access_only(jaxpr: Any, keys: dict[Any, Any], bad: set) -> None:
         jj = j.jaxpr if hasattr(j, "jaxpr") else j
         sub = dict(keys)
         sub.update({bv: keys[v] for bv, v in zip(jj.invars, ins) if _is_var(v) and v in keys})
-        _whole_access_only(jj, sub, bad)
+        _whole_access_only(jj, sub, bad, reads)
     elif name == "scan" or name in _CALL_PRIMITIVES:
       inner = internals.scan_layout(eqn.params)[0] if name == "scan" else \
           _sub_jaxpr(eqn.params)[0]
       sub = dict(keys)
       sub.update({bv: keys[v] for bv, v in zip(inner.invars, eqn.invars)
                   if _is_var(v) and v in keys})
-      _whole_access_only(inner, sub, bad)
+      _whole_access_only(inner, sub, bad, reads)
     else:
       bad.update(k for _, k in ref_args)
+      reads.update(k for _, k in ref_args)
 
 
 # ------------------------------------------------------------------ the generator
@@ -125,6 +130,7 @@ class KernelGenerator:
     self.eqn: Any = None
     self.last_source: tuple[str, int] | None = None
     self.promoted: set[Any] = set()
+    self.constants: list[np.ndarray] = []
 
   # -- emission ---------------------------------------------------------------
   def line(self, text: str) -> None:
@@ -196,7 +202,15 @@ class KernelGenerator:
     arr = np.asarray(val)
     if arr.size and np.all(arr == arr.reshape(-1)[0]):
       return constant(arr.reshape(-1)[0].item(), arr.dtype, arr.shape)
-    self.fail(f"a non-uniform array constant of shape {arr.shape} captured by the kernel")
+    # Triton has no array literals: the array becomes one more kernel argument.
+    k = len(self.constants)
+    self.constants.append(arr)
+    name = f"const{k}"
+    strides = _row_major_strides(arr.shape)
+    ref = MemoryRef(name, f"{name}_ptr", [ArrayDim(0, s, n, False, False, True)
+                                          for s, n in zip(strides, arr.shape)],
+                    arr.dtype, tuple(arr.shape))
+    return self._load(ref, [], None, None)
 
   def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
     env: dict[Any, Any] = {}
@@ -542,8 +556,18 @@ def generate(kernel: KernelDescription) -> GeneratedKernel:
 
   # Which refs can live in registers: only ever accessed whole.
   bad: set = set()
+  reads: set = set()
   keys = {v: v for v in ref_invars}
-  _whole_access_only(jaxpr, keys, bad)
+  _whole_access_only(jaxpr, keys, bad, reads)
+  aliased = {o for _, o in kernel.input_output_aliases}
+
+  def initial_block(i: int, mem: MemoryRef) -> str:
+    """What a register-resident output starts as: its memory contents, unless
+    the kernel never reads them (then nothing needs loading)."""
+    if out_invars[i] in reads or i in aliased:
+      return gen._load(mem, [], None, None).expr
+    return refs.zeros_like_ref(mem.shape, mem.dtype)
+
   promoted_outputs = [v not in bad for v in out_invars]
   gen.promoted = {v for v in keys if v not in bad}
 
@@ -560,7 +584,7 @@ def generate(kernel: KernelDescription) -> GeneratedKernel:
     ids[a] = gen.let(f"i{a}", expr, (), np.int32)
     stride *= size
   for a in schedule.sequential:
-    if gm.grid[a] == 1:
+    if gm.grid[a] <= 1:
       ids[a] = constant(0, np.int32)
 
   prefetch = [MemoryRef(n, p, [ArrayDim(0, s, k, False, False, True) for s, k in
@@ -591,7 +615,7 @@ def generate(kernel: KernelDescription) -> GeneratedKernel:
     if promoted_outputs[i] and schedule.resident_outputs[i]:
       mem = output_block(i, zero_ids)
       reg = RegisterRef(out_names[i], f"{out_names[i]}_block", mem.shape, mem.dtype)
-      gen.line(f"{reg.var} = {gen._load(mem, [], None, None).expr}")
+      gen.line(f"{reg.var} = {initial_block(i, mem)}")
       hoisted[i] = (mem, reg)
 
   # 3. the sequential loops and the kernel body.
@@ -614,7 +638,7 @@ def generate(kernel: KernelDescription) -> GeneratedKernel:
       mem = output_block(i, ids)
       if promoted_outputs[i]:
         reg = RegisterRef(out_names[i], f"{out_names[i]}_block", mem.shape, mem.dtype)
-        gen.line(f"{reg.var} = {gen._load(mem, [], None, None).expr}")
+        gen.line(f"{reg.var} = {initial_block(i, mem)}")
         per_step.append((mem, reg))
         out_refs.append(reg)
       else:
@@ -633,6 +657,9 @@ def generate(kernel: KernelDescription) -> GeneratedKernel:
   parameters = list(ptrs)
   signature = {p: "*" + signature_dtype(a.dtype) for p, a in zip(
       ptrs, [*gm.prefetch_avals, *gm.inputs, *gm.outputs])}
+  for k, arr in enumerate(gen.constants):
+    parameters.append(f"const{k}_ptr")
+    signature[f"const{k}_ptr"] = "*" + signature_dtype(arr.dtype)
   if gen.workspace_bytes:
     parameters.append("workspace_ptr")
     signature["workspace_ptr"] = "*i8"
@@ -652,5 +679,5 @@ def generate(kernel: KernelDescription) -> GeneratedKernel:
   for h in sorted(gen.helpers):
     module += [ops.HELPERS[h], ""]
   source = "\n".join(module + header + gen.lines) + "\n"
-  return GeneratedKernel(source, fn_name, tuple(parameters), signature, workspace,
-                         schedule, kernel)
+  return GeneratedKernel(source, fn_name, tuple(parameters), signature,
+                         tuple(gen.constants), workspace, schedule, kernel)

@@ -171,10 +171,24 @@ numpy_libdevice = types.SimpleNamespace(
 
 
 # ------------------------------------------------------------------ running a kernel
+def check_interpreter_enabled(kernel: Any) -> None:
+  """Triton decides at import time whether its own library functions (tl.sum,
+  tl.cdiv, ...) are compiled or interpreted, so the interpreter needs
+  TRITON_INTERPRET=1 before `triton` is first imported."""
+  import triton
+  if not triton.knobs.runtime.interpret:
+    raise RuntimeError(
+        f"kernel '{kernel.name}' ({kernel.source}): backend='triton' with interpret=True runs "
+        f"the generated code under Triton's interpreter, which must be switched on before "
+        f"triton is imported: set the environment variable TRITON_INTERPRET=1 when starting "
+        f"Python (this process imported triton without it)")
+
+
 def run(generated: Any, operands: Sequence[np.ndarray],
         aliases: dict[int, int]) -> list[np.ndarray]:
   """Runs the generated kernel on host arrays; returns the outputs."""
   from pallet.backends.triton.compiler import load_module
+  check_interpreter_enabled(generated.kernel)
   gm = generated.kernel.grid_mapping
   fn = getattr(load_module(generated.source, True), generated.function_name)
   ins = [np.ascontiguousarray(np.asarray(a)) for a in operands]
@@ -186,7 +200,7 @@ def run(generated: Any, operands: Sequence[np.ndarray],
       outs.append(np.array(ins[n_pre + by_output[k]], copy=True))
     else:
       outs.append(np.zeros(b.array_shape, b.dtype))
-  args = [HostTensor(a) for a in ins + outs]
+  args = [HostTensor(a) for a in ins + outs + list(generated.constants)]
   if generated.workspace_bytes:
     args.append(HostTensor(np.zeros(generated.workspace_bytes * generated.schedule.num_programs,
                                     np.int8)))

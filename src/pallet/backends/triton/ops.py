@@ -285,7 +285,7 @@ def _select_n(gen, eqn, pred, *cases):
   return [gen.let("select", expr, shape, dtype)]
 
 
-@rule("copy", "copy_p", "optimization_barrier")
+@rule("copy", "copy_p", "optimization_barrier", "stop_gradient")
 def _copy(gen, eqn, *xs):
   return list(xs)
 

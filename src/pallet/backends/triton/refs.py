@@ -141,7 +141,7 @@ def _apply_indexer(gen, indexer, shape, terms):
         new_terms.append(_Axis(nd, _affine(gen, term.start, term.stride, s),
                                term.stride * st))
       else:
-        index = _scalarize(gen, p[1])
+        index = _scalarize(gen, p[1], shape[term.dim])
         if isinstance(index, Value) and index.shape:
           if term.start != 0 or term.stride != 1:
             gen.fail("integer-array indexing of a strided or offset ref view")
@@ -164,9 +164,15 @@ def _nonzero(v: Any) -> bool:
   return v != 0
 
 
-def _scalarize(gen, v: Any) -> Any:
-  if isinstance(v, (int, np.integer)):
-    return int(v)
+def _scalarize(gen, v: Any, size: int) -> Any:
+  """A static index as an int (negative ones count from the end), else the Value."""
+  if isinstance(v, Value):
+    if not (v.is_constant and v.shape == ()):
+      return v
+    v = v.constant
+  if np.ndim(v) == 0:
+    i = int(np.asarray(v))
+    return i + size if i < 0 else i
   return v
 
 
