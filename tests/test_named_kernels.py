@@ -221,6 +221,10 @@ def test_error_block_names_an_unknown_axis():
                                        r"\('seq', 'feature'\)"):
     named_call(add_kernel, out_shape=x, grid={"seq": 4},
                in_specs=[{"seq": 8}, {"sequence": 8}], out_specs={"seq": 8})(x, x)
+  # pallas_call's shared `block=` may name axes only some operands have
+  out = named_call(add_kernel, out_shape=x, grid={"seq": 4},
+                   block={"seq": 8, "head": None})(x, x)
+  assert_close(out.array, 2 * x.array)
 
 
 def test_error_cut_axis_without_grid_axis():

@@ -131,15 +131,17 @@ def _as_spec(spec: Any, default_block: BlockSizes, where: str) -> NamedBlockSpec
 
 
 def _block_spec(axes: tuple[Axis, ...], spec: NamedBlockSpec, grid_names: tuple[Any, ...],
-                default_keys: frozenset[str], where: str
-                ) -> tuple[specs_lib.BlockSpec, tuple[Axis, ...]]:
-  """The core BlockSpec for a named operand, and the axes of the block the kernel sees."""
+                shared: bool, where: str) -> tuple[specs_lib.BlockSpec, tuple[Axis, ...]]:
+  """The core BlockSpec for a named operand, and the axes of the block the kernel sees.
+
+  `shared`: the spec is pallas_call's `block=`, which may name axes of other operands.
+  """
   names = [ax.name for ax in axes]
   block = {axis_name(k): v for k, v in spec.block.items()}
   for name, size in block.items():
     if name not in names:
-      if name in default_keys:
-        continue  # pallas_call's `block=` names axes of other operands too
+      if shared:
+        continue
       raise ValueError(f"{where}: block names axis {name!r}, but the operand's axes are "
                        f"{tuple(names)}")
     if size is not None and (not isinstance(size, int) or size < 1):
@@ -201,7 +203,6 @@ def _operand_specs(operand_axes: Sequence[tuple[Axis, ...] | None], specs: Any,
   if len(specs) != len(operand_axes):
     raise ValueError(f"named pallas_call of kernel '{kernel_name}': {len(specs)} {what} "
                      f"for {len(operand_axes)} operands")
-  keys = frozenset(axis_name(k) for k in default_block)
   core_specs, block_axes = [], []
   for i, (axes, spec) in enumerate(zip(operand_axes, specs)):
     where = f"named pallas_call of kernel '{kernel_name}', {what}[{i}]"
@@ -213,7 +214,7 @@ def _operand_specs(operand_axes: Sequence[tuple[Axis, ...] | None], specs: Any,
       block_axes.append(None)
       continue
     core, kernel_axes = _block_spec(axes, _as_spec(spec, default_block, where), grid_names,
-                                    keys, where)
+                                    spec is None, where)
     core_specs.append(core)
     block_axes.append(kernel_axes)
   return core_specs, block_axes
