@@ -389,6 +389,21 @@ def test_pytree_only_leaf_is_the_jax_ref():
   assert isinstance(mapped, hax.NamedRef) and mapped.axes == ref.axes
 
 
+def test_named_ref_over_a_jax_ref_view_made_with_at():
+  x = rand((Cache, Head))
+
+  @jax.jit
+  def f(raw):
+    buffer = jax.new_ref(raw)
+    rows = hax.NamedRef(buffer.at[2:6], (Cache.resize(4), Head))  # JAX's own ref view
+    rows[{"layer": 1}] = rows[{"layer": 0}] * 10.0
+    return buffer[...]
+
+  expected = np.asarray(x.array).copy()
+  expected[3] = expected[2] * 10
+  np.testing.assert_allclose(f(x.array), expected, rtol=1e-6)
+
+
 def test_jit_mutation_is_visible_after_the_call_and_structure_is_static():
   traces = []
 
