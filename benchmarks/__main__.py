@@ -8,12 +8,15 @@ import platform
 import subprocess
 import sys
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
+import jax
+
 from benchmarks import catalog, report
-from benchmarks.case import SIZES, Size
-from benchmarks.runner import PeerPolicy, run_benchmark
-from benchmarks.variants import VARIANTS
+from benchmarks.case import SIZES, Benchmark, Size
+from benchmarks.runner import BenchmarkResult, PeerPolicy, run_benchmark
+from benchmarks.variants import CPU_VARIANTS, Variant
 
 DEFAULT_REPS = 11
 DOCS_DIR = Path("docs")
@@ -66,7 +69,6 @@ def _git_commit() -> str | None:
 
 
 def _meta(args: argparse.Namespace, size: Size) -> dict[str, Any]:
-  import jax
   return {
       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
       "size": size,
@@ -84,6 +86,21 @@ def _meta(args: argparse.Namespace, size: Size) -> dict[str, Any]:
   }
 
 
+def run_suite(benches: Sequence[Benchmark], variants: Sequence[Variant], *, reps: int,
+              peer: PeerPolicy, seed: int, device: jax.Device) -> list[BenchmarkResult]:
+  """Run `benches` one after another on `device`, printing a line as each finishes."""
+  results = []
+  with jax.default_device(device):
+    for bench in benches:
+      print(f"[{len(results) + 1}/{len(benches)}] {bench.name}: {bench.shapes}, "
+            f"grid {bench.grid}", flush=True)
+      result = run_benchmark(bench, variants, reps=reps, peer=peer, seed=seed)
+      results.append(result)
+      print("    " + "  ".join(f"{v}={report.time_cell(r)}"
+                               for v, r in result.variants.items()), flush=True)
+  return results
+
+
 def main(argv: list[str] | None = None) -> int:
   """Run the suite; 0 if every variant ran and matched jax.numpy, 1 otherwise."""
   parser = build_parser()
@@ -99,17 +116,11 @@ def main(argv: list[str] | None = None) -> int:
   except ValueError as e:
     parser.error(str(e))
 
-  variants = [v for v in VARIANTS if not (args.no_peer and v == "interpret")]
+  variants = [v for v in CPU_VARIANTS if not (args.no_peer and v.slow_peer)]
   peer = PeerPolicy(reps=args.peer_reps, single_run_s=args.peer_single_s,
                     budget_s=args.peer_budget_s)
-  results = []
-  for bench in selected:
-    print(f"[{len(results) + 1}/{len(selected)}] {bench.name}: {bench.shapes}, "
-          f"grid {bench.grid}", flush=True)
-    result = run_benchmark(bench, variants, reps=args.reps, peer=peer, seed=args.seed)
-    results.append(result)
-    print("    " + "  ".join(f"{v}={report.time_cell(r)}" for v, r in result.variants.items()),
-          flush=True)
+  results = run_suite(selected, variants, reps=args.reps, peer=peer, seed=args.seed,
+                      device=jax.devices("cpu")[0])
 
   print()
   print(report.format_table(results))

@@ -18,8 +18,23 @@ PEER_SPEEDUP_MIN_STEPS = 256
 
 SINGLE_RUN_MARK = "*"
 KNOWN_ISSUE_MARK = "!"
-HEADER = ("kernel", "grid steps", "jnp ms", "pallet ms", "pallet/jnp",
-          "interpret ms", "interpret/pallet")
+
+
+@dataclasses.dataclass(frozen=True)
+class Columns:
+  """Which variants the table compares: subject vs reference, and peer vs subject."""
+
+  reference: str = "jnp"
+  subject: str = "pallet"
+  peer: str = "interpret"
+
+  @property
+  def header(self) -> tuple[str, ...]:
+    r, s, p = self.reference, self.subject, self.peer
+    return ("kernel", "grid steps", f"{r} ms", f"{s} ms", f"{s}/{r}", f"{p} ms", f"{p}/{s}")
+
+
+CPU_COLUMNS = Columns()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,39 +44,45 @@ class Summary:
   max_ratio: tuple[str, float] | None
   min_peer_speedup: tuple[str, float] | None
   peer_count: int
-  untimed_pallet: tuple[str, ...]
+  untimed_subject: tuple[str, ...]
+  cols: Columns = CPU_COLUMNS
 
-  def lines(self) -> list[str]:
+  def lines(self, targets: bool = True) -> list[str]:
+    """Summary lines; with `targets`, each says whether the CPU target is met."""
+
     def verdict(ok: bool) -> str:
-      return "met" if ok else "MISSED"
+      return ("met" if ok else "MISSED") if targets else "not a target here"
 
+    sub_ref = f"{self.cols.subject}/{self.cols.reference}"
+    peer_sub = f"{self.cols.peer}/{self.cols.subject}"
     out = []
     if self.geomean is None:
-      out.append("pallet/jnp geomean: n/a (pallet timed on no kernel)")
+      out.append(f"{sub_ref} geomean: n/a ({self.cols.subject} timed on no kernel)")
     else:
-      out.append(f"pallet/jnp geomean over {self.count} kernels: {self.geomean:.2f} "
+      out.append(f"{sub_ref} geomean over {self.count} kernels: {self.geomean:.2f} "
                  f"(target <= {GEOMEAN_TARGET}: {verdict(self.geomean <= GEOMEAN_TARGET)})")
     if self.max_ratio is not None:
       name, value = self.max_ratio
-      out.append(f"pallet/jnp max: {value:.2f} ({name}) "
+      out.append(f"{sub_ref} max: {value:.2f} ({name}) "
                  f"(target <= {MAX_RATIO_TARGET}: {verdict(value <= MAX_RATIO_TARGET)})")
     if self.min_peer_speedup is None:
-      out.append(f"interpret/pallet min over kernels with >= {PEER_SPEEDUP_MIN_STEPS} "
+      out.append(f"{peer_sub} min over kernels with >= {PEER_SPEEDUP_MIN_STEPS} "
                  "grid steps: n/a (none timed)")
     else:
       name, value = self.min_peer_speedup
-      out.append(f"interpret/pallet min over {self.peer_count} kernels with >= "
+      out.append(f"{peer_sub} min over {self.peer_count} kernels with >= "
                  f"{PEER_SPEEDUP_MIN_STEPS} grid steps: {value:.0f}x ({name}) (target >= "
                  f"{PEER_SPEEDUP_TARGET:.0f}x: {verdict(value >= PEER_SPEEDUP_TARGET)})")
-    if self.untimed_pallet:
-      out.append(f"pallet NOT timed (error/mismatch) on: {', '.join(self.untimed_pallet)}")
+    if self.untimed_subject:
+      out.append(f"{self.cols.subject} NOT timed (error/mismatch) on: "
+                 f"{', '.join(self.untimed_subject)}")
     return out
 
 
-def summarize(results: Sequence[BenchmarkResult]) -> Summary:
-  ratios = [(r.bench.name, r.ratio("pallet", "jnp")) for r in results]
+def summarize(results: Sequence[BenchmarkResult], cols: Columns = CPU_COLUMNS) -> Summary:
+  ratios = [(r.bench.name, r.ratio(cols.subject, cols.reference)) for r in results]
   timed = [(n, x) for n, x in ratios if x is not None]
-  speedups = [(r.bench.name, r.ratio("interpret", "pallet")) for r in results
+  speedups = [(r.bench.name, r.ratio(cols.peer, cols.subject)) for r in results
               if r.bench.grid_steps >= PEER_SPEEDUP_MIN_STEPS]
   speedups = [(n, x) for n, x in speedups if x is not None]
   return Summary(
@@ -71,8 +92,9 @@ def summarize(results: Sequence[BenchmarkResult]) -> Summary:
       max_ratio=max(timed, key=lambda t: t[1]) if timed else None,
       min_peer_speedup=min(speedups, key=lambda t: t[1]) if speedups else None,
       peer_count=len(speedups),
-      untimed_pallet=tuple(r.bench.name for r in results if "pallet" in r.variants
-                           and r.ratio("pallet", "jnp") is None),
+      cols=cols,
+      untimed_subject=tuple(r.bench.name for r in results if cols.subject in r.variants
+                            and r.ratio(cols.subject, cols.reference) is None),
   )
 
 
@@ -100,20 +122,22 @@ def _ratio_cell(value: float | None, suffix: str = "") -> str:
   return "-" if value is None else _format_number(value) + suffix
 
 
-def table_rows(results: Sequence[BenchmarkResult]) -> list[tuple[str, ...]]:
+def table_rows(results: Sequence[BenchmarkResult],
+               cols: Columns = CPU_COLUMNS) -> list[tuple[str, ...]]:
   rows = []
   for r in results:
     v = r.variants
-    rows.append((r.bench.name, str(r.bench.grid_steps), time_cell(v.get("jnp")),
-                 time_cell(v.get("pallet")), _ratio_cell(r.ratio("pallet", "jnp")),
-                 time_cell(v.get("interpret")),
-                 _ratio_cell(r.ratio("interpret", "pallet"), "x")))
+    rows.append((r.bench.name, str(r.bench.grid_steps), time_cell(v.get(cols.reference)),
+                 time_cell(v.get(cols.subject)),
+                 _ratio_cell(r.ratio(cols.subject, cols.reference)),
+                 time_cell(v.get(cols.peer)),
+                 _ratio_cell(r.ratio(cols.peer, cols.subject), "x")))
   return rows
 
 
-def format_table(results: Sequence[BenchmarkResult]) -> str:
-  rows = [HEADER, *table_rows(results)]
-  widths = [max(len(row[i]) for row in rows) for i in range(len(HEADER))]
+def format_table(results: Sequence[BenchmarkResult], cols: Columns = CPU_COLUMNS) -> str:
+  rows = [cols.header, *table_rows(results, cols)]
+  widths = [max(len(row[i]) for row in rows) for i in range(len(cols.header))]
   lines = []
   for k, row in enumerate(rows):
     cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
@@ -141,15 +165,18 @@ def footnotes(results: Sequence[BenchmarkResult], limit: int = 600) -> list[str]
   return notes
 
 
-def to_json(results: Sequence[BenchmarkResult], meta: dict[str, Any]) -> dict[str, Any]:
-  summary = summarize(results)
+def to_json(results: Sequence[BenchmarkResult], meta: dict[str, Any],
+            cols: Columns = CPU_COLUMNS) -> dict[str, Any]:
+  summary = summarize(results, cols)
+  sub_ref, peer_sub = (f"{cols.subject}_over_{cols.reference}",
+                       f"{cols.peer}_over_{cols.subject}")
   return {
       "meta": meta,
       "summary": {
-          "pallet_over_jnp_geomean": summary.geomean,
-          "pallet_over_jnp_max": summary.max_ratio,
-          "interpret_over_pallet_min_ge_256_steps": summary.min_peer_speedup,
-          "pallet_untimed": list(summary.untimed_pallet),
+          f"{sub_ref}_geomean": summary.geomean,
+          f"{sub_ref}_max": summary.max_ratio,
+          f"{peer_sub}_min_ge_{PEER_SPEEDUP_MIN_STEPS}_steps": summary.min_peer_speedup,
+          f"{cols.subject}_untimed": list(summary.untimed_subject),
       },
       "results": [{
           "name": r.bench.name,
@@ -157,8 +184,8 @@ def to_json(results: Sequence[BenchmarkResult], meta: dict[str, Any]) -> dict[st
           "shapes": r.bench.shapes,
           "grid": list(r.bench.grid),
           "grid_steps": r.bench.grid_steps,
-          "pallet_over_jnp": r.ratio("pallet", "jnp"),
-          "interpret_over_pallet": r.ratio("interpret", "pallet"),
+          sub_ref: r.ratio(cols.subject, cols.reference),
+          peer_sub: r.ratio(cols.peer, cols.subject),
           "variants": {name: {
               "status": v.status,
               "median_ms": v.median_ms,
@@ -170,17 +197,19 @@ def to_json(results: Sequence[BenchmarkResult], meta: dict[str, Any]) -> dict[st
   }
 
 
-def write_json(path: Path, results: Sequence[BenchmarkResult], meta: dict[str, Any]) -> None:
-  path.write_text(json.dumps(to_json(results, meta), indent=2) + "\n")
+def write_json(path: Path, results: Sequence[BenchmarkResult], meta: dict[str, Any],
+               cols: Columns = CPU_COLUMNS) -> None:
+  path.write_text(json.dumps(to_json(results, meta, cols), indent=2) + "\n")
 
 
-def write_chart(path: Path, results: Sequence[BenchmarkResult], title: str) -> None:
+def write_chart(path: Path, results: Sequence[BenchmarkResult], title: str,
+                cols: Columns = CPU_COLUMNS) -> None:
   """Grouped bars per kernel, one per variant, on a log time axis."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  variants = [v for v in ("jnp", "pallet", "interpret")
+  variants = [v for v in (cols.reference, cols.subject, cols.peer)
               if any(v in r.variants for r in results)]
   width = 0.8 / len(variants)
   all_ms = [v.median_ms for r in results for v in r.variants.values() if v.timed]

@@ -26,7 +26,7 @@ import jax
 
 from benchmarks.case import Benchmark
 from benchmarks.checking import MismatchError, check_matches
-from benchmarks.variants import PEER_VARIANTS, Variant, program_for
+from benchmarks.variants import REFERENCE, Variant
 
 Status = Literal["ok", "error", "mismatch", "known_issue", "skipped"]
 
@@ -88,26 +88,29 @@ def _time_once(fn: Callable[..., Any], args: Sequence[jax.Array]) -> tuple[float
 def run_benchmark(bench: Benchmark, variants: Sequence[Variant], *, reps: int,
                   peer: PeerPolicy, seed: int = 0,
                   log: Callable[[str], None] = lambda _: None) -> BenchmarkResult:
-  """Compile, check and time `variants` of `bench` ("jnp" is always included).
+  """Compile, check and time `variants` of `bench`; the first must be the jnp reference.
 
   Raises RuntimeError if the jax.numpy reference itself cannot run, since then
   nothing can be checked.
   """
   if reps < 1:
     raise ValueError(f"reps must be >= 1, got {reps}")
-  variants = ["jnp"] + [v for v in variants if v != "jnp"]
+  if not variants or variants[0].name != REFERENCE:
+    raise ValueError(f"the first variant must be {REFERENCE!r}, got "
+                     f"{[v.name for v in variants]}")
+  slow = {v.name for v in variants if v.slow_peer}
   args = jax.block_until_ready(bench.make_inputs(jax.random.key(seed)))
   results: dict[str, VariantResult] = {}
   compiled: dict[str, Callable[..., Any]] = {}
 
-  for v in variants:
-    is_peer = v in PEER_VARIANTS
+  for variant in variants:
+    v, is_peer = variant.name, variant.slow_peer
     if is_peer and peer.exhausted:
       results[v] = VariantResult("skipped", message=f"n/a (peer budget {peer.budget_s:g}s used up)")
       continue
     start = time.perf_counter()
     try:
-      compiled[v] = jax.jit(program_for(bench, v)).lower(*args).compile()
+      compiled[v] = jax.jit(variant.build(bench)).lower(*args).compile()
       results[v] = VariantResult("ok")
     except Exception as e:  # noqa: BLE001 - any failure is reported per variant
       results[v] = VariantResult("error", message=f"compile: {describe_exception(e)}")
@@ -116,14 +119,14 @@ def run_benchmark(bench: Benchmark, variants: Sequence[Variant], *, reps: int,
       peer.spent_s += results[v].compile_s
     log(f"  {bench.name}: compiled {v} in {results[v].compile_s:.2f}s")
 
-  if "jnp" not in compiled:
+  if REFERENCE not in compiled:
     raise RuntimeError(f"{bench.name}: the jax.numpy reference failed to compile: "
-                       f"{results['jnp'].message}")
-  _, expected = _time_once(compiled["jnp"], args)
+                       f"{results[REFERENCE].message}")
+  _, expected = _time_once(compiled[REFERENCE], args)
 
   rounds: dict[str, int] = {}
   for v, fn in list(compiled.items()):
-    if v == "jnp":
+    if v == REFERENCE:
       rounds[v] = reps
       continue
     try:
@@ -132,7 +135,7 @@ def run_benchmark(bench: Benchmark, variants: Sequence[Variant], *, reps: int,
       results[v].status, results[v].message = "error", f"run: {describe_exception(e)}"
       del compiled[v]
       continue
-    is_peer = v in PEER_VARIANTS
+    is_peer = v in slow
     if is_peer:
       peer.spent_s += first_s
     try:
@@ -151,10 +154,10 @@ def run_benchmark(bench: Benchmark, variants: Sequence[Variant], *, reps: int,
 
   for r in range(reps):
     for v, fn in compiled.items():
-      if r >= rounds[v] or (v in PEER_VARIANTS and peer.exhausted):
+      if r >= rounds[v] or (v in slow and peer.exhausted):
         continue
       elapsed, _ = _time_once(fn, args)
       results[v].samples_s.append(elapsed)
-      if v in PEER_VARIANTS:
+      if v in slow:
         peer.spent_s += elapsed
   return BenchmarkResult(bench, results)

@@ -1,28 +1,57 @@
-"""The three ways each benchmark runs: jax.numpy, pallet, and the interpret peer."""
+"""The ways a benchmark runs. The CPU suite: jax.numpy, pallet, and the interpret peer.
+
+A variant is a name plus a function turning a Benchmark into an un-jitted program.
+pallet and the peer are imported inside the builders, not at module import, so a
+broken or missing implementation fails only its own variant.
+"""
 from __future__ import annotations
 
-from typing import Literal
+import dataclasses
+from collections.abc import Callable
+
+import jax
 
 from benchmarks.case import Benchmark, Program
 
-Variant = Literal["jnp", "pallet", "interpret"]
-VARIANTS: tuple[Variant, ...] = ("jnp", "pallet", "interpret")
-# Variants slow enough to need the peer timing policy (see benchmarks.runner).
-PEER_VARIANTS: frozenset[Variant] = frozenset({"interpret"})
+REFERENCE = "jnp"
 
 
-def program_for(bench: Benchmark, variant: Variant) -> Program:
-  """The un-jitted program `variant` runs for `bench`.
+@dataclasses.dataclass(frozen=True)
+class Variant:
+  name: str
+  build: Callable[[Benchmark], Program]
+  # Orders of magnitude slower than the rest: timed under runner.PeerPolicy.
+  slow_peer: bool = False
 
-  pallet and the peer are imported here, not at module import, so a broken or
-  missing implementation fails only its own variant.
-  """
-  if variant == "jnp":
-    return bench.reference
-  if variant == "pallet":
-    import pallet
-    return bench.build_pallas(pallet)
-  if variant == "interpret":
-    from benchmarks.peer import peer_pallas
-    return bench.build_pallas(peer_pallas(), interpret=True)
-  raise ValueError(f"unknown variant {variant!r}; expected one of {VARIANTS}")
+
+def _reference(bench: Benchmark) -> Program:
+  return bench.reference
+
+
+def _pallet_cpu(bench: Benchmark) -> Program:
+  import pallet
+  # pallet's default backend is the CPU one unless a GPU is present; the CPU suite
+  # names it only in that case, so on a CPU machine the call is the plain default.
+  kwargs = {} if jax.default_backend() == "cpu" else {"backend": "xla"}
+  return bench.build_pallas(pallet, **kwargs)
+
+
+def _pallas_interpret(bench: Benchmark) -> Program:
+  from benchmarks.peer import peer_pallas
+  return bench.build_pallas(peer_pallas(), interpret=True)
+
+
+JNP = Variant(REFERENCE, _reference)
+CPU_VARIANTS: tuple[Variant, ...] = (
+    JNP,
+    Variant("pallet", _pallet_cpu),
+    Variant("interpret", _pallas_interpret, slow_peer=True),
+)
+
+
+def cpu_variant(name: str) -> Variant:
+  for v in CPU_VARIANTS:
+    if v.name == name:
+      return v
+  raise ValueError(f"unknown variant {name!r}; expected one of "
+                   f"{[v.name for v in CPU_VARIANTS]}")

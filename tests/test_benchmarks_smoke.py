@@ -17,18 +17,38 @@ from benchmarks.__main__ import main
 from benchmarks.case import Benchmark
 from benchmarks.checking import MismatchError, check_matches
 from benchmarks.elementwise import vector_add
+from benchmarks.gpu import gpu_benchmarks, gpu_device
+from benchmarks.gpu import main as gpu_main
 from benchmarks.runner import BenchmarkResult, PeerPolicy, VariantResult, run_benchmark
-from benchmarks.variants import program_for
+from benchmarks.variants import CPU_VARIANTS, cpu_variant
 
 TINY = catalog.all_benchmarks("tiny")
+GPU_ONLY = sorted({b.name for b in gpu_benchmarks("tiny")} - {b.name for b in TINY})
+JNP_AND_PEER = [cpu_variant("jnp"), cpu_variant("interpret")]
 
 
 @pytest.mark.parametrize("bench", TINY, ids=[b.name for b in TINY])
 def test_kernel_matches_jnp_through_pallet(bench):
   args = bench.make_inputs(jax.random.key(1))
   expected = jax.jit(bench.reference)(*args)
-  actual = jax.jit(program_for(bench, "pallet"))(*args)
+  actual = jax.jit(cpu_variant("pallet").build(bench))(*args)
   check_matches(bench, "pallet", actual, expected)
+
+
+@pytest.mark.parametrize("name", GPU_ONLY)
+def test_gpu_suite_in_kernel_reduction_forms_match_jnp_on_cpu(name):
+  bench = next(b for b in gpu_benchmarks("tiny") if b.name == name)
+  args = bench.make_inputs(jax.random.key(2))
+  expected = jax.jit(bench.reference)(*args)
+  for variant in CPU_VARIANTS[1:]:
+    check_matches(bench, variant.name, jax.jit(variant.build(bench))(*args), expected)
+
+
+def test_gpu_script_skips_cleanly_without_a_gpu(capsys):
+  if gpu_device() is not None:
+    pytest.skip("a GPU is present")
+  assert gpu_main(["--only", "softmax"]) == 0
+  assert "no GPU" in capsys.readouterr().out
 
 
 def test_every_family_has_a_tiny_benchmark_with_several_grid_steps():
@@ -57,7 +77,7 @@ def test_runner_reports_a_wrong_pallet_result_as_mismatch_and_does_not_time_it()
   good = next(b for b in TINY if b.name == "vadd_b65536")
   bad = dataclasses.replace(
       good, build_pallas=functools.partial(_wrong_vector_add, n=128 * 1024, block=65536))
-  result = run_benchmark(bad, ["jnp", "pallet"], reps=2, peer=PeerPolicy())
+  result = run_benchmark(bad, CPU_VARIANTS[:2], reps=2, peer=PeerPolicy())
   pallet = result.variants["pallet"]
   assert pallet.status == "mismatch" and "vadd_b65536: pallet differs" in pallet.message
   assert pallet.samples_s == [] and result.ratio("pallet", "jnp") is None
@@ -70,7 +90,7 @@ def test_runner_reports_a_failing_variant_as_error():
   def broken(pl, **kwargs):
     raise ValueError("kernel refuses to build")
 
-  result = run_benchmark(dataclasses.replace(good, build_pallas=broken), ["jnp", "pallet"],
+  result = run_benchmark(dataclasses.replace(good, build_pallas=broken), CPU_VARIANTS[:2],
                          reps=1, peer=PeerPolicy())
   assert result.variants["pallet"].status == "error"
   assert "ValueError: kernel refuses to build" in result.variants["pallet"].message
@@ -78,12 +98,12 @@ def test_runner_reports_a_failing_variant_as_error():
 
 def test_peer_policy_single_run_and_budget():
   bench = next(b for b in TINY if b.name == "vadd_b65536")
-  once = run_benchmark(bench, ["jnp", "interpret"], reps=5,
+  once = run_benchmark(bench, JNP_AND_PEER, reps=5,
                        peer=PeerPolicy(reps=3, single_run_s=0.0))
   assert once.variants["interpret"].status == "ok"
   assert len(once.variants["interpret"].samples_s) == 1
   assert len(once.variants["jnp"].samples_s) == 5
-  spent = run_benchmark(bench, ["jnp", "interpret"], reps=1, peer=PeerPolicy(budget_s=0.0))
+  spent = run_benchmark(bench, JNP_AND_PEER, reps=1, peer=PeerPolicy(budget_s=0.0))
   assert spent.variants["interpret"].status == "skipped"
   assert spent.variants["interpret"].message.startswith("n/a")
 
@@ -126,6 +146,16 @@ def test_main_rejects_unknown_benchmark_name(capsys):
   assert exc.value.code == 2
   err = capsys.readouterr().err
   assert "'no_such_kernel'" in err and "vadd_b1024" in err
+
+
+def test_runner_requires_the_jnp_reference_first():
+  with pytest.raises(ValueError, match="first variant must be 'jnp'"):
+    run_benchmark(TINY[0], CPU_VARIANTS[1:], reps=1, peer=PeerPolicy())
+
+
+def test_unknown_variant_name_is_rejected():
+  with pytest.raises(ValueError, match="unknown variant 'pallets'"):
+    cpu_variant("pallets")
 
 
 def test_main_rejects_nonpositive_reps(capsys):

@@ -1,0 +1,168 @@
+"""GPU benchmarks: pallet's Triton backend vs jax.numpy vs `jax.experimental.pallas` on Triton.
+
+Run `python -m benchmarks.gpu [--only NAME] [--reps N] [--out DIR]` on a machine with
+a CUDA GPU; without one it prints a note and exits 0. It reuses the CPU suite's
+kernels whose grid steps are independent. Kernels that reduce over a grid axis
+(matmul's k axis, colsumsq's row axis) rely on grid steps running in order, which
+Triton does not promise, so here they are replaced by forms that loop over the
+reduction inside the kernel.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from benchmarks import catalog, matmul, reduction, report
+from benchmarks.case import Benchmark, Size
+from benchmarks.runner import PeerPolicy
+from benchmarks.variants import JNP, Variant
+
+GRID_REDUCTION_BENCHMARKS = ("matmul", "colsumsq")
+GPU_COLUMNS = report.Columns(reference="jnp", subject="pallet", peer="pallas_triton")
+
+
+def matmul_k_loop_kernel(pl: ModuleType, *, block_k: int):
+  """o[i, j] = sum over k blocks of x[i, k] @ y[k, j], looped inside the kernel."""
+
+  def kernel(x_ref, y_ref, o_ref):
+    def step(kk, acc):
+      x = x_ref[:, pl.ds(kk * block_k, block_k)]
+      y = y_ref[pl.ds(kk * block_k, block_k), :]
+      return acc + jnp.dot(x, y, preferred_element_type=jnp.float32)
+
+    acc = jnp.zeros(o_ref.shape, jnp.float32)
+    o_ref[...] = lax.fori_loop(0, x_ref.shape[1] // block_k, step, acc)
+
+  return kernel
+
+
+def matmul_k_loop(pl: ModuleType, *, m: int, n: int, k: int, block: int,
+                  **call_kwargs: Any):
+  return pl.pallas_call(
+      matmul_k_loop_kernel(pl, block_k=block),
+      out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32),
+      grid=(m // block, n // block),
+      in_specs=[pl.BlockSpec((block, k), lambda i, j: (i, 0)),
+                pl.BlockSpec((k, block), lambda i, j: (0, j))],
+      out_specs=pl.BlockSpec((block, block), lambda i, j: (i, j)),
+      **call_kwargs,
+  )
+
+
+def column_sum_squares_row_loop_kernel(pl: ModuleType, *, block_rows: int):
+  def kernel(x_ref, o_ref):
+    def step(i, acc):
+      x = x_ref[pl.ds(i * block_rows, block_rows), :]
+      return acc + jnp.sum(x * x, axis=0)
+
+    acc = jnp.zeros(o_ref.shape, jnp.float32)
+    o_ref[...] = lax.fori_loop(0, x_ref.shape[0] // block_rows, step, acc)
+
+  return kernel
+
+
+def column_sum_squares_row_loop(pl: ModuleType, *, rows: int, cols: int, block_rows: int,
+                                block_cols: int, **call_kwargs: Any):
+  return pl.pallas_call(
+      column_sum_squares_row_loop_kernel(pl, block_rows=block_rows),
+      out_shape=jax.ShapeDtypeStruct((cols,), jnp.float32),
+      grid=(cols // block_cols,),
+      in_specs=[pl.BlockSpec((rows, block_cols), lambda j: (0, j))],
+      out_specs=pl.BlockSpec((block_cols,), lambda j: (j,)),
+      **call_kwargs,
+  )
+
+
+def gpu_benchmarks(size: Size = "full") -> list[Benchmark]:
+  """The CPU suite, with grid-axis reductions looped in-kernel instead."""
+  replaced = {
+      "matmul": dict(name="matmul_kloop", grid=lambda b: b.grid[:2],
+                     build=functools.partial(matmul_k_loop, **matmul.SIZES[size])),
+      "colsumsq": dict(name="colsumsq_rowloop", grid=lambda b: b.grid[:1],
+                       build=functools.partial(column_sum_squares_row_loop,
+                                               **reduction.SIZES[size])),
+  }
+  out = []
+  for b in catalog.all_benchmarks(size):
+    if b.name in replaced:
+      r = replaced[b.name]
+      b = Benchmark(name=r["name"], family=b.family, grid=r["grid"](b),
+                    shapes=b.shapes + ", reduction looped in-kernel",
+                    make_inputs=b.make_inputs, reference=b.reference,
+                    build_pallas=r["build"], rtol=b.rtol, atol=b.atol)
+    out.append(b)
+  return out
+
+
+def _pallet_triton(bench: Benchmark):
+  import pallet
+  return bench.build_pallas(pallet, backend="triton")
+
+
+def _pallas_triton(bench: Benchmark):
+  from jax.experimental.pallas import triton as pallas_triton
+
+  from benchmarks.peer import peer_pallas
+  return bench.build_pallas(peer_pallas(), compiler_params=pallas_triton.CompilerParams())
+
+
+GPU_VARIANTS: tuple[Variant, ...] = (
+    JNP, Variant("pallet", _pallet_triton), Variant("pallas_triton", _pallas_triton))
+
+
+def gpu_device() -> jax.Device | None:
+  try:
+    devices = jax.devices("gpu")
+  except RuntimeError:
+    return None
+  return devices[0] if devices else None
+
+
+def main(argv: list[str] | None = None) -> int:
+  """Run the GPU suite; 0 if all ran and matched (or there is no GPU), 1 otherwise."""
+  p = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__.split("\n")[0])
+  p.add_argument("--only", action="append", default=[], metavar="NAME")
+  p.add_argument("--reps", type=int, default=21, metavar="N")
+  p.add_argument("--out", type=Path, default=Path("bench_out"), metavar="DIR")
+  args = p.parse_args(argv)
+  benches = gpu_benchmarks()
+  try:
+    selected = catalog.select(benches, args.only)
+  except ValueError as e:
+    p.error(str(e))
+  device = gpu_device()
+  if device is None:
+    print("benchmarks.gpu: no GPU visible to JAX; skipping the GPU benchmarks.")
+    return 0
+
+  from benchmarks.__main__ import run_suite
+  results = run_suite(selected, GPU_VARIANTS, reps=args.reps, peer=PeerPolicy(), seed=0,
+                      device=device)
+  print()
+  print(report.format_table(results, GPU_COLUMNS))
+  for note in report.footnotes(results):
+    print(note)
+  print()
+  for line in report.summarize(results, GPU_COLUMNS).lines(targets=False):
+    print(line)
+  args.out.mkdir(parents=True, exist_ok=True)
+  report.write_json(args.out / "perf_gpu.json", results, {"device": str(device),
+                                                            "jax": jax.__version__,
+                                                            "reps": args.reps}, GPU_COLUMNS)
+  print(f"\nwrote {args.out / 'perf_gpu.json'}")
+  failed = [r for r in results
+            if any(v.status in ("error", "mismatch") for v in r.variants.values())]
+  return 1 if failed else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
