@@ -108,8 +108,7 @@ def test_blocks_overhanging_the_edge_compute_every_in_range_element(shape, block
   x = random_array(shape)
   spec = pl.BlockSpec(block, index_map)
   out = pallas_call(lambda x_ref, o_ref: o_ref.__setitem__(..., jnp.sin(x_ref[...]) * 2),
-                    out_shape=sds(x), grid=grid, in_specs=[spec], out_specs=spec,
-                    input_output_aliases={})(x)
+                    out_shape=sds(x), grid=grid, in_specs=[spec], out_specs=spec)(x)
   assert_close(out, jnp.sin(x) * 2)
 
 
