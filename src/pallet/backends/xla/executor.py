@@ -2,14 +2,14 @@
 
 The kernel body runs in its discharged form (refs become values in, values out),
 so `pl.when` becomes a select under vmap and XLA sees ordinary array code. Per
-loop step, operands are cut as slabs: one dynamic slice that holds the blocks
-of every vectorized grid point, reshaped so the vectorized grid axes come first.
-Outputs live in padded buffers updated in place with dynamic_update_slice, so
+loop step, each input is cut as one slab holding the blocks of every vectorized
+program and only reshaped: its vmap axes stay where the array has them, so no
+transpose is paid per step. Output blocks live in batch-first slabs (the loop
+carry), moved back into their arrays once per outer step. Buffers are padded, so
 blocks that overhang an array edge read padding and their writes are dropped.
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, Callable, Sequence
 
@@ -40,58 +40,62 @@ def discharged_body(kernel: KernelDescription) -> Body:
 
 
 # ------------------------------------------------------------------ slabs
-def _tiled_axis_of(op: OperandPlan) -> dict[int, int]:
-  return {d: g for g, d in op.tiled_by.items()}
+class _Slab:
+  """How one operand's slab is cut, viewed per program, and written back."""
 
+  def __init__(self, op: OperandPlan, plan: ExecutionPlan):
+    self.op = op
+    axis_of = {d: g for g, d in op.tiled_by.items()}
+    self.sizes, view, self.batch_pos = [], [], {}
+    for d, dim in enumerate(op.mapping.dims):
+      if d in axis_of:
+        g = axis_of[d]
+        self.sizes.append(plan.chunk[g] * dim.size)
+        self.batch_pos[g] = len(view)
+        view.append(plan.chunk[g])
+      else:
+        self.sizes.append(dim.size)
+      if dim.kind != "squeezed":
+        view.append(dim.size)
+    self.view = tuple(view)
+    # batch axes in vmap-level order, for the batch-first layout of outputs
+    self.levels = [g for g in plan.vectorized if g in self.batch_pos]
+    self.vectorized = plan.vectorized
 
-def _slab_sizes(op: OperandPlan, grid: Sequence[int]) -> list[int]:
-  axis_of = _tiled_axis_of(op)
-  return [grid[axis_of[d]] * dim.size if d in axis_of else dim.size
-          for d, dim in enumerate(op.mapping.dims)]
+  def cut(self, x: jax.Array, start: Any) -> jax.Array:
+    """The slab at `start`, reshaped so each vmapped axis is its own dimension."""
+    if tuple(self.sizes) == x.shape:
+      y = x
+    elif isinstance(start, tuple):
+      y = lax.slice(x, start, tuple(s + n for s, n in zip(start, self.sizes)))
+    else:
+      y = lax.dynamic_slice(x, list(start), self.sizes)
+    return y.reshape(self.view)
 
+  def axis_at_level(self, level: int) -> int | None:
+    """Where vmap level `level` finds its batch axis, once outer levels took theirs."""
+    g = self.vectorized[level]
+    if g not in self.batch_pos:
+      return None
+    pos = self.batch_pos[g]
+    return pos - sum(1 for h in self.vectorized[:level]
+                     if h in self.batch_pos and self.batch_pos[h] < pos)
 
-def _cut(x: jax.Array, op: OperandPlan, start: Any, plan: ExecutionPlan) -> jax.Array:
-  """The slab of `x` at `start`, shaped (*vectorized grid axes, *kernel block)."""
-  sizes = _slab_sizes(op, plan.grid)
-  if tuple(sizes) == x.shape:
-    y = x
-  elif isinstance(start, tuple):
-    y = lax.slice(x, start, tuple(s + n for s, n in zip(start, sizes)))
-  else:
-    y = lax.dynamic_slice(x, list(start), sizes)
-  axis_of = _tiled_axis_of(op)
-  shape, batch_pos = [], {}
-  for d, dim in enumerate(op.mapping.dims):
-    if d in axis_of:
-      batch_pos[axis_of[d]] = len(shape)
-      shape.append(plan.grid[axis_of[d]])
-    if dim.kind != "squeezed":
-      shape.append(dim.size)
-  y = y.reshape(shape)
-  present = [g for g in plan.vectorized if g in batch_pos]
-  return jnp.moveaxis(y, [batch_pos[g] for g in present], list(range(len(present))))
+  def batch_first(self, view: jax.Array) -> jax.Array:
+    src = [self.batch_pos[g] for g in self.levels]
+    return jnp.moveaxis(view, src, list(range(len(src)))) if src else view
 
-
-def _merge(buf: jax.Array, slab: jax.Array, op: OperandPlan, start: Any,
-           plan: ExecutionPlan) -> jax.Array:
-  """Writes a slab produced by `_cut`'s layout back into `buf` at `start`."""
-  axis_of = _tiled_axis_of(op)
-  positions, shape = [], []
-  for d, dim in enumerate(op.mapping.dims):
-    if d in axis_of:
-      positions.append((axis_of[d], len(shape)))
-      shape.append(plan.grid[axis_of[d]])
-    if dim.kind != "squeezed":
-      shape.append(dim.size)
-  present = [g for g in plan.vectorized if g in dict(positions)]
-  where = dict(positions)
-  slab = jnp.moveaxis(slab, list(range(len(present))), [where[g] for g in present])
-  slab = slab.reshape(_slab_sizes(op, plan.grid))
-  if slab.shape == buf.shape:
-    return slab
-  if isinstance(start, tuple):
-    start = [jnp.int32(s) for s in start]
-  return lax.dynamic_update_slice(buf, slab.astype(buf.dtype), list(start))
+  def merge(self, buf: jax.Array, slab: jax.Array, start: Any) -> jax.Array:
+    """Writes a batch-first slab back into `buf` at `start`."""
+    dst = [self.batch_pos[g] for g in self.levels]
+    if dst:
+      slab = jnp.moveaxis(slab, list(range(len(dst))), dst)
+    slab = slab.reshape(self.sizes).astype(buf.dtype)
+    if slab.shape == buf.shape:
+      return slab
+    if isinstance(start, tuple):
+      start = [jnp.int32(s) for s in start]
+    return lax.dynamic_update_slice(buf, slab, list(start))
 
 
 # ------------------------------------------------------------------ start tables
@@ -99,19 +103,20 @@ class _Starts:
   """Element offsets of an operand's slab for each (outer, inner) loop step."""
 
   def __init__(self, op: OperandPlan, plan: ExecutionPlan, runtime_table: Any = None):
-    grid, V = plan.grid, plan.vectorized
-    loop_axes = plan.outer + plan.inner
-    self.n_outer = math.prod(grid[g] for g in plan.outer)
-    self.n_inner = math.prod(grid[g] for g in plan.inner)
+    self.n_outer = math.prod(plan.loop_size(g) for g in plan.outer)
+    self.n_inner = math.prod(plan.loop_size(g) for g in plan.inner)
     if runtime_table is not None:
-      self.table = runtime_table.reshape(self.n_outer, self.n_inner, runtime_table.shape[-1])
+      self.table = runtime_table.reshape(self.n_outer, self.n_inner, -1)
       self.static = None
       return
-    t = op.table[tuple(0 if g in V else slice(None) for g in range(len(grid)))]
-    rest = [g for g in range(len(grid)) if g not in V]
-    t = np.transpose(t, [rest.index(g) for g in loop_axes] + [len(rest)])
-    t = t.reshape(self.n_outer, self.n_inner, t.shape[-1])
-    flat = t.reshape(self.n_outer * self.n_inner, t.shape[-1])
+    G = len(plan.grid)
+    # first program of each chunk along vectorized axes, every program along looped ones
+    t = op.table[tuple(slice(None, None, plan.chunk.get(g, 1)) for g in range(G))]
+    loop_axes = plan.outer + plan.inner
+    rest = [g for g in range(G) if g not in loop_axes]
+    ndim = t.shape[-1]
+    t = np.transpose(t, loop_axes + rest + [G]).reshape(self.n_outer, self.n_inner, ndim)
+    flat = t.reshape(self.n_outer * self.n_inner, ndim)
     self.static = tuple(int(v) for v in flat[0]) if len(flat) and np.all(flat == flat[0]) else None
     self.table = jnp.asarray(t, jnp.int32)
 
@@ -122,11 +127,11 @@ class _Starts:
     return [row[d] for d in range(row.shape[0])]
 
 
-def _unravel(flat: Any, axes: Sequence[int], grid: Sequence[int]) -> dict[int, Any]:
+def _unravel(flat: Any, axes: Sequence[int], sizes: Sequence[int]) -> dict[int, Any]:
   ids = {}
-  for g in reversed(axes):
-    ids[g] = flat % grid[g]
-    flat = flat // grid[g]
+  for g, n in zip(reversed(axes), reversed(sizes)):
+    ids[g] = flat % n
+    flat = flat // n
   return ids
 
 
@@ -148,82 +153,121 @@ def _runtime_tables(plan: ExecutionPlan, prefetch: Sequence[Any]) -> list[Any]:
   return tables
 
 
+# ------------------------------------------------------------------ vectorized body
+def _vectorized_body(body: Body, plan: ExecutionPlan, in_slabs: list[_Slab],
+                     n_outputs: int, n_scratch: int) -> Callable:
+  """`f(base_ids, prefetch, ins, outs, scratch)` running every vectorized program.
+
+  Inputs come in their slab layout; outputs and scratch batch-first over the
+  parallel vectorized axes (unbatched over summed ones, which are outermost).
+  Results are batch-first over all vectorized axes.
+  """
+  V, G = plan.vectorized, len(plan.grid)
+
+  def point(vids, base, prefetch, ins, outs, scratch):
+    ids = [base[g] + vids[V.index(g)] if g in V else base[g] for g in range(G)]
+    return body(ids, prefetch, ins, outs, scratch)
+
+  fn = point
+  for level in reversed(range(len(V))):
+    in_axes = [s.axis_at_level(level) for s in in_slabs]
+    carried = None if V[level] in plan.summed else 0
+
+    def wrap(inner, level=level, in_axes=in_axes, carried=carried):
+      mapped = jax.vmap(
+          lambda vid, vids, base, pre, ins, outs, scr: inner(vids + (vid,), base, pre, ins,
+                                                             outs, scr),
+          in_axes=(0, None, None, None, in_axes, [carried] * n_outputs,
+                   [carried] * n_scratch),
+          out_axes=0)
+      n = plan.chunk[V[level]]
+      return lambda vids, base, pre, ins, outs, scr: mapped(
+          jnp.arange(n, dtype=jnp.int32), vids, base, pre, ins, outs, scr)
+    fn = wrap(fn)
+  return lambda base, pre, ins, outs, scr: fn((), base, pre, ins, outs, scr)
+
+
+def _sum_leading(partial: jax.Array, n: int, dtype: Any) -> jax.Array:
+  """Sums the `n` summed-axis dimensions, in at least f32 for narrow floats."""
+  if not n:
+    return partial
+  acc = partial
+  if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32:
+    acc = acc.astype(jnp.float32)
+  return jnp.sum(acc, axis=tuple(range(n))).astype(dtype)
+
+
 # ------------------------------------------------------------------ the function
 def build(kernel: KernelDescription, plan: ExecutionPlan | None = None) -> Callable:
   """A pure function `(*prefetch, *inputs) -> outputs` computing the kernel's result."""
   plan = plan or make_plan(kernel)
   gm = kernel.grid_mapping
   body = discharged_body(kernel)
-  grid, V = plan.grid, plan.vectorized
+  grid = plan.grid
   n_pre = len(gm.prefetch_avals)
   aliases = dict((o, i) for i, o in kernel.input_output_aliases)
-  v_shape = tuple(grid[g] for g in V)
-
-  def point(v_ids, loop_ids, prefetch, ins, outs, scratch):
-    ids = dict(loop_ids)
-    ids.update(zip(V, v_ids))
-    return body([ids[g] for g in range(len(grid))], prefetch, ins, outs, scratch)
-
-  vbody = point
-  for level in reversed(range(len(V))):
-    in_axes = [0 if V[level] in op.tiled_by else None for op in plan.inputs]
-
-    def wrap(inner, level=level, in_axes=in_axes):
-      mapped = jax.vmap(
-          lambda vid, vids, lids, pre, ins, outs, scr: inner(vids + (vid,), lids, pre, ins,
-                                                             outs, scr),
-          in_axes=(0, None, None, None, in_axes, 0, 0), out_axes=(0, 0))
-      n = grid[V[level]]
-      return lambda vids, lids, pre, ins, outs, scr: mapped(
-          jnp.arange(n, dtype=jnp.int32), vids, lids, pre, ins, outs, scr)
-    vbody = wrap(vbody)
+  in_slabs = [_Slab(op, plan) for op in plan.inputs]
+  out_slabs = [_Slab(op, plan) for op in plan.outputs]
+  vbody = _vectorized_body(body, plan, in_slabs, len(plan.outputs), len(gm.scratch_avals))
+  parallel_chunks = tuple(plan.chunk[g] for g in plan.vectorized if g not in plan.summed)
+  outer_sizes = [plan.loop_size(g) for g in plan.outer]
+  inner_sizes = [plan.loop_size(g) for g in plan.inner]
+  n_outer, n_inner = math.prod(outer_sizes), math.prod(inner_sizes)
 
   def run(*args):
     prefetch, inputs = list(args[:n_pre]), list(args[n_pre:])
+    bufs = []
+    for o, op in enumerate(plan.outputs):
+      m = op.mapping
+      init = inputs[aliases[o]] if o in aliases else jnp.zeros(m.array_shape, m.dtype)
+      bufs.append(_pad(init, op))
+    if math.prod(grid) == 0:
+      return _unpad(bufs, plan)
     runtime = _runtime_tables(plan, prefetch) if n_pre else None
     in_starts = [_Starts(op, plan, runtime[i] if runtime else None)
                  for i, op in enumerate(plan.inputs)]
     out_starts = [_Starts(op, plan, runtime[len(inputs) + i] if runtime else None)
                   for i, op in enumerate(plan.outputs)]
-    padded_in = [jnp.pad(x, op.pad) if any(op.pad[d] != (0, 0) for d in range(x.ndim))
-                 else x for x, op in zip(inputs, plan.inputs)]
-    bufs = []
-    for o, op in enumerate(plan.outputs):
-      m = op.mapping
-      init = (inputs[aliases[o]] if o in aliases else jnp.zeros(m.array_shape, m.dtype))
-      bufs.append(jnp.pad(init, op.pad) if any(p != (0, 0) for p in op.pad) else init)
-    scratch = [jnp.zeros(v_shape + a.shape, a.dtype) for a in gm.scratch_avals]
-    n_outer, n_inner = math.prod(grid[g] for g in plan.outer), math.prod(
-        grid[g] for g in plan.inner)
-    if math.prod(grid) == 0:
-      return _unpad(bufs, plan)
+    padded_in = [_pad(x, op) for x, op in zip(inputs, plan.inputs)]
+    scratch = [jnp.zeros(parallel_chunks + a.shape, a.dtype) for a in gm.scratch_avals]
+
+    def base_ids(s, r):
+      loop = {**_unravel(s, plan.outer, outer_sizes), **_unravel(r, plan.inner, inner_sizes)}
+      return [loop[g] * plan.chunk.get(g, 1) if g in loop else 0 for g in range(len(grid))]
 
     def step(s, r, outs, scratch):
-      ids = {**_unravel(s, plan.outer, grid), **_unravel(r, plan.inner, grid)}
-      ins = [_cut(x, op, st.at(s, r), plan)
-             for x, op, st in zip(padded_in, plan.inputs, in_starts)]
-      return vbody((), ids, prefetch, ins, outs, scratch)
+      ins = [sl.cut(x, st.at(s, r)) for x, sl, st in zip(padded_in, in_slabs, in_starts)]
+      return vbody(base_ids(s, r), prefetch, ins, outs, scratch)
+
+    def load(bufs, s, r):
+      return [sl.batch_first(sl.cut(b, st.at(s, r)))
+              for b, sl, st in zip(bufs, out_slabs, out_starts)]
+
+    def store(bufs, slabs, s, r):
+      return [sl.merge(b, x, st.at(s, r))
+              for b, x, sl, st in zip(bufs, slabs, out_slabs, out_starts)]
 
     def outer_step(s, carry):
       bufs, scratch = carry
-      if plan.resident_outputs:
-        slabs = [_cut(b, op, st.at(s, 0), plan)
-                 for b, op, st in zip(bufs, plan.outputs, out_starts)]
+      if plan.summed:
+        slabs = [x if keep else jnp.zeros_like(x)
+                 for x, keep in zip(load(bufs, s, 0), plan.keep_initial)]
 
-        def inner_step(r, c):
-          return tuple(step(s, r, *c))
-        slabs, scratch = _loop(n_inner, inner_step, (slabs, scratch))
-        bufs = [_merge(b, sl, op, st.at(s, 0), plan)
-                for b, sl, op, st in zip(bufs, slabs, plan.outputs, out_starts)]
-        return bufs, scratch
+        def inner_step(r, slabs):
+          partials, _ = step(s, r, [jnp.zeros_like(x) for x in slabs], [])
+          return [x + _sum_leading(p, len(plan.summed), x.dtype)
+                  for x, p in zip(slabs, partials)]
+        slabs = _loop(n_inner, inner_step, slabs)
+        return store(bufs, slabs, s, 0), scratch
+      if plan.resident_outputs:
+        slabs, scratch = _loop(n_inner, lambda r, c: step(s, r, *c),
+                               (load(bufs, s, 0), scratch))
+        return store(bufs, slabs, s, 0), scratch
 
       def inner_step(r, c):
         bufs, scratch = c
-        slabs = [_cut(b, op, st.at(s, r), plan)
-                 for b, op, st in zip(bufs, plan.outputs, out_starts)]
-        slabs, scratch = step(s, r, slabs, scratch)
-        return ([_merge(b, sl, op, st.at(s, r), plan)
-                 for b, sl, op, st in zip(bufs, slabs, plan.outputs, out_starts)], scratch)
+        slabs, scratch = step(s, r, load(bufs, s, r), scratch)
+        return store(bufs, slabs, s, r), scratch
       return _loop(n_inner, inner_step, (bufs, scratch))
 
     bufs, _ = _loop(n_outer, outer_step, (bufs, scratch))
@@ -232,10 +276,15 @@ def build(kernel: KernelDescription, plan: ExecutionPlan | None = None) -> Calla
   return run
 
 
+def _pad(x: jax.Array, op: OperandPlan) -> jax.Array:
+  return jnp.pad(x, op.pad) if any(p != (0, 0) for p in op.pad) else x
+
+
 def _loop(n: int, step: Callable, carry: Any) -> Any:
+  as_tuple = lambda c: tuple(c) if isinstance(c, (list, tuple)) else c
   if n == 1:
-    return tuple(step(jnp.int32(0), carry))
-  return tuple(lax.fori_loop(0, n, lambda i, c: tuple(step(i, c)), tuple(carry)))
+    return as_tuple(step(jnp.int32(0), carry))
+  return lax.fori_loop(0, n, lambda i, c: as_tuple(step(i, c)), as_tuple(carry))
 
 
 def _unpad(bufs: list[jax.Array], plan: ExecutionPlan) -> list[jax.Array]:

@@ -1,33 +1,46 @@
 """Grid analysis for the XLA backend: which grid axes to vectorize and which to loop.
 
-The plan is made at trace time from the `GridMapping` alone. Index maps are
-evaluated over the whole grid with concrete numbers, giving each operand a table
-of block positions. From the tables:
+The plan is made at trace time from the `GridMapping` and the kernel body. Index
+maps are evaluated over the whole grid with concrete numbers, giving each operand
+a table of block positions. From the tables and `body_analysis`:
 
 * parallel axes: some output block moves along them (or the user said
   "parallel"); the others are sequential (reduction) axes;
-* vectorized axes (V): parallel axes along which every operand either stays put
-  or tiles one dimension exactly (block index = grid index + const), so the
-  blocks of all V points are a reshape of one slab, and the kernel body runs
-  once under `vmap`;
-* looped axes: the remaining parallel axes (S, outer loop) and the sequential
-  axes (R, inner loop). Output blocks stay resident across R when they do not
-  move along it.
+* vectorized axes: parallel axes along which every operand either stays put or
+  tiles one dimension exactly (block index = grid index + const), so the blocks
+  of all programs are a reshape of one slab and the body runs once under `vmap`.
+  Axes that feed a while-loop trip count stay looped (under vmap every program
+  would run the longest loop);
+* summed axes: sequential axes vectorized too, when every output is a proven
+  accumulator (`o = maybe_zeroed(o) + f(inputs)`, zeroed exactly on the first
+  step or never): the body runs with `o = 0` and the per-step results are summed;
+* looped axes: the remaining parallel axes (outer loop) and sequential axes
+  (inner loop). Output blocks stay resident across the inner loop when they do
+  not move along it;
+* chunks: when vectorizing a whole axis would create intermediates far larger
+  than the kernel's operands, only a divisor of it is vectorized and the rest
+  looped, so memory stays a small multiple of the operands' size.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import subjaxprs
 
+from pallet import _internals as internals
+from pallet.backends.xla.body_analysis import BodyFacts, analyse_body, evaluate_resets
 from pallet.grid_mapping import BlockMapping, GridMapping
 from pallet.tracing import KernelDescription
 
 _SIDE_EFFECT_PRIMITIVES = ("atomic_rmw", "atomic_cas")
+# Vectorized programs may together create at most this many times the bytes of
+# the kernel's operands (but always this floor), before axes are chunked.
+MEMORY_MULTIPLE = 4
+MEMORY_FLOOR_BYTES = 32 << 20
 
 
 @dataclasses.dataclass
@@ -36,7 +49,7 @@ class OperandPlan:
   mapping: BlockMapping
   pad: tuple[tuple[int, int], ...]          # padding added to each array dimension
   table: np.ndarray | None                  # grid + (ndim,) element starts, after padding
-  tiled_by: dict[int, int]                  # V axis -> array dimension it tiles
+  tiled_by: dict[int, int]                  # vectorized axis -> array dimension it tiles
 
   @property
   def padded_shape(self) -> tuple[int, ...]:
@@ -51,22 +64,33 @@ class OperandPlan:
 class ExecutionPlan:
   """The schedule of one kernel on the XLA backend."""
   grid: tuple[int, ...]
-  vectorized: list[int]      # V: run at once under vmap
-  outer: list[int]           # S: parallel axes looped outside
-  inner: list[int]           # R: sequential axes looped inside
+  vectorized: list[int]      # vmap levels, outermost first: summed axes, then parallel ones
+  chunk: dict[int, int]      # vectorized axis -> programs per vmap (its size unless chunked)
+  summed: list[int]          # sequential axes vectorized, outputs summed over them
+  outer: list[int]           # looped outside: parallel axes (chunked ones by chunk)
+  inner: list[int]           # looped inside: sequential axes (chunked summed ones by chunk)
   inputs: list[OperandPlan]
   outputs: list[OperandPlan]
   resident_outputs: bool     # outputs carried across the inner loop
+  keep_initial: list[bool]   # summed plans: output starts from its initial value (no reset)
   reasons: list[str]
 
+  def loop_size(self, g: int) -> int:
+    """Iterations axis `g` contributes to the loop it belongs to."""
+    return self.grid[g] // self.chunk.get(g, 1)
+
   def describe(self) -> str:
-    lines = [f"grid {self.grid}: vectorized axes {self.vectorized}, "
-             f"outer loop {self.outer}, inner loop {self.inner}, "
-             f"outputs {'resident across the inner loop' if self.resident_outputs else 'loaded/stored every step'}"]
-    lines += [f"  - {r}" for r in self.reasons]
-    return "\n".join(lines)
+    chunked = {g: b for g, b in self.chunk.items() if b != self.grid[g]}
+    head = (f"grid {self.grid}: vectorized axes {self.vectorized}"
+            + (f" (summed {self.summed})" if self.summed else "")
+            + (f", chunks {chunked}" if chunked else "")
+            + f", outer loop {self.outer}, inner loop {self.inner}, outputs "
+            + ("resident across the inner loop" if self.resident_outputs
+               else "loaded/stored every step"))
+    return "\n".join([head] + [f"  - {r}" for r in self.reasons])
 
 
+# ------------------------------------------------------------------ index tables
 def _index_table(mapping: BlockMapping, grid: tuple[int, ...]) -> np.ndarray:
   """Evaluates the index map at every grid point: array of shape grid + (ndim,)."""
   ndim = len(mapping.array_shape)
@@ -75,7 +99,7 @@ def _index_table(mapping: BlockMapping, grid: tuple[int, ...]) -> np.ndarray:
     return np.zeros((*grid, ndim), np.int64)
   coords = np.indices(grid).reshape(len(grid), n).astype(np.int32)
   im = mapping.index_map
-  with jax.ensure_compile_time_eval():
+  with internals.eval_context():
     outs = jax.vmap(lambda *ids: jax.core.eval_jaxpr(im.jaxpr, im.consts, *ids))(
         *[jnp.asarray(c) for c in coords]) if grid else \
         jax.core.eval_jaxpr(im.jaxpr, im.consts)
@@ -107,7 +131,7 @@ def _varies(table: np.ndarray, axis: int) -> bool:
   return table.shape[axis] > 1 and not np.all(table == np.take(table, [0], axis=axis))
 
 
-def _tiled_dim(op: OperandPlan, axis: int, grid: tuple[int, ...]) -> int | None | bool:
+def _tiled_dim(op: OperandPlan, axis: int) -> int | None | bool:
   """The one dimension `op` tiles exactly along grid `axis`; None if it stays put,
   False if its movement along `axis` is anything else."""
   table = op.table
@@ -124,18 +148,44 @@ def _tiled_dim(op: OperandPlan, axis: int, grid: tuple[int, ...]) -> int | None 
   return d
 
 
+def _tiling(ops: list[OperandPlan], outputs: list[OperandPlan], g: int,
+            outputs_move: bool) -> dict[int, int] | str:
+  """Operand index -> dimension tiled along axis `g`, or why `g` cannot be vmapped.
+
+  `outputs_move`: every output must tile along `g` (parallel axes, so that the
+  programs write disjoint blocks) or must stay put (summed axes).
+  """
+  tiled = {}
+  for i, op in enumerate(ops + outputs):
+    d = _tiled_dim(op, g)
+    is_output = i >= len(ops)
+    if d is False:
+      return f"{op.mapping.origin} does not tile a single dimension exactly"
+    if is_output and outputs_move and d is None:
+      return f"{op.mapping.origin} does not move along it"
+    if is_output and not outputs_move and d is not None:
+      return f"{op.mapping.origin} moves along it"
+    if d is not None and d in op.tiled_by.values():
+      return f"{op.mapping.origin} is tiled along dimension {d} by two axes"
+    if d is not None:
+      tiled[i] = d
+  return tiled
+
+
 def _uses_primitive(jaxpr: Any, names: tuple[str, ...]) -> bool:
   """Whether `jaxpr` or any jaxpr nested in it binds one of the named primitives."""
+  from jax.extend.core import subjaxprs
   if any(eqn.primitive.name in names for eqn in jaxpr.eqns):
     return True
   return any(_uses_primitive(sub, names) for sub in subjaxprs(jaxpr))
 
 
+# ------------------------------------------------------------------ the planner
 def make_plan(kernel: KernelDescription) -> ExecutionPlan:
   gm: GridMapping = kernel.grid_mapping
   grid, G = gm.grid, len(gm.grid)
   dynamic = bool(gm.prefetch_avals)
-  reasons = []
+  reasons: list[str] = []
 
   def operand(mapping: BlockMapping) -> OperandPlan:
     if dynamic:
@@ -146,10 +196,15 @@ def make_plan(kernel: KernelDescription) -> ExecutionPlan:
 
   inputs = [operand(m) for m in gm.inputs]
   outputs = [operand(m) for m in gm.outputs]
+
+  def looped(order: list[int], resident: bool) -> ExecutionPlan:
+    return ExecutionPlan(grid, [], {}, [], [], order, inputs, outputs, resident,
+                         [True] * len(outputs), reasons)
+
   if dynamic:
     reasons.append("index maps read scalar-prefetch operands: block positions are data, "
                    "every axis runs as a loop")
-    return ExecutionPlan(grid, [], [], list(range(G)), inputs, outputs, False, reasons)
+    return looped(list(range(G)), resident=False)
 
   if gm.dimension_semantics is not None:
     parallel = [g for g in range(G) if gm.dimension_semantics[g] == "parallel"]
@@ -164,30 +219,107 @@ def make_plan(kernel: KernelDescription) -> ExecutionPlan:
   if side_effects and parallel and sequential and min(sequential) < max(parallel):
     reasons.append("kernel has scratch or atomics and a sequential axis precedes a "
                    "parallel one: running the grid in exact row-major order")
-    return ExecutionPlan(grid, [], [], list(range(G)), inputs, outputs,
-                         _resident(outputs, list(range(G))), reasons)
+    return looped(list(range(G)), _resident(outputs, list(range(G))))
 
+  facts = analyse_body(kernel)
   vectorized = []
   for g in parallel:
-    tiles = [(op, _tiled_dim(op, g, grid)) for op in inputs + outputs]
-    bad = [op.mapping.origin for op, d in tiles if d is False]
-    static_out = [op.mapping.origin for op, d in tiles[len(inputs):] if d is None]
-    taken = [op.mapping.origin for op, d in tiles
-             if d not in (None, False) and d in op.tiled_by.values()]
-    if bad or static_out or taken:
-      why = (f"{bad} do not tile a single dimension" if bad else
-             f"{static_out} do not move along it" if static_out else
-             f"{taken} are tiled twice")
-      reasons.append(f"axis {g} looped: {why}")
+    if g in facts.trip_count_axes:
+      reasons.append(f"axis {g} looped: it feeds a while-loop trip count (vectorized, "
+                     f"every program would run the longest loop)")
       continue
-    for op, d in tiles:
-      if d is not None:
-        op.tiled_by[g] = d
+    tiled = _tiling(inputs, outputs, g, outputs_move=True)
+    if isinstance(tiled, str):
+      reasons.append(f"axis {g} looped: {tiled}")
+      continue
+    _record_tiling(inputs + outputs, g, tiled)
     vectorized.append(g)
     reasons.append(f"axis {g} vectorized (blocks tile their arrays exactly)")
-  outer = [g for g in parallel if g not in vectorized]
-  return ExecutionPlan(grid, vectorized, outer, sequential, inputs, outputs,
-                       _resident(outputs, sequential), reasons)
+
+  summed, keep_initial = _summed_axes(kernel, facts, sequential, inputs, outputs, reasons)
+  chunk = {g: grid[g] for g in summed + vectorized}
+  _bound_memory(gm, facts, summed + vectorized, chunk, reasons)
+  for g in [g for g in vectorized if chunk[g] == 1]:
+    vectorized.remove(g)
+    for op in inputs + outputs:
+      op.tiled_by.pop(g, None)
+    del chunk[g]
+  outer = [g for g in parallel if g not in vectorized or chunk[g] < grid[g]]
+  inner = [g for g in sequential if g not in summed or chunk[g] < grid[g]]
+  return ExecutionPlan(grid, summed + vectorized, chunk, summed, outer, inner, inputs,
+                       outputs, _resident(outputs, inner), keep_initial, reasons)
+
+
+def _record_tiling(ops: list[OperandPlan], g: int, tiled: dict[int, int]) -> None:
+  for i, d in tiled.items():
+    ops[i].tiled_by[g] = d
+
+
+def _summed_axes(kernel: KernelDescription, facts: BodyFacts, sequential: list[int],
+                 inputs: list[OperandPlan], outputs: list[OperandPlan],
+                 reasons: list[str]) -> tuple[list[int], list[bool]]:
+  """The sequential axes to vectorize and sum over (all of them or none)."""
+  keep_all = [True] * len(outputs)
+  if not sequential:
+    return [], keep_all
+  if facts.not_accumulators:
+    o, why = next(iter(facts.not_accumulators.items()))
+    reasons.append(f"sequential axes {sequential} looped: {outputs[o].mapping.origin} "
+                   f"is not an accumulator ({why})")
+    return [], keep_all
+  feeding = [g for g in sequential if g in facts.trip_count_axes]
+  if feeding:
+    reasons.append(f"sequential axes looped: {feeding} feed a while-loop trip count")
+    return [], keep_all
+  grid = kernel.grid_mapping.grid
+  coords = np.indices(grid)
+  first_step = np.all([coords[g] == 0 for g in sequential], axis=0)
+  keep_initial = []
+  for o, resets in sorted(facts.accumulators.items()):
+    zeroed = evaluate_resets(resets, grid)
+    if zeroed is None:
+      reasons.append(f"sequential axes looped: {outputs[o].mapping.origin} is zeroed "
+                     f"under a condition that depends on data")
+      return [], keep_all
+    if not zeroed.any():
+      keep_initial.append(True)
+    elif np.array_equal(zeroed, first_step):
+      keep_initial.append(False)
+    else:
+      reasons.append(f"sequential axes looped: {outputs[o].mapping.origin} is zeroed at "
+                     f"steps other than the first of the reduction")
+      return [], keep_all
+  tilings = []
+  for g in sequential:
+    tiled = _tiling(inputs, outputs, g, outputs_move=False)
+    if isinstance(tiled, str):
+      reasons.append(f"sequential axes looped: along axis {g}, {tiled}")
+      return [], keep_all
+    tilings.append((g, tiled))
+  for g, tiled in tilings:
+    _record_tiling(inputs + outputs, g, tiled)
+  reasons.append(f"sequential axes {sequential} vectorized and summed: every output is an "
+                 f"accumulator (o = {'o' if all(keep_initial) else 'zeroed-at-first-step(o)'}"
+                 f" + f(inputs)), proven from the kernel body")
+  return list(sequential), keep_initial
+
+
+def _bound_memory(gm: GridMapping, facts: BodyFacts, axes: list[int], chunk: dict[int, int],
+                  reasons: list[str]) -> None:
+  """Shrinks chunks (outermost axes first) until the vectorized programs' largest
+  intermediate fits the budget."""
+  operand_bytes = sum(math.prod(b.array_shape) * np.dtype(b.dtype).itemsize
+                      for b in (*gm.inputs, *gm.outputs))
+  budget = max(MEMORY_MULTIPLE * operand_bytes, MEMORY_FLOOR_BYTES)
+  per_program = max(facts.intermediate_bytes, 1)
+  for g in axes:
+    others = math.prod(chunk[a] for a in axes if a != g)
+    if per_program * others * chunk[g] <= budget:
+      return
+    allowed = max(1, budget // (per_program * others))
+    chunk[g] = max(b for b in range(1, gm.grid[g] + 1) if gm.grid[g] % b == 0 and b <= allowed)
+    reasons.append(f"axis {g} chunked: {chunk[g]} of its {gm.grid[g]} programs at a time "
+                   f"(each program creates up to {per_program} bytes; budget {budget})")
 
 
 def _resident(outputs: list[OperandPlan], inner: list[int]) -> bool:
