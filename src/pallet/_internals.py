@@ -93,3 +93,9 @@ def scan_layout(params: dict) -> tuple[Any, tuple, int, int]:
   n_in = len(jaxpr.invars)
   const_ids, carry_ids, _ = params["ft_in"].update(list(range(n_in))).unpack()
   return jaxpr, consts, len(list(const_ids)), len(list(carry_ids))
+
+# --- concrete evaluation at trace time (XLA backend planning) ---------------------
+# Index maps and reset predicates are evaluated on numbers while a kernel is being
+# traced, possibly under jit/grad; `jax.ensure_compile_time_eval` does not escape
+# every trace (linearize) in jax 0.12, this evaluates with the eager trace.
+eval_context = _core.eval_context
