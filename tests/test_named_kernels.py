@@ -43,16 +43,17 @@ def add_kernel(x_ref, y_ref, o_ref):
   o_ref[...] = x_ref[...] + y_ref[...]
 
 
-def test_blocks_by_name_align_operands_stored_in_different_orders():
-  x = rand((Batch, Seq, Feature))
-  y = rand((Feature, Seq, Batch))  # same axes, another layout
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int32])
+def test_blocks_by_name_align_operands_stored_in_different_orders(dtype):
+  x = rand((Batch, Seq, Feature), dtype)
+  y = rand((Feature, Seq, Batch), dtype)  # same axes, another layout
   seen = []
 
   def kernel(x_ref, y_ref, o_ref):
     seen.append((x_ref.axes, y_ref.axes, o_ref.axes))
     add_kernel(x_ref, y_ref, o_ref)
 
-  out = named_call(kernel, out_shape=pn.NamedShapeDtype((Seq, Batch, Feature), jnp.float32),
+  out = named_call(kernel, out_shape=pn.NamedShapeDtype((Seq, Batch, Feature), dtype),
                    grid={"batch": 2, "seq": 4},
                    block={"batch": None, "seq": 8})(x, y)
   assert isinstance(out, pn.NamedArray) and out.axes == (Seq, Batch, Feature)
@@ -134,6 +135,18 @@ def test_mixed_raw_operands_and_several_outputs():
   assert isinstance(named_o, pn.NamedArray) and not isinstance(raw_o, pn.NamedArray)
   assert_close(named_o.array, x.array * 3)
   assert_close(raw_o, scale + x.array.sum(1, keepdims=True))
+
+
+def test_vmap_of_a_function_that_launches_a_named_kernel():
+  raws = random_array((3, 32, 16))
+
+  def scaled(raw):
+    x = pn.named(raw, (Seq, Feature))
+    out = named_call(lambda x_ref, o_ref: o_ref.__setitem__(..., x_ref[...] * 4.0),
+                     out_shape=x, grid={"seq": 4}, block={"seq": 8})(x)
+    return out.array
+
+  assert_close(jax.vmap(scaled)(raws), raws * 4.0)
 
 
 def test_named_kernel_under_jit_and_grad():
