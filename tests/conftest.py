@@ -1,9 +1,15 @@
 """pytest wiring: markers and the backend the kernel tests run on."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
-from helpers import current_test_backend
+# Triton's interpreter must be switched on before triton is first imported.
+if os.environ.get("PALLET_TEST_BACKEND", "").strip().lower() == "triton":
+  os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from helpers import current_test_backend  # noqa: E402
 
 
 def pytest_configure(config):
