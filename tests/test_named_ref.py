@@ -298,6 +298,17 @@ def test_placement_inside_a_slice_ref_follows_the_view():
                                 view[{"c": named_idx}].array)
 
 
+def test_call_time_arrays_compose_with_a_strided_prefix():
+  x = rand((Cache, Head))
+  ref = hax.new_ref(x)
+  strided = ref.slice({"layer": slice(1, 20, 3)})  # layers 1, 4, ..., 19 (7 of them)
+  picks = hax.named(jnp.array([0, -1, 2]), ("pick",))  # negatives count from the view's end
+  np.testing.assert_array_equal(strided[{"layer": picks}].array,
+                                np.asarray(x.array)[[1, 19, 7]])
+  strided[{"layer": picks, "head": 0}] = hax.named(jnp.array([7.0, 8.0, 9.0]), ("pick",))
+  np.testing.assert_array_equal(ref[{"head": 0}].array[np.array([1, 19, 7])], [7.0, 8.0, 9.0])
+
+
 def test_indexing_errors_for_arrays():
   ref = hax.new_ref(rand((Cache, Head)))
   with pytest.raises(TypeError, match="must be 0-d or 1-d"):
