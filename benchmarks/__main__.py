@@ -68,7 +68,15 @@ def _git_commit() -> str | None:
     return None
 
 
-def _meta(args: argparse.Namespace, size: Size) -> dict[str, Any]:
+def _load_average() -> list[float] | None:
+  try:
+    return [round(x, 2) for x in os.getloadavg()]
+  except OSError:
+    return None
+
+
+def _meta(args: argparse.Namespace, size: Size,
+          load_at_start: list[float] | None) -> dict[str, Any]:
   return {
       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
       "size": size,
@@ -81,6 +89,8 @@ def _meta(args: argparse.Namespace, size: Size) -> dict[str, Any]:
       "machine": platform.machine(),
       "processor": platform.processor() or None,
       "cpu_count": os.cpu_count(),
+      "load_average_at_start": load_at_start,
+      "load_average_at_end": _load_average(),
       "devices": [str(d) for d in jax.devices()],
       "git_commit": _git_commit(),
   }
@@ -116,6 +126,10 @@ def main(argv: list[str] | None = None) -> int:
   except ValueError as e:
     parser.error(str(e))
 
+  load_at_start = _load_average()
+  if load_at_start and load_at_start[0] > 0.5 * (os.cpu_count() or 1):
+    print(f"note: machine busy (1-min load average {load_at_start[0]} on "
+          f"{os.cpu_count()} cores); timings will be noisy", flush=True)
   variants = [v for v in CPU_VARIANTS if not (args.no_peer and v.slow_peer)]
   peer = PeerPolicy(reps=args.peer_reps, single_run_s=args.peer_single_s,
                     budget_s=args.peer_budget_s)
@@ -135,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
   out_dir.mkdir(parents=True, exist_ok=True)
   stem = "perf_cpu" if size == "full" else f"perf_cpu_{size}"
   json_path, png_path = out_dir / f"{stem}.json", out_dir / f"{stem}.png"
-  report.write_json(json_path, results, _meta(args, size))
+  report.write_json(json_path, results, _meta(args, size, load_at_start))
   try:
     report.write_chart(png_path, results, title=f"pallet CPU backend, {size} sizes "
                        f"(median ms, log scale)")
