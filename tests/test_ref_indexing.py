@@ -215,3 +215,42 @@ def test_store_through_at_view_and_load_from_at_view():
   out = pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((4, 6), f32))(x)
   expected = jnp.zeros((4, 6)).at[2, 1:5].set(jnp.where(jnp.arange(4) < 3, x[1, :4], 9.0))
   assert_close(out, expected)
+
+
+def test_triton_style_2d_index_arrays_with_mask():
+  # Row and column index vectors broadcast against each other; the mask trims both
+  # the rows and the columns that fall outside the 5x6 input.
+  def kernel(x_ref, o_ref):
+    rows, cols = jnp.arange(4), jnp.arange(8)
+    mask = (rows[:, None] + 2 < 5) & (cols[None, :] < 6)
+    v = pl.load(x_ref, (rows[:, None] + 2, cols[None, :]), mask=mask, other=-1.0)
+    o_ref[...] = jnp.full(o_ref.shape, 0.5)
+    pl.store(o_ref, (rows[:, None], cols[None, :]), v, mask=mask)
+
+  x = random_array((5, 6))
+  out = pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((4, 6), f32))(x)
+  expected = jnp.full((4, 6), 0.5).at[:3].set(x[2:5])
+  assert_close(out, expected)
+
+
+def test_integer_array_index_mixed_with_slices():
+  def kernel(x_ref, o_ref):
+    o_ref[...] = jnp.zeros(o_ref.shape, f32)
+    o_ref[jnp.array([2, 0]), :] = x_ref[jnp.array([3, 1]), 1:4]
+
+  x = random_array((5, 6))
+  out = pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((3, 3), f32))(x)
+  expected = jnp.zeros((3, 3)).at[2].set(x[3, 1:4]).at[0].set(x[1, 1:4])
+  assert_close(out, expected)
+
+
+def test_2d_strided_ds_and_scalar_reads():
+  def kernel(x_ref, o_ref, s_ref):
+    o_ref[...] = x_ref[pl.ds(1, 2), pl.ds(0, 3, stride=2)]
+    s_ref[0] = x_ref[4, 5] * 2
+
+  x = random_array((5, 6))
+  out, s = pallas_call(kernel, out_shape=(jax.ShapeDtypeStruct((2, 3), f32),
+                                          jax.ShapeDtypeStruct((1,), f32)))(x)
+  assert_close(out, x[1:3, 0:6:2])
+  assert_close(s, x[4, 5:6] * 2)

@@ -226,3 +226,15 @@ def test_grad_with_respect_to_one_of_two_inputs_and_partial_kernel():
   x, w = random_array((6,)), random_array((6,))
   g = jax.grad(lambda w: jnp.sum(f(x, w)))(w)
   assert_close(g, x * jnp.exp(x * w) * 0.5, rtol=1e-5, atol=1e-5)
+
+
+def test_vmap_of_element_blocks():
+  def f(x):
+    return pallas_call(lambda x_ref, o_ref: o_ref.__setitem__(..., x_ref[...] * 2),
+                       out_shape=jax.ShapeDtypeStruct((4,), f32), grid=(2,),
+                       in_specs=[pl.BlockSpec((pl.Element(2),), lambda i: (3 * i + 1,))],
+                       out_specs=pl.BlockSpec((2,), lambda i: (i,)))(x)
+
+  x = random_array((3, 7))
+  expected = jnp.concatenate([x[:, 1:3], x[:, 4:6]], axis=1) * 2
+  assert_close(jax.vmap(f)(x), expected)
