@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any

@@ -86,8 +86,7 @@ def _time_once(fn: Callable[..., Any], args: Sequence[jax.Array]) -> tuple[float
 
 
 def run_benchmark(bench: Benchmark, variants: Sequence[Variant], *, reps: int,
-                  peer: PeerPolicy, seed: int = 0,
-                  log: Callable[[str], None] = lambda _: None) -> BenchmarkResult:
+                  peer: PeerPolicy, seed: int = 0) -> BenchmarkResult:
   """Compile, check and time `variants` of `bench`; the first must be the jnp reference.
 
   Raises RuntimeError if the jax.numpy reference itself cannot run, since then
@@ -106,7 +105,8 @@ def run_benchmark(bench: Benchmark, variants: Sequence[Variant], *, reps: int,
   for variant in variants:
     v, is_peer = variant.name, variant.slow_peer
     if is_peer and peer.exhausted:
-      results[v] = VariantResult("skipped", message=f"n/a (peer budget {peer.budget_s:g}s used up)")
+      results[v] = VariantResult("skipped",
+                                 message=f"n/a (peer budget {peer.budget_s:g}s used up)")
       continue
     start = time.perf_counter()
     try:
@@ -117,7 +117,6 @@ def run_benchmark(bench: Benchmark, variants: Sequence[Variant], *, reps: int,
     results[v].compile_s = time.perf_counter() - start
     if is_peer:
       peer.spent_s += results[v].compile_s
-    log(f"  {bench.name}: compiled {v} in {results[v].compile_s:.2f}s")
 
   if REFERENCE not in compiled:
     raise RuntimeError(f"{bench.name}: the jax.numpy reference failed to compile: "

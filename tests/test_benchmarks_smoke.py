@@ -9,12 +9,10 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from benchmarks import catalog, report
 from benchmarks.__main__ import main
-from benchmarks.case import Benchmark
 from benchmarks.checking import MismatchError, check_matches
 from benchmarks.elementwise import vector_add
 from benchmarks.gpu import gpu_benchmarks, gpu_device
