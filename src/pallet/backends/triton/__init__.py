@@ -11,17 +11,21 @@ Pipeline, one file per stage:
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import jax
 import numpy as np
 from jax.interpreters import mlir
 
+from pallet.backends.triton import compiler
 from pallet.backends.triton.codegen import GeneratedKernel, generate
 from pallet.backends.triton.values import TritonLoweringError
 from pallet.tracing import KernelDescription
 
 NAME = "triton"
+# Set to a directory to record every generated kernel there (see compiler.dump).
+DUMP_DIR_ENV = "PALLET_TRITON_DUMP_DIR"
 
 
 @functools.lru_cache(maxsize=512)
@@ -30,6 +34,8 @@ def generated(kernel: KernelDescription) -> GeneratedKernel:
   result = generate(kernel)
   if kernel.debug:
     print(f"--- pallet Triton source for '{kernel.name}' ---\n{result.source}")
+  if os.environ.get(DUMP_DIR_ENV):
+    compiler.dump(result, os.environ[DUMP_DIR_ENV])
   return result
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
+import json
 import os
 import sys
 import tempfile
@@ -98,3 +99,27 @@ def _compile(source: str, function_name: str, signature: tuple, target_key: tupl
   src = ASTSource(fn=fn, signature=sig, attrs=attrs)
   return triton.compile(src, target=GPUTarget(*target_key),
                         options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+# ------------------------------------------------------------------ recorded kernels
+def dump(generated: GeneratedKernel, directory: str) -> str:
+  """Records a generated kernel (source, signature, options) as JSON in `directory`,
+  so that another process can compile it for other targets (see `compile_recorded`)."""
+  warps, stages = options_of(generated.kernel.compiler_params)
+  record = {"kernel": generated.kernel.name, "where": generated.kernel.source,
+            "function_name": generated.function_name, "signature": generated.signature,
+            "num_warps": warps, "num_stages": stages, "source": generated.source}
+  digest = hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:20]
+  os.makedirs(directory, exist_ok=True)
+  path = os.path.join(directory, f"{digest}.json")
+  if not os.path.exists(path):
+    with open(path, "w") as f:
+      json.dump(record, f, indent=1)
+  return path
+
+
+def compile_recorded(record: dict, target: Any) -> Any:
+  """Compiles a kernel recorded by `dump` for `target`."""
+  return _compile(record["source"], record["function_name"],
+                  tuple(record["signature"].items()), _target_key(target),
+                  record["num_warps"], record["num_stages"])

@@ -1,0 +1,129 @@
+"""Launching a compiled kernel from XLA: the `triton_kernel_call_ffi` custom call.
+
+jaxlib's GPU plugins (jax-cuda12-plugin, jax-rocm plugin) ship the runtime that
+jax-triton uses: a `TritonKernel` (compiled binary + launch metadata), wrapped in
+a `TritonKernelCall` (grid and parameters), serialized into the custom call's
+`opaque` attribute. pallet builds these objects itself, so it needs neither
+jax-triton nor torch. Kernels compile at lowering time for the device's target
+(or the compute capability given in `pallet.triton.CompilerParams`).
+"""
+from __future__ import annotations
+
+import os
+import zlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.interpreters import mlir
+
+from pallet.backends.triton import compiler
+from pallet.backends.triton.values import TritonLoweringError
+from pallet.tracing import KernelDescription
+
+CUSTOM_CALL_TARGET = "triton_kernel_call_ffi"
+
+
+def _kernel_call_library(kernel: KernelDescription, platform: str) -> Any:
+  try:
+    from jax._src.lib import gpu_triton
+  except ImportError:
+    gpu_triton = None
+  if gpu_triton is None or not hasattr(gpu_triton, "TritonKernel"):
+    plugin = "jax-cuda12-plugin" if platform == "cuda" else "the jax ROCm plugin"
+    raise TritonLoweringError(
+        f"pallet Triton backend: kernel '{kernel.name}' ({kernel.source}): launching Triton "
+        f"kernels from JAX needs jaxlib's Triton kernel-call support for {platform}, which "
+        f"comes with {plugin}; install it (e.g. pip install 'jax[cuda12]')")
+  return gpu_triton
+
+
+def target_for(kernel: KernelDescription, platform: str, library: Any) -> Any:
+  """The GPUTarget to compile for: the compute capability/arch the user gave,
+  else the one of device 0."""
+  from triton.backends.compiler import GPUTarget
+  params = kernel.compiler_params
+  if platform == "cuda":
+    cc = getattr(params, "compute_capability", None) or os.environ.get(
+        "PALLET_TRITON_COMPUTE_CAPABILITY")
+    if cc is None:
+      try:
+        cc = library.get_compute_capability(0)
+      except Exception as e:
+        raise TritonLoweringError(
+            f"pallet Triton backend: kernel '{kernel.name}' ({kernel.source}): no CUDA device "
+            f"to read the compute capability from ({e}); pass "
+            f"pallet.triton.CompilerParams(compute_capability=80) to compile ahead of time"
+        ) from None
+    return GPUTarget("cuda", int(cc), 32)
+  arch = getattr(params, "gpu_arch", None) or os.environ.get("PALLET_TRITON_GPU_ARCH")
+  if arch is None:
+    arch = library.get_arch_details(0).split(":")[0]
+  return GPUTarget("hip", arch, 64)
+
+
+def lower_gpu(ctx: Any, *args: Any, kernel: KernelDescription, platform: str) -> list:
+  from pallet.backends.triton import generated
+  gm = kernel.grid_mapping
+  gen = generated(kernel)
+  if gen.schedule.num_programs == 0 or not all(gm.grid):
+    return _no_programs(ctx, *args, kernel=kernel)
+  library = _kernel_call_library(kernel, platform)
+  target = target_for(kernel, platform, library)
+  compiled = compiler.compile_kernel(gen, target)
+  meta = compiled.metadata
+  binary = compiled.asm["ptx"] if platform == "cuda" else _hsaco_path(compiled)
+  kernel_args = [meta.name, meta.num_warps, meta.num_ctas, meta.shared, binary,
+                 compiled.asm["ttir"], target.arch if isinstance(target.arch, int) else 0]
+  scratch = getattr(meta, "global_scratch_size", 0) or 0
+  if scratch:
+    kernel_args += [scratch, getattr(meta, "global_scratch_align", 1)]
+  triton_kernel = library.TritonKernel(*kernel_args)
+
+  n_operands = len(args) + len(gen.constants)
+  n_buffers = n_operands + len(gm.outputs) + (1 if gen.workspace_bytes else 0)
+  params = [library.create_array_parameter(0, 16) for _ in range(n_buffers)]
+  grid = gen.launch_grid
+  call = library.TritonKernelCall(triton_kernel, grid[0], grid[1], grid[2], params)
+  opaque = zlib.compress(call.to_proto(kernel.name, b""))
+
+  # Operands: prefetch, inputs, closed-over constants; results: outputs, workspace.
+  operands = list(args) + [mlir.ir_constant(np.asarray(c)) for c in gen.constants]
+  out_avals = list(ctx.avals_out)
+  if gen.workspace_bytes:
+    out_avals.append(jax.core.ShapedArray(
+        (gen.workspace_bytes * gen.schedule.num_programs,), jnp.int8))
+  in_avals = list(ctx.avals_in) + [jax.core.ShapedArray(c.shape, c.dtype)
+                                   for c in gen.constants]
+  n_pre = len(gm.prefetch_avals)
+  aliases = {n_pre + i: o for i, o in kernel.input_output_aliases}
+  rule = jax.ffi.ffi_lowering(CUSTOM_CALL_TARGET, api_version=4,
+                              operand_output_aliases=aliases, has_side_effect=False)
+  sub_ctx = ctx.replace(avals_in=in_avals, avals_out=out_avals)
+  results = rule(sub_ctx, *operands, opaque=opaque)
+  return list(results)[:len(gm.outputs)]
+
+
+def _hsaco_path(compiled: Any) -> str:
+  """jaxlib takes AMD binaries by file path."""
+  import hashlib
+  data = compiled.asm["hsaco"]
+  path = os.path.join(compiler.cache_dir(), hashlib.sha256(data).hexdigest()[:16] + ".hsaco")
+  if not os.path.exists(path):
+    with open(path, "wb") as f:
+      f.write(data)
+  return path
+
+
+def _no_programs(ctx: Any, *args: Any, kernel: KernelDescription) -> list:
+  """A grid with no steps writes nothing: outputs are their aliased inputs or zeros."""
+  gm = kernel.grid_mapping
+  n_pre = len(gm.prefetch_avals)
+  by_output = {o: i for i, o in kernel.input_output_aliases}
+
+  def empty(*operands):
+    return [operands[n_pre + by_output[k]] if k in by_output else
+            jnp.zeros(b.array_shape, b.dtype) for k, b in enumerate(gm.outputs)]
+
+  return mlir.lower_fun(empty, multiple_results=True)(ctx, *args)
