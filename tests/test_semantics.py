@@ -432,3 +432,90 @@ def test_memory_spaces_are_accepted_on_specs(space):
                     out_shape=sds(x), in_specs=[pl.BlockSpec(memory_space=space)],
                     out_specs=pl.BlockSpec(memory_space=space))(x)
   assert_close(out, x - 5)
+
+
+# ------------------------------------------------------------ reductions that are not plain sums
+_K = 4
+
+
+def _reduce_rows(update, x, k_first: bool):
+  """out[i] = fold of `update(o, x_block, k)` over the column blocks k of x[i]."""
+  rows = x.shape[0] // 2
+
+  def kernel(x_ref, o_ref):
+    k = pl.program_id(0 if k_first else 1)
+    update(o_ref, x_ref, k)
+
+  grid = (_K, 2) if k_first else (2, _K)
+  ik = (lambda k, i: (i, k)) if k_first else (lambda i, k: (i, k))
+  io = (lambda k, i: (i, 0)) if k_first else (lambda i, k: (i, 0))
+  return pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((x.shape[0], 3), f32), grid=grid,
+                     in_specs=[pl.BlockSpec((rows, 3), ik)],
+                     out_specs=pl.BlockSpec((rows, 3), io))(x)
+
+
+def _running_max(o_ref, x_ref, k):
+  @pl.when(k == 0)
+  def _():
+    o_ref[...] = jnp.full(o_ref.shape, -jnp.inf, f32)
+  o_ref[...] = jnp.maximum(o_ref[...], x_ref[...])
+
+
+def _decaying_sum(o_ref, x_ref, k):
+  @pl.when(k == 0)
+  def _():
+    o_ref[...] = jnp.zeros(o_ref.shape, f32)
+  o_ref[...] = o_ref[...] * 0.5 + x_ref[...]
+
+
+def _init_from_first_block(o_ref, x_ref, k):
+  @pl.when(k == 0)
+  def _():
+    o_ref[...] = x_ref[...] * 2
+
+  @pl.when(k > 0)
+  def _():
+    o_ref[...] += x_ref[...] * 2
+
+
+def _sum_then_mean(o_ref, x_ref, k):
+  @pl.when(k == 0)
+  def _():
+    o_ref[...] = jnp.zeros(o_ref.shape, f32)
+  o_ref[...] += x_ref[...]
+  o_ref[...] += 1.0
+
+  @pl.when(k == _K - 1)
+  def _():
+    o_ref[...] = o_ref[...] / _K
+
+
+def _sum_of_squares_minus_last(o_ref, x_ref, k):
+  @pl.when(k == 0)
+  def _():
+    o_ref[...] = jnp.zeros(o_ref.shape, f32)
+  o_ref[...] = o_ref[...] + x_ref[...] ** 2
+  o_ref[...] = jnp.where(k == _K - 1, o_ref[...] - x_ref[...] ** 2, o_ref[...])
+
+
+def _blocks(x):
+  return [x[:, 3 * k:3 * k + 3] for k in range(_K)]
+
+
+_REDUCTIONS = {
+    "running_max": (_running_max, lambda x: jnp.max(jnp.stack(_blocks(x)), 0)),
+    "decaying_sum": (_decaying_sum, lambda x: sum(b * 0.5 ** (_K - 1 - k)
+                                                  for k, b in enumerate(_blocks(x)))),
+    "init_from_first_block": (_init_from_first_block, lambda x: 2 * sum(_blocks(x))),
+    "sum_then_mean": (_sum_then_mean, lambda x: (sum(_blocks(x)) + _K) / _K),
+    "sum_of_squares_minus_last": (_sum_of_squares_minus_last,
+                                  lambda x: sum(b ** 2 for b in _blocks(x)[:-1])),
+}
+
+
+@pytest.mark.parametrize("k_first", [False, True])
+@pytest.mark.parametrize("name", sorted(_REDUCTIONS))
+def test_order_sensitive_and_non_sum_reductions_over_resident_outputs(name, k_first):
+  update, reference = _REDUCTIONS[name]
+  x = random_array((8, 3 * _K))
+  assert_close(_reduce_rows(update, x, k_first), reference(x), rtol=1e-5, atol=1e-5)
