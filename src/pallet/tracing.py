@@ -58,6 +58,7 @@ def kernel_source(kernel: Callable) -> str:
   fn = kernel
   while hasattr(fn, "func"):
     fn = fn.func
+  fn = inspect.unwrap(fn)  # wrappers (e.g. pallet.named) point at the user's kernel
   try:
     return f"{inspect.getsourcefile(fn)}:{inspect.getsourcelines(fn)[1]}"
   except (TypeError, OSError):
