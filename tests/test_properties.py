@@ -3,6 +3,8 @@ maps, each compared to a jax.numpy reference. Outputs alias a poisoned (NaN / IN
 buffer, so any element the kernel should have written but did not shows up."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -158,3 +160,42 @@ def test_masked_tail_blocks(n, block, bins):
                                      jax.ShapeDtypeStruct((bins,), jnp.int32)))(x)
   assert_close(out, x * 2)
   np.testing.assert_array_equal(hist, np.bincount(np.asarray(x) % bins, minlength=bins))
+
+
+_FOLDS = {
+    # name: (init at k == 0 from the first block, step, numpy fold)
+    "sum": (lambda b: b, lambda o, b: o + b, lambda bs: sum(bs)),
+    "max": (lambda b: b, jnp.maximum, lambda bs: np.max(np.stack(bs), 0)),
+    "decay": (lambda b: b, lambda o, b: o * 2 - b,
+              lambda bs: functools.reduce(lambda o, b: o * 2 - b, bs)),
+}
+
+
+@SETTINGS
+@given(st.integers(1, 3), st.integers(1, 4), st.integers(1, 3), st.integers(1, 3),
+       st.integers(0, 1), st.sampled_from(sorted(_FOLDS)))
+def test_folds_over_a_reduction_axis(n_i, n_k, bi, bk, k_first, fold):
+  # A resident output block folded over k, initialised from the first block: exact
+  # integer arithmetic, so any reordering or lost step shows.
+  init, step, reference = _FOLDS[fold]
+
+  def kernel(x_ref, o_ref):
+    k = pl.program_id(0 if k_first else 1)
+
+    @pl.when(k == 0)
+    def _():
+      o_ref[...] = init(x_ref[...])
+
+    @pl.when(k > 0)
+    def _():
+      o_ref[...] = step(o_ref[...], x_ref[...])
+
+  grid = (n_k, n_i) if k_first else (n_i, n_k)
+  in_map = (lambda k, i: (i, k)) if k_first else (lambda i, k: (i, k))
+  out_map = (lambda k, i: (i, 0)) if k_first else (lambda i, k: (i, 0))
+  x = random_array((n_i * bi, n_k * bk), jnp.int32, low=-5, high=5)
+  out = pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((n_i * bi, bk), jnp.int32),
+                    grid=grid, in_specs=[pl.BlockSpec((bi, bk), in_map)],
+                    out_specs=pl.BlockSpec((bi, bk), out_map))(x)
+  blocks = [np.asarray(x)[:, k * bk:(k + 1) * bk] for k in range(n_k)]
+  np.testing.assert_array_equal(out, reference(blocks))
