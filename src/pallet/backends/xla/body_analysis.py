@@ -10,7 +10,9 @@
   and the per-step results summed. Anything the analysis does not recognise makes
   the output a non-accumulator: the proof is conservative, never assumed.
 * `intermediate_bytes`: the largest value one grid step creates, to bound how
-  many steps may be vectorized at once.
+  many steps may be vectorized at once;
+* `has_matrix_product`: whether the body multiplies matrices (the planner only
+  sums reduction axes of such compute-bound bodies, see plan.py).
 """
 from __future__ import annotations
 
@@ -54,6 +56,7 @@ class BodyFacts:
   accumulators: dict[int, tuple[ResetPredicate, ...]]   # output -> its resets
   not_accumulators: dict[int, str]                       # output -> why not
   intermediate_bytes: int
+  has_matrix_product: bool
 
 
 class _NotGridOnly(Exception):
@@ -88,6 +91,11 @@ def _nbytes(aval: Any) -> int:
   if shape is None or dtype is None:
     return 0
   return math.prod(shape) * np.dtype(dtype).itemsize
+
+
+def _binds(jaxpr: Any, name: str) -> bool:
+  return any(eqn.primitive.name == name or any(_binds(sub, name) for sub in _nested_jaxprs(eqn))
+             for eqn in jaxpr.eqns)
 
 
 def max_intermediate_bytes(jaxpr: Any) -> int:
@@ -337,4 +345,5 @@ def analyse_body(kernel: KernelDescription) -> BodyFacts:
   accumulators, not_accumulators = _accumulators(kernel, pure)
   return BodyFacts(trip_count_axes=frozenset(feeds), accumulators=accumulators,
                    not_accumulators=not_accumulators,
-                   intermediate_bytes=max_intermediate_bytes(pure.jaxpr))
+                   intermediate_bytes=max_intermediate_bytes(pure.jaxpr),
+                   has_matrix_product=_binds(pure.jaxpr, "dot_general"))

@@ -19,6 +19,7 @@ import numpy as np
 from jax import lax
 
 from pallet import _internals as internals
+from pallet.backends.xla.canonical_reductions import canonicalized
 from pallet.backends.xla.plan import ExecutionPlan, OperandPlan, make_plan
 from pallet.tracing import KernelDescription
 
@@ -62,15 +63,43 @@ class _Slab:
     self.levels = [g for g in plan.vectorized if g in self.batch_pos]
     self.vectorized = plan.vectorized
 
+  def raw(self, x: jax.Array, start: Any) -> jax.Array:
+    """The slab at `start`, in the array's own layout."""
+    if tuple(self.sizes) == x.shape:
+      return x
+    if isinstance(start, tuple):
+      return lax.slice(x, start, tuple(s + n for s, n in zip(start, self.sizes)))
+    return lax.dynamic_slice(x, list(start), self.sizes)
+
   def cut(self, x: jax.Array, start: Any) -> jax.Array:
     """The slab at `start`, reshaped so each vmapped axis is its own dimension."""
-    if tuple(self.sizes) == x.shape:
-      y = x
-    elif isinstance(start, tuple):
-      y = lax.slice(x, start, tuple(s + n for s, n in zip(start, self.sizes)))
-    else:
-      y = lax.dynamic_slice(x, list(start), self.sizes)
-    return y.reshape(self.view)
+    return self.raw(x, start).reshape(self.view)
+
+  def batch_first_shape(self, plan: ExecutionPlan) -> tuple[int, ...]:
+    kernel = tuple(d.size for d in self.op.mapping.dims if d.kind != "squeezed")
+    return tuple(plan.chunk[g] for g in self.levels) + kernel
+
+  def summed_raw(self, partial: jax.Array, n_summed: int, dtype: Any) -> jax.Array:
+    """Per-program results (summed axes, then batch-first) summed into raw layout.
+
+    The sum runs over a 2-D view: XLA's CPU reductions are slow over split
+    dimensions (see canonical_reductions)."""
+    dst = [n_summed + self.batch_pos[g] for g in self.levels]
+    if dst:
+      partial = jnp.moveaxis(partial, list(range(n_summed, n_summed + len(dst))), dst)
+    if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32:
+      partial = partial.astype(jnp.float32)
+    flat = partial.reshape(math.prod(partial.shape[:n_summed]), math.prod(self.sizes))
+    return jnp.sum(flat, axis=0).reshape(self.sizes).astype(dtype)
+
+  def put(self, buf: jax.Array, raw: jax.Array, start: Any) -> jax.Array:
+    """Writes a raw-layout slab back into `buf` at `start`."""
+    raw = raw.astype(buf.dtype)
+    if raw.shape == buf.shape:
+      return raw
+    if isinstance(start, tuple):
+      start = [jnp.int32(s) for s in start]
+    return lax.dynamic_update_slice(buf, raw, list(start))
 
   def axis_at_level(self, level: int) -> int | None:
     """Where vmap level `level` finds its batch axis, once outer levels took theirs."""
@@ -90,12 +119,7 @@ class _Slab:
     dst = [self.batch_pos[g] for g in self.levels]
     if dst:
       slab = jnp.moveaxis(slab, list(range(len(dst))), dst)
-    slab = slab.reshape(self.sizes).astype(buf.dtype)
-    if slab.shape == buf.shape:
-      return slab
-    if isinstance(start, tuple):
-      start = [jnp.int32(s) for s in start]
-    return lax.dynamic_update_slice(buf, slab, list(start))
+    return self.put(buf, slab.reshape(self.sizes), start)
 
 
 # ------------------------------------------------------------------ start tables
@@ -184,17 +208,8 @@ def _vectorized_body(body: Body, plan: ExecutionPlan, in_slabs: list[_Slab],
       return lambda vids, base, pre, ins, outs, scr: mapped(
           jnp.arange(n, dtype=jnp.int32), vids, base, pre, ins, outs, scr)
     fn = wrap(fn)
-  return lambda base, pre, ins, outs, scr: fn((), base, pre, ins, outs, scr)
-
-
-def _sum_leading(partial: jax.Array, n: int, dtype: Any) -> jax.Array:
-  """Sums the `n` summed-axis dimensions, in at least f32 for narrow floats."""
-  if not n:
-    return partial
-  acc = partial
-  if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32:
-    acc = acc.astype(jnp.float32)
-  return jnp.sum(acc, axis=tuple(range(n))).astype(dtype)
+  vectorized = lambda base, pre, ins, outs, scr: fn((), base, pre, ins, outs, scr)
+  return canonicalized(vectorized) if V else vectorized
 
 
 # ------------------------------------------------------------------ the function
@@ -249,16 +264,18 @@ def build(kernel: KernelDescription, plan: ExecutionPlan | None = None) -> Calla
 
     def outer_step(s, carry):
       bufs, scratch = carry
-      if plan.summed:
-        slabs = [x if keep else jnp.zeros_like(x)
-                 for x, keep in zip(load(bufs, s, 0), plan.keep_initial)]
+      if plan.summed:  # accumulators: slabs stay in raw layout, summed per step
+        slabs = [sl.raw(b, st.at(s, 0)) if keep else jnp.zeros(sl.sizes, b.dtype)
+                 for b, sl, st, keep in zip(bufs, out_slabs, out_starts, plan.keep_initial)]
+        zeros = [jnp.zeros(sl.batch_first_shape(plan), b.dtype) for b, sl in zip(bufs, out_slabs)]
 
         def inner_step(r, slabs):
-          partials, _ = step(s, r, [jnp.zeros_like(x) for x in slabs], [])
-          return [x + _sum_leading(p, len(plan.summed), x.dtype)
-                  for x, p in zip(slabs, partials)]
+          partials, _ = step(s, r, zeros, [])
+          return [x + sl.summed_raw(p, len(plan.summed), x.dtype)
+                  for x, p, sl in zip(slabs, partials, out_slabs)]
         slabs = _loop(n_inner, inner_step, slabs)
-        return store(bufs, slabs, s, 0), scratch
+        return [sl.put(b, x, st.at(s, 0))
+                for b, x, sl, st in zip(bufs, slabs, out_slabs, out_starts)], scratch
       if plan.resident_outputs:
         slabs, scratch = _loop(n_inner, lambda r, c: step(s, r, *c),
                                (load(bufs, s, 0), scratch))

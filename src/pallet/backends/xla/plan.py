@@ -13,7 +13,8 @@ a table of block positions. From the tables and `body_analysis`:
   would run the longest loop);
 * summed axes: sequential axes vectorized too, when every output is a proven
   accumulator (`o = maybe_zeroed(o) + f(inputs)`, zeroed exactly on the first
-  step or never): the body runs with `o = 0` and the per-step results are summed;
+  step or never) and the body multiplies matrices: the body runs with `o = 0`
+  and the per-step results are summed (XLA folds the sum into the contraction);
 * looped axes: the remaining parallel axes (outer loop) and sequential axes
   (inner loop). Output blocks stay resident across the inner loop when they do
   not move along it;
@@ -289,6 +290,13 @@ def _summed_axes(kernel: KernelDescription, facts: BodyFacts, sequential: list[i
       reasons.append(f"sequential axes looped: {outputs[o].mapping.origin} is zeroed at "
                      f"steps other than the first of the reduction")
       return [], keep_all
+  if not facts.has_matrix_product:
+    # Measured on XLA CPU: for memory-bound bodies (elementwise + reductions) the
+    # vectorized sum becomes a reduction over split dimensions that runs several
+    # times slower than the loop (column sum of squares: 7x vs 1.6x of jax.numpy).
+    reasons.append(f"sequential axes {sequential} looped: the outputs are accumulators, "
+                   f"but the body has no matrix product, so summing is not worth it")
+    return [], keep_all
   tilings = []
   for g in sequential:
     tiled = _tiling(inputs, outputs, g, outputs_move=False)

@@ -1,0 +1,373 @@
+"""The XLA backend's planner: which grid axes it vectorizes, sums, loops or chunks, and
+why, plus results against jax.numpy for every strategy it can choose."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import pallet as pl
+from helpers import assert_close, poisoned, random_array, sds
+from pallet.backends.xla import body_analysis, plan as plan_lib, plan_of
+from pallet.backends.xla.canonical_reductions import canonicalized
+
+f32 = jnp.float32
+pytestmark = pytest.mark.cpu_only
+
+
+def _description(fn, *args):
+  eqns = [e for e in jax.make_jaxpr(fn)(*args).eqns if e.primitive.name == "pallas_call"]
+  assert len(eqns) == 1
+  return eqns[0].params["kernel"]
+
+
+def _plan(fn, *args):
+  return plan_of(_description(fn, *args))
+
+
+# ------------------------------------------------------------------ kernels
+def _add(x, y, block):
+  def kernel(x_ref, y_ref, o_ref):
+    o_ref[...] = x_ref[...] + y_ref[...]
+  spec = pl.BlockSpec((block,), lambda i: (i,))
+  return pl.pallas_call(kernel, out_shape=sds(x), grid=(x.shape[0] // block,),
+                        in_specs=[spec, spec], out_specs=spec)(x, y)
+
+
+def _matmul(x, y, update, b=8, out=None):
+  """Blocked matmul; `update(o, product, k)` is the kernel's step on the o block."""
+  def kernel(x_ref, y_ref, *refs):
+    o_ref = refs[-1]
+    k = pl.program_id(2)
+    o_ref[...] = update(o_ref[...], jnp.dot(x_ref[...], y_ref[...],
+                                            preferred_element_type=f32), k)
+  m, kk = x.shape
+  n = y.shape[1]
+  in_specs = [pl.BlockSpec((b, b), lambda i, j, k: (i, k)),
+              pl.BlockSpec((b, b), lambda i, j, k: (k, j))]
+  args = (x, y)
+  aliases = None
+  if out is not None:
+    in_specs.append(pl.BlockSpec((b, b), lambda i, j, k: (i, j)))
+    args, aliases = (x, y, out), {2: 0}
+  return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((m, n), f32),
+                        grid=(m // b, n // b, kk // b), in_specs=in_specs,
+                        out_specs=pl.BlockSpec((b, b), lambda i, j, k: (i, j)),
+                        input_output_aliases=aliases)(*args)
+
+
+def _zero_then_add(o, p, k):
+  return jnp.where(k == 0, 0.0, o) + p
+
+
+def _blocks_k(x, y, b=8):
+  """Per-k block products of x @ y, k-major: the terms a matmul kernel accumulates."""
+  nk = x.shape[1] // b
+  return [x[:, k * b:(k + 1) * b] @ y[k * b:(k + 1) * b] for k in range(nk)]
+
+
+def _column_sum_squares(x, br=8, bc=8):
+  def kernel(x_ref, o_ref):
+    @pl.when(pl.program_id(1) == 0)
+    def _():
+      o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+    v = x_ref[...]
+    o_ref[...] += jnp.sum(v * v, axis=0)
+  rows, cols = x.shape
+  return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((cols,), f32),
+                        grid=(cols // bc, rows // br),
+                        in_specs=[pl.BlockSpec((br, bc), lambda j, i: (i, j))],
+                        out_specs=pl.BlockSpec((bc,), lambda j, i: (j,)))(x)
+
+
+def _attention(q, k, v, causal, block=8):
+  def kernel(q_ref, k_ref, v_ref, o_ref):
+    qi = pl.program_id(1)
+    q_blk = q_ref[...]
+    n_blocks = qi + 1 if causal else k_ref.shape[0] // block
+
+    def step(j, carry):
+      m, l, acc = carry
+      kb = k_ref[pl.ds(j * block, block), :]
+      vb = v_ref[pl.ds(j * block, block), :]
+      s = q_blk @ kb.T
+      if causal:
+        rows = qi * block + lax.broadcasted_iota(jnp.int32, s.shape, 0)
+        cols = j * block + lax.broadcasted_iota(jnp.int32, s.shape, 1)
+        s = jnp.where(cols <= rows, s, -jnp.inf)
+      m_new = jnp.maximum(m, s.max(1))
+      p = jnp.exp(s - m_new[:, None])
+      scale = jnp.exp(m - m_new)
+      return m_new, l * scale + p.sum(1), acc * scale[:, None] + p @ vb
+
+    d = q_ref.shape[1]
+    init = (jnp.full((block,), -jnp.inf, f32), jnp.zeros((block,), f32),
+            jnp.zeros((block, d), f32))
+    _, l, acc = lax.fori_loop(0, n_blocks, step, init)
+    o_ref[...] = acc / l[:, None]
+
+  bh, seq, d = q.shape
+  q_spec = pl.BlockSpec((None, block, d), lambda b, i: (b, i, 0))
+  kv_spec = pl.BlockSpec((None, seq, d), lambda b, i: (b, 0, 0))
+  return pl.pallas_call(kernel, out_shape=sds(q), grid=(bh, seq // block),
+                        in_specs=[q_spec, kv_spec, kv_spec], out_specs=q_spec)(q, k, v)
+
+
+def _attention_reference(q, k, v, causal):
+  s = jnp.einsum("bqd,bkd->bqk", q, k)
+  if causal:
+    s = jnp.where(jnp.tril(jnp.ones(s.shape[1:], bool)), s, -jnp.inf)
+  return jnp.einsum("bqk,bkd->bqd", jax.nn.softmax(s, axis=-1), v)
+
+
+# ------------------------------------------------------------------ plan choices
+def test_tiled_parallel_axis_is_vectorized_without_loops():
+  x, y = random_array((64,)), random_array((64,))
+  plan = _plan(functools.partial(_add, block=8), x, y)
+  assert (plan.vectorized, plan.outer, plan.inner, plan.summed) == ([0], [], [], [])
+  assert "axis 0 vectorized" in plan.describe()
+  assert_close(_add(x, y, 8), x + y)
+
+
+def test_matmul_accumulator_sums_its_k_axis():
+  x, y = random_array((16, 32)), random_array((32, 24))
+  fn = lambda x, y: _matmul(x, y, _zero_then_add)
+  plan = _plan(fn, x, y)
+  assert plan.summed == [2]
+  assert plan.vectorized == [2, 0, 1]
+  assert (plan.outer, plan.inner, plan.keep_initial) == ([], [], [False])
+  assert "vectorized and summed" in plan.describe()
+  assert_close(fn(x, y), x @ y, matmul=True)
+
+
+def test_pl_when_zeroing_is_recognised_like_where():
+  def kernel(x_ref, y_ref, o_ref):
+    @pl.when(pl.program_id(2) == 0)
+    def _():
+      o_ref[...] = jnp.zeros(o_ref.shape, f32)
+    o_ref[...] += jnp.dot(x_ref[...], y_ref[...], preferred_element_type=f32)
+
+  def fn(x, y):
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((16, 16), f32),
+                          grid=(2, 2, 4),
+                          in_specs=[pl.BlockSpec((8, 8), lambda i, j, k: (i, k)),
+                                    pl.BlockSpec((8, 8), lambda i, j, k: (k, j))],
+                          out_specs=pl.BlockSpec((8, 8), lambda i, j, k: (i, j)))(x, y)
+  x, y = random_array((16, 32)), random_array((32, 16))
+  assert _plan(fn, x, y).summed == [2]
+  assert_close(fn(x, y), x @ y, matmul=True)
+
+
+def test_accumulator_without_reset_starts_from_the_aliased_input():
+  x, y, init = random_array((16, 16)), random_array((16, 16)), random_array((16, 16))
+  fn = lambda x, y, init: _matmul(x, y, lambda o, p, k: o + p, out=init)
+  plan = _plan(fn, x, y, init)
+  assert plan.summed == [2] and plan.keep_initial == [True]
+  assert_close(fn(x, y, init), init + x @ y, matmul=True)
+
+
+@pytest.mark.parametrize("name, update, reference", [
+    ("last writer wins", lambda o, p, k: p, lambda terms, n: terms[-1]),
+    ("decaying", lambda o, p, k: 0.5 * o + p,
+     lambda terms, n: sum(t * 0.5 ** (n - 1 - k) for k, t in enumerate(terms))),
+    ("zeroed on the last step", lambda o, p, k: jnp.where(k == 3, 0.0, o) + p,
+     lambda terms, n: terms[-1]),
+    ("running max", lambda o, p, k: jnp.where(k == 0, p, jnp.maximum(o, p)),
+     lambda terms, n: functools.reduce(jnp.maximum, terms)),
+    ("reads its block twice", lambda o, p, k: jnp.where(k == 0, 0.0, o) + p * o,
+     lambda terms, n: functools.reduce(lambda acc, t: acc + t * acc, terms[1:], 0 * terms[0])),
+])
+def test_non_accumulators_are_never_summed(name, update, reference):
+  x, y = random_array((16, 32)), random_array((32, 16))
+  fn = lambda x, y: _matmul(x, y, update)
+  plan = _plan(fn, x, y)
+  assert plan.summed == [] and plan.inner == [2], name
+  assert "looped" in plan.describe()
+  terms = _blocks_k(x, y)
+  assert_close(fn(x, y), reference(terms, len(terms)), matmul=True)
+
+
+def test_reset_that_depends_on_data_is_not_an_accumulator():
+  def kernel(x_ref, y_ref, o_ref):
+    p = jnp.dot(x_ref[...], y_ref[...], preferred_element_type=f32)
+    o_ref[...] = jnp.where(x_ref[0, 0] > 0, 0.0, o_ref[...]) + p
+
+  x, y = random_array((8, 32)), random_array((32, 8))
+  fn = lambda x, y: pl.pallas_call(
+      kernel, out_shape=jax.ShapeDtypeStruct((8, 8), f32), grid=(4,),
+      in_specs=[pl.BlockSpec((8, 8), lambda k: (0, k)), pl.BlockSpec((8, 8), lambda k: (k, 0))],
+      out_specs=pl.BlockSpec((8, 8), lambda k: (0, 0)))(x, y)
+  plan = _plan(fn, x, y)
+  assert plan.summed == [] and "depends on data" in plan.describe()
+  expected = jnp.zeros((8, 8))
+  for k, t in enumerate(_blocks_k(x, y)):
+    expected = jnp.where(x[0, 8 * k] > 0, 0.0, expected) + t
+  assert_close(fn(x, y), expected, matmul=True)
+
+
+def test_memory_bound_accumulator_keeps_its_reduction_loop():
+  x = random_array((64, 32))
+  plan = _plan(_column_sum_squares, x)
+  assert (plan.vectorized, plan.inner, plan.summed) == ([0], [1], [])
+  assert plan.resident_outputs
+  assert "no matrix product" in plan.describe()
+  assert_close(_column_sum_squares(x), jnp.sum(x * x, axis=0), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_axis_feeding_a_loop_trip_count_stays_looped(causal):
+  q, k, v = (random_array((2, 32, 8)) for _ in range(3))
+  fn = lambda q, k, v: _attention(q, k, v, causal)
+  plan = _plan(fn, q, k, v)
+  if causal:
+    assert (plan.vectorized, plan.outer) == ([0], [1])
+    assert "trip count" in plan.describe()
+  else:
+    assert (plan.vectorized, plan.outer) == ([0, 1], [])
+  assert_close(fn(q, k, v), _attention_reference(q, k, v, causal), rtol=1e-4, atol=1e-4)
+
+
+def test_blocks_that_do_not_tile_keep_their_axis_looped():
+  # Overlapping windows: input block i starts at element 4*i but is 8 long.
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[:4] * x_ref[4:]
+  x = random_array((36,))
+  fn = lambda x: pl.pallas_call(
+      kernel, out_shape=jax.ShapeDtypeStruct((32,), f32), grid=(8,),
+      in_specs=[pl.BlockSpec((pl.Element(8),), lambda i: (4 * i,))],
+      out_specs=pl.BlockSpec((4,), lambda i: (i,)))(x)
+  plan = _plan(fn, x)
+  assert plan.vectorized == [] and plan.outer == [0]
+  assert "does not tile" in plan.describe()
+  assert_close(fn(x), x[:32] * x[4:36])
+
+
+def test_scalar_prefetch_loops_every_axis():
+  def kernel(order_ref, x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2.0
+  x, order = random_array((32, 8)), jnp.array([3, 1, 0, 2], jnp.int32)
+  spec = pl.BlockSpec((8, 8), lambda i, order: (order[i], 0))
+  fn = lambda order, x: pl.pallas_call(
+      kernel, out_shape=sds(x),
+      grid_spec=pl.GridSpec(grid=(4,), in_specs=[spec], out_specs=spec,
+                            num_scalar_prefetch=1))(order, x)
+  plan = _plan(fn, order, x)
+  assert plan.vectorized == [] and plan.inner == [0] and "scalar-prefetch" in plan.describe()
+  assert_close(fn(order, x), x * 2.0)
+
+
+def test_debug_prints_the_reasons(capsys):
+  q, k, v = (random_array((2, 16, 8)) for _ in range(3))
+  def kernel(q_ref, k_ref, v_ref, o_ref):
+    n = pl.program_id(1) + 1
+    o_ref[...] = lax.fori_loop(0, n, lambda j, acc: acc + k_ref[pl.ds(j * 8, 8), :],
+                               q_ref[...]) + v_ref[:8, :]
+  q_spec = pl.BlockSpec((None, 8, 8), lambda b, i: (b, i, 0))
+  kv_spec = pl.BlockSpec((None, 16, 8), lambda b, i: (b, 0, 0))
+  out = pl.pallas_call(kernel, out_shape=sds(q), grid=(2, 2), in_specs=[q_spec, kv_spec, kv_spec],
+                       out_specs=q_spec, debug=True)(q, k, v)
+  printed = capsys.readouterr().out
+  assert "axis 0 vectorized" in printed and "axis 1 looped" in printed
+  assert "trip count" in printed
+  expected = q + jnp.stack([jnp.concatenate([k[b, :8], k[b, :8] + k[b, 8:]]) for b in range(2)])
+  assert_close(out, expected + jnp.tile(v[:, :8], (1, 2, 1)))
+
+
+# ------------------------------------------------------------------ chunking
+def test_huge_vectorization_is_chunked(monkeypatch):
+  monkeypatch.setattr(plan_lib, "MEMORY_FLOOR_BYTES", 0)
+  monkeypatch.setattr(plan_lib, "MEMORY_MULTIPLE", 16)
+
+  def kernel(x_ref, t_ref, o_ref):
+    # each program builds a (table x block) outer product: 256x its block
+    o_ref[...] = jnp.sum(t_ref[...][:, None] * x_ref[...][None, :], axis=0)
+  x, t = random_array((64 * 8,)), random_array((256,))
+  fn = lambda x, t: pl.pallas_call(
+      kernel, out_shape=sds(x), grid=(64,),
+      in_specs=[pl.BlockSpec((8,), lambda i: (i,)), pl.BlockSpec((256,), lambda i: (0,))],
+      out_specs=pl.BlockSpec((8,), lambda i: (i,)))(x, t)
+  plan = _plan(fn, x, t)
+  assert plan.vectorized == [0] and plan.outer == [0]
+  assert 1 < plan.chunk[0] < 64 and 64 % plan.chunk[0] == 0
+  assert "chunked" in plan.describe()
+  # Memory: vectorized programs create at most the budget, 16x the operands' bytes.
+  facts = body_analysis.analyse_body(_description(fn, x, t))
+  assert facts.intermediate_bytes * plan.chunk[0] <= 16 * (x.nbytes * 2 + t.nbytes)
+  assert_close(fn(x, t), jnp.sum(t) * x, rtol=1e-4, atol=1e-4)
+
+
+def test_summed_axis_is_chunked_into_the_inner_loop(monkeypatch):
+  monkeypatch.setattr(plan_lib, "MEMORY_FLOOR_BYTES", 0)
+  monkeypatch.setattr(plan_lib, "MEMORY_MULTIPLE", 0.25)
+  x, y = random_array((16, 256)), random_array((256, 16))
+  fn = lambda x, y: _matmul(x, y, _zero_then_add)
+  plan = _plan(fn, x, y)
+  assert plan.summed == [2] and plan.inner == [2] and 1 < plan.chunk[2] < 32
+  assert_close(fn(x, y), x @ y, matmul=True)
+
+
+# ------------------------------------------------------------------ other strategies
+def test_resident_outputs_loaded_every_step_when_they_move_along_an_arbitrary_axis():
+  def kernel(x_ref, o_ref):
+    o_ref[...] = jnp.sin(x_ref[...])
+  x = random_array((4, 32))
+  spec = pl.BlockSpec((4, 8), lambda i: (0, i))
+  fn = lambda x: pl.pallas_call(kernel, out_shape=sds(x), grid=(4,), in_specs=[spec],
+                                out_specs=spec,
+                                compiler_params=pl.CompilerParams(
+                                    dimension_semantics=("arbitrary",)))(x)
+  plan = _plan(fn, x)
+  assert plan.inner == [0] and not plan.resident_outputs
+  assert_close(fn(x), jnp.sin(x))
+
+
+def test_partly_written_vectorized_outputs_keep_poison_elsewhere():
+  # Programs write only the first half of their block; the rest must stay as given.
+  def kernel(x_ref, o_in_ref, o_ref):
+    del o_in_ref
+    o_ref[:4] = x_ref[:4] + 1.0
+  x, init = random_array((32,)), poisoned((32,))
+  spec = pl.BlockSpec((8,), lambda i: (i,))
+  fn = lambda x, init: pl.pallas_call(kernel, out_shape=sds(x), grid=(4,),
+                                      in_specs=[spec, spec], out_specs=spec,
+                                      input_output_aliases={1: 0})(x, init)
+  assert _plan(fn, x, init).vectorized == [0]
+  out = fn(x, init).reshape(4, 8)
+  assert_close(out[:, :4], (x + 1.0).reshape(4, 8)[:, :4])
+  assert bool(jnp.all(jnp.isnan(out[:, 4:])))
+
+
+def test_overhanging_blocks_under_vectorization():
+  x, y = random_array((60,)), random_array((60,))
+  assert_close(_add(jnp.pad(x, (0, 4)), jnp.pad(y, (0, 4)), 8)[:60], x + y)
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 3.0
+  spec = pl.BlockSpec((8,), lambda i: (i,))
+  out = pl.pallas_call(kernel, out_shape=sds(x), grid=(8,), in_specs=[spec],
+                       out_specs=spec)(x)
+  assert_close(out, x * 3.0)
+
+
+# ------------------------------------------------------------------ helpers of the plan
+def test_accumulator_analysis_reports_why_not():
+  x, y = random_array((16, 16)), random_array((16, 16))
+  facts = body_analysis.analyse_body(
+      _description(lambda x, y: _matmul(x, y, lambda o, p, k: o * p), x, y))
+  assert 0 in facts.not_accumulators and not facts.accumulators
+  facts = body_analysis.analyse_body(
+      _description(lambda x, y: _matmul(x, y, _zero_then_add), x, y))
+  assert list(facts.accumulators) == [0] and facts.has_matrix_product
+
+
+def test_canonicalized_reductions_merge_adjacent_dimensions():
+  x = random_array((2, 3, 4, 5))
+  f = lambda x: (jnp.sum(x, axis=(0, 1)), jnp.max(x, axis=(2, 3)), jnp.sum(x, axis=(1, 3)))
+  jaxpr = jax.make_jaxpr(canonicalized(f))(x)
+  reduces = [(e.invars[0].aval.shape, e.params["axes"]) for e in jaxpr.eqns
+             if e.primitive.name in ("reduce_sum", "reduce_max")]
+  assert reduces == [((6, 20), (0,)), ((6, 20), (1,)), ((2, 3, 4, 5), (1, 3))]
+  assert_close(canonicalized(f)(x), f(x))
