@@ -212,12 +212,13 @@ def test_grid_as_int_and_cdiv():
 
 
 def test_zero_size_grid_runs_no_program():
-  x = random_array((8,))
-  out = pallas_call(lambda x_ref, o_ref: o_ref.__setitem__(..., x_ref[...]),
-                    out_shape=sds(x), grid=(0,),
-                    in_specs=[pl.BlockSpec((4,), lambda i: (i,))],
-                    out_specs=pl.BlockSpec((4,), lambda i: (i,)))(x)
-  assert out.shape == (8,)
+  # The output aliases `before`; with no program run it keeps those values.
+  x, before = random_array((8,)), random_array((8,))
+  spec = pl.BlockSpec((4,), lambda i, j: (i,))
+  out = pallas_call(lambda x_ref, b_ref, o_ref: o_ref.__setitem__(..., x_ref[...]),
+                    out_shape=sds(x), grid=(2, 0), in_specs=[spec, spec], out_specs=spec,
+                    input_output_aliases={1: 0})(x, before)
+  assert_close(out, before)
 
 
 def test_no_inputs_kernel():
