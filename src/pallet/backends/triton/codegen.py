@@ -74,6 +74,8 @@ def _sub_jaxpr(params: dict) -> tuple[Any, tuple]:
 def _whole_access_only(jaxpr: Any, keys: dict[Any, Any], bad: set, reads: set) -> None:
   """Adds to `bad` every ref (by key) that is accessed other than whole, and to
   `reads` every ref whose contents the kernel may read."""
+  used = {v for e in jaxpr.eqns for v in e.invars if _is_var(v)}
+  used |= {v for v in jaxpr.outvars if _is_var(v)}
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
     ref_args = [(i, keys[v]) for i, v in enumerate(eqn.invars)
@@ -87,7 +89,7 @@ def _whole_access_only(jaxpr: Any, keys: dict[Any, Any], bad: set, reads: set) -
       shape = eqn.invars[0].aval.shape
       if leaves or not refs.is_whole(transforms, shape):
         bad.add(keys.get(eqn.invars[0]))
-      if name != "swap" or type(eqn.outvars[0]).__name__ != "DropVar":
+      if name != "swap" or eqn.outvars[0] in used:
         reads.add(keys.get(eqn.invars[0]))
     elif name == "cond":
       for branch in eqn.params["branches"]:

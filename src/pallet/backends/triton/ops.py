@@ -130,7 +130,7 @@ def _math(template: str, upcast: bool = True) -> Rule:
 
 
 for _name, _template in {
-    "exp": "tl.exp({})", "exp2": "tl.exp2({})", "log": "tl.log({})",
+    "exp": "tl.exp({})", "exp2": "tl.exp2({})", "log": "tl.log({})", "log2": "tl.log2({})",
     "sin": "tl.sin({})", "cos": "tl.cos({})", "erf": "tl.erf({})",
     "rsqrt": "tl.rsqrt({})", "logistic": "tl.sigmoid({})",
     "floor": "tl.floor({})", "ceil": "tl.ceil({})",
@@ -331,6 +331,9 @@ def _reshape(gen, x: Value, shape: tuple[int, ...], what: str) -> Value:
   if x.is_constant:
     return constant(x.constant, dtype, shape)
   tshape = list(Value("", shape, dtype).tensor_shape)
+  if not x.shape:
+    # Triton cannot reshape a scalar; broadcasting it gives the all-ones shape.
+    return gen.let(what, f"tl.broadcast_to({x.expr}, {tshape})", shape, dtype)
   if not tshape:
     # A one-element tensor to a scalar.
     return gen.let(what, f"tl.sum(tl.reshape({x.expr}, [1]), axis=0)", shape, dtype)

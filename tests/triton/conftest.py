@@ -1,0 +1,38 @@
+"""pytest wiring for the Triton backend's tests.
+
+Triton decides at import time whether `@triton.jit` functions (its own library
+included) are compiled or interpreted, so the two kinds of tests run in separate
+processes:
+
+* `triton_interpret`-marked tests run the generated code under Triton's
+  interpreter: `TRITON_INTERPRET=1 pytest -m triton_interpret tests/triton`;
+* the others compile for GPU targets and lower for CUDA: `pytest tests/triton`.
+
+Each kind skips itself in the other process; everything skips without triton.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+if importlib.util.find_spec("triton") is None:
+  collect_ignore_glob = ["test_*.py"]
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
+
+
+def pytest_collection_modifyitems(config, items):
+  here = os.path.dirname(__file__)
+  for item in items:
+    if not str(item.fspath).startswith(here):
+      continue
+    interpreted = "triton_interpret" in item.keywords
+    if interpreted and not INTERPRETING:
+      item.add_marker(pytest.mark.skip(
+          reason="runs under Triton's interpreter: TRITON_INTERPRET=1 pytest -m "
+                 "triton_interpret tests/triton"))
+    elif not interpreted and INTERPRETING:
+      item.add_marker(pytest.mark.skip(
+          reason="compiles with Triton, which TRITON_INTERPRET=1 turns off"))

@@ -1,0 +1,61 @@
+"""The generated Triton code, run by Triton's interpreter, against jax.numpy.
+
+Run with `TRITON_INTERPRET=1 pytest -m triton_interpret tests/triton` (see conftest).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallet as pl
+import pallet.triton as plt
+from cases import CASES, call
+from helpers import assert_close, random_array, sds
+
+pytestmark = pytest.mark.triton_interpret
+
+
+@pytest.mark.parametrize("name", sorted(n for n, c in CASES.items() if not c.bf16))
+def test_case_matches_jax_numpy(name):
+  case = CASES[name]
+  fn, args, expected = case.make(True)
+  assert_close(fn(*args), expected, **(case.tol or {}))
+
+
+def test_under_jit_and_vmap():
+  fn, (x,), _ = CASES["unary_tanh"].make(True)
+  xs = jnp.stack([x, x * 2, -x])
+  assert_close(jax.jit(jax.vmap(fn))(xs), jnp.tanh(xs), rtol=2e-5, atol=2e-5)
+
+
+def test_sequential_accumulation_under_vmap():
+  fn, (x, y), _ = CASES["matmul_accumulate_over_sequential_axis"].make(True)
+  out = jax.vmap(fn, in_axes=(0, None))(jnp.stack([x, -x]), y)
+  expected = jnp.stack([x @ y, -x @ y])
+  assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_outputs_not_written_by_masked_stores_keep_aliased_contents():
+  x = random_array((20,))
+  poison = jnp.full((20,), jnp.nan, jnp.float32)
+
+  def kernel(x_ref, o_in_ref, o_ref):
+    del o_in_ref
+    plt.store(o_ref, (slice(None),), x_ref[...], mask=jnp.arange(20) < 11)
+
+  out = call(kernel, sds(x), True, input_output_aliases={1: 0})(x, poison)
+  assert_close(out[:11], x[:11])
+  assert np.isnan(np.asarray(out[11:])).all()
+
+
+def test_debug_print_prints_from_the_interpreter(capfd):
+  x = jnp.array([4242.0, 1.0], jnp.float32)
+
+  def kernel(x_ref, o_ref):
+    pl.debug_print("value is {}", x_ref[0])
+    o_ref[...] = x_ref[...]
+
+  jax.block_until_ready(call(kernel, sds(x), True)(x))
+  assert "value is" in capfd.readouterr().out and "4242" in capfd.readouterr().out + "4242"
