@@ -52,6 +52,7 @@ class GeneratedKernel:
   workspace_bytes: int                # per program; 0 when there is no workspace
   schedule: Schedule
   kernel: KernelDescription
+  default_num_warps: int              # when the compiler params give none
 
   @property
   def launch_grid(self) -> tuple[int, int, int]:
@@ -133,6 +134,7 @@ class KernelGenerator:
     self.last_source: tuple[str, int] | None = None
     self.promoted: set[Any] = set()
     self.constants: list[np.ndarray] = []
+    self.largest_tensor = 1
 
   # -- emission ---------------------------------------------------------------
   def line(self, text: str) -> None:
@@ -158,7 +160,9 @@ class KernelGenerator:
   def let(self, prefix: str, expr: str, shape: Sequence[int], dtype: Any) -> Value:
     name = self.fresh(prefix)
     self.line(f"{name} = {expr}")
-    return Value(name, tuple(shape), np.dtype(dtype))
+    value = Value(name, tuple(shape), np.dtype(dtype))
+    self.largest_tensor = max(self.largest_tensor, math.prod(value.tensor_shape))
+    return value
 
   def assign(self, target: str, value: Value) -> None:
     self.line(f"{target} = {value.typed}")
@@ -682,4 +686,14 @@ def generate(kernel: KernelDescription) -> GeneratedKernel:
     module += [ops.HELPERS[h], ""]
   source = "\n".join(module + header + gen.lines) + "\n"
   return GeneratedKernel(source, fn_name, tuple(parameters), signature,
-                         tuple(gen.constants), workspace, schedule, kernel)
+                         tuple(gen.constants), workspace, schedule, kernel,
+                         default_num_warps(gen.largest_tensor))
+
+
+def default_num_warps(largest_tensor: int) -> int:
+  """Enough warps that the largest tensor spreads to about 64 values per thread
+  (more would spill registers), between Triton's usual 4 and 16."""
+  warps = 4
+  while warps < 16 and largest_tensor > warps * 32 * 64:
+    warps *= 2
+  return warps

@@ -65,9 +65,9 @@ def load_module(source: str, interpret: bool) -> ModuleType:
   return module
 
 
-def options_of(kernel_params: Any) -> tuple[int, int]:
+def options_of(kernel_params: Any, default_warps: int = DEFAULT_NUM_WARPS) -> tuple[int, int]:
   """(num_warps, num_stages) from a kernel's compiler params (pallet.triton.CompilerParams)."""
-  warps = getattr(kernel_params, "num_warps", None) or DEFAULT_NUM_WARPS
+  warps = getattr(kernel_params, "num_warps", None) or default_warps
   stages = getattr(kernel_params, "num_stages", None) or DEFAULT_NUM_STAGES
   return int(warps), int(stages)
 
@@ -75,7 +75,7 @@ def options_of(kernel_params: Any) -> tuple[int, int]:
 def compile_kernel(generated: GeneratedKernel, target: Any, num_warps: int | None = None,
                    num_stages: int | None = None) -> Any:
   """The `triton.compile`d kernel for `target` (a triton GPUTarget)."""
-  warps, stages = options_of(generated.kernel.compiler_params)
+  warps, stages = options_of(generated.kernel.compiler_params, generated.default_num_warps)
   return _compile(generated.source, generated.function_name,
                   tuple(generated.signature.items()), _target_key(target),
                   num_warps or warps, num_stages or stages)
@@ -105,7 +105,7 @@ def _compile(source: str, function_name: str, signature: tuple, target_key: tupl
 def dump(generated: GeneratedKernel, directory: str) -> str:
   """Records a generated kernel (source, signature, options) as JSON in `directory`,
   so that another process can compile it for other targets (see `compile_recorded`)."""
-  warps, stages = options_of(generated.kernel.compiler_params)
+  warps, stages = options_of(generated.kernel.compiler_params, generated.default_num_warps)
   record = {"kernel": generated.kernel.name, "where": generated.kernel.source,
             "function_name": generated.function_name, "signature": generated.signature,
             "num_warps": warps, "num_stages": stages, "source": generated.source}
