@@ -77,10 +77,15 @@ def jaxpr_effects(closed_jaxpr: Any) -> Any:
 from jax._src import source_info_util as _source_info_util
 
 
+_PALLET_DIR = __import__("os").path.dirname(__file__)
+
+
 def equation_source(eqn: Any) -> tuple[str, int] | None:
-  """(file, line) of the user code that produced `eqn`, or None."""
-  frame = _source_info_util.user_frame(eqn.source_info.traceback)
-  return (frame.file_name, frame.start_line) if frame is not None else None
+  """(file, line) of the user code that produced `eqn` (outside JAX and pallet), or None."""
+  for frame in _source_info_util.user_frames(eqn.source_info.traceback):
+    if not frame.file_name.startswith(_PALLET_DIR):
+      return frame.file_name, frame.start_line
+  return None
 
 
 # --- Triton backend: scan's parameters changed shape between JAX 0.10 and 0.12 ----

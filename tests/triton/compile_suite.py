@@ -16,6 +16,7 @@ import argparse
 import concurrent.futures
 import glob
 import json
+import multiprocessing
 import os
 import sys
 import time
@@ -50,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"no recorded kernels in {args.directory}")
     return 1
   start = time.perf_counter()
-  with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool:
+  spawn = multiprocessing.get_context("spawn")   # no fork of a process running JAX
+  with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=spawn) as pool:
     failures = [f for fs in pool.map(compile_one, paths) for f in fs]
   for target, kernel, error in failures:
     print(f"FAILED {target}: {kernel}: {error}")

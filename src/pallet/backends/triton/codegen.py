@@ -254,11 +254,22 @@ class KernelGenerator:
     rule = ops.RULES.get(name)
     if rule is None:
       self.fail("this primitive")
+    if ins and all(isinstance(v, Value) and v.is_constant and not v.shape for v in ins) \
+        and len(eqn.outvars) == 1 and not eqn.outvars[0].aval.shape:
+      return [self._fold(eqn, ins)]
     for v in ins:
       if isinstance(v, (MemoryRef, RegisterRef)):
         self.fail("a ref as an operand")
     outs = rule(self, eqn, *ins)
     return outs
+
+  def _fold(self, eqn: Any, ins: list[Value]) -> Value:
+    """Scalar arithmetic on constants, computed now (index math on static numbers)."""
+    import jax
+    with jax.ensure_compile_time_eval():
+      out = eqn.primitive.bind(*[np.asarray(v.constant, v.dtype) for v in ins], **eqn.params)
+    aval = eqn.outvars[0].aval
+    return constant(np.asarray(out).item(), aval.dtype)
 
   # -- refs --------------------------------------------------------------------
   def _transforms(self, eqn, ins, first):
@@ -428,11 +439,14 @@ class KernelGenerator:
       else:
         header = (f"if {index.typed} <= {b}:" if k == 0 else
                   "else:" if k == len(order) - 1 else f"elif {index.typed} <= {b}:")
+      mark = len(self.lines)
       with self.block(header):
         branch = branches[b]
         self.last_source = None
         results = self.run(branch.jaxpr, branch.consts, operands)
         self._bind_outputs(names, [self._full(r, o.shape, o.dtype) for r, o in zip(results, outs)])
+      if header == "else:" and self.lines[mark + 1:] == ["    " * (self.depth + 1) + "pass"]:
+        del self.lines[mark:]     # an empty else branch (pl.when)
     return outs
 
   def _carry_vars(self, prefix: str, values: list[Value], avals: list[Any]) -> list[Value]:

@@ -205,7 +205,7 @@ def address(gen, ref: MemoryRef, transforms: list[Any], label: str):
     elif isinstance(coord, _Axis):
       ar = _arange(view_shape[coord.dim], rank, coord.dim)
       c = _text(_affine(gen, coord.start, coord.stride, ar))
-      c = f"({c})" if " " in c else c
+      c = f"({c})" if _compound(c) else c
     else:
       c = _expand_leading(coord.index.typed, len(coord.index.shape), coord.first, rank)
     pos = c if (isinstance(dim.start, int) and dim.start == 0) else \
@@ -218,7 +218,8 @@ def address(gen, ref: MemoryRef, transforms: list[Any], label: str):
         checks.append(f"({pos} < {dim.extent})")
       masks.append(" & ".join(checks))
     if pos != "0":
-      offsets.append(f"({pos}) * {dim.stride}" if dim.stride != 1 else f"({pos})")
+      wrapped = f"({pos})" if _compound(pos) else pos
+      offsets.append(f"{wrapped} * {dim.stride}" if dim.stride != 1 else wrapped)
   for d, n in enumerate(view_shape):
     if next_pow2(n) != n:
       masks.append(f"({_arange(n, rank, d)} < {n})")
@@ -232,6 +233,11 @@ def address(gen, ref: MemoryRef, transforms: list[Any], label: str):
   if masks:
     mask = gen.let(f"{label}_mask", " & ".join(masks), view_shape, np.dtype(bool)).expr
   return pointer, mask, view_shape
+
+
+def _compound(expr: str) -> bool:
+  """Whether `expr` needs parentheses before being multiplied."""
+  return " + " in expr or " - " in expr or " * " in expr
 
 
 def _covers(terms, rank) -> bool:
