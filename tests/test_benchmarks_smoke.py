@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +41,23 @@ def test_gpu_suite_in_kernel_reduction_forms_match_jnp_on_cpu(name):
   expected = jax.jit(bench.reference)(*args)
   actual = jax.jit(cpu_variant("pallet").build(bench))(*args)
   check_matches(bench, "pallet", actual, expected)
+
+
+GPU_TINY = gpu_benchmarks("tiny")
+
+
+@pytest.mark.triton_interpret
+@pytest.mark.parametrize("bench", GPU_TINY, ids=[b.name for b in GPU_TINY])
+def test_gpu_suite_kernel_through_pallet_triton_interpreter(bench):
+  """The GPU script's kernels are valid Triton kernels for pallet (no GPU needed)."""
+  pytest.importorskip("triton")
+  if os.environ.get("TRITON_INTERPRET", "") in ("", "0"):
+    pytest.skip("needs TRITON_INTERPRET=1 (pytest -m triton_interpret, own process)")
+  import pallet
+  args = bench.make_inputs(jax.random.key(3))
+  expected = jax.jit(bench.reference)(*args)
+  actual = bench.build_pallas(pallet, backend="triton", interpret=True)(*args)
+  check_matches(bench, "pallet triton (interpreted)", actual, expected)
 
 
 def test_gpu_script_skips_cleanly_without_a_gpu(capsys):
