@@ -239,7 +239,8 @@ def write_chart(path: Path, results: Sequence[BenchmarkResult], title: str,
     ax.set_ylim(bottom=10 ** math.floor(math.log10(min(all_ms)) - 1))
   ax.set_ylabel("median time per call (ms, log scale)")
   ax.set_xticks(range(len(results)))
-  ax.set_xticklabels([r.bench.name for r in results], rotation=30, ha="right")
+  ax.set_xticklabels([f"{r.bench.name}\n{r.bench.grid_steps} steps" for r in results],
+                     rotation=30, ha="right")
   ax.set_title(title)
   ax.legend()
   ax.grid(axis="y", which="major", alpha=0.3)
