@@ -209,13 +209,57 @@ def test_reset_that_depends_on_data_is_not_an_accumulator():
   assert_close(fn(x, y), expected, matmul=True)
 
 
-def test_memory_bound_accumulator_keeps_its_reduction_loop():
+def test_block_reduction_accumulator_merges_its_axis_into_the_blocks():
   x = random_array((64, 32))
   plan = _plan(_column_sum_squares, x)
-  assert (plan.vectorized, plan.inner, plan.summed) == ([0], [1], [])
-  assert plan.resident_outputs
-  assert "no matrix product" in plan.describe()
+  assert (plan.vectorized, plan.merged, plan.inner, plan.summed) == ([0], [1], [], [])
+  assert plan.chunk[1] == 8 and "merged into the blocks" in plan.describe()
   assert_close(_column_sum_squares(x), jnp.sum(x * x, axis=0), rtol=1e-5, atol=1e-4)
+
+
+def _row_blocks_reduce(x, term, init=None):
+  """o[j] accumulates term(x block) over row blocks; with `init`, no zeroing."""
+  def kernel(x_ref, *refs):
+    o_ref = refs[-1]
+    if init is None:
+      @pl.when(pl.program_id(1) == 0)
+      def _():
+        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+    o_ref[...] += term(x_ref[...])
+  rows, cols = x.shape
+  in_specs = [pl.BlockSpec((8, 8), lambda j, i: (i, j))]
+  args, aliases = (x,), None
+  if init is not None:
+    in_specs.append(pl.BlockSpec((8,), lambda j, i: (j,)))
+    args, aliases = (x, init), {1: 0}
+  return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((cols,), f32),
+                        grid=(cols // 8, rows // 8), in_specs=in_specs,
+                        out_specs=pl.BlockSpec((8,), lambda j, i: (j,)),
+                        input_output_aliases=aliases)(*args)
+
+
+def test_merged_axis_without_zeroing_starts_from_the_aliased_input():
+  x, init = random_array((64, 32)), random_array((32,))
+  fn = lambda x, init: _row_blocks_reduce(x, lambda v: jnp.sum(jnp.abs(v) + 1.0, axis=0), init)
+  assert _plan(fn, x, init).merged == [1]
+  assert_close(fn(x, init), init + jnp.sum(jnp.abs(x) + 1.0, axis=0), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("name, term, reference", [
+    ("max, not sum", lambda v: jnp.max(v, axis=0), lambda x: jnp.sum(
+        jnp.max(x.reshape(8, 8, 32), axis=1), axis=0)),
+    ("squared sum", lambda v: jnp.sum(v, axis=0) ** 2, lambda x: jnp.sum(
+        jnp.sum(x.reshape(8, 8, 32), axis=1) ** 2, axis=0)),
+    ("sum plus a constant", lambda v: jnp.sum(v, axis=0) + 1.0, lambda x: jnp.sum(x, axis=0) + 8),
+    ("mean", lambda v: jnp.mean(v, axis=0), lambda x: jnp.sum(x, axis=0) / 8),
+])
+def test_block_terms_that_do_not_merge_keep_the_loop(name, term, reference):
+  x = random_array((64, 32))
+  fn = lambda x: _row_blocks_reduce(x, term)
+  plan = _plan(fn, x)
+  assert plan.merged == [] and plan.inner == [1], name
+  assert "cannot be merged" in plan.describe()
+  assert_close(fn(x), reference(x), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("causal", [False, True])

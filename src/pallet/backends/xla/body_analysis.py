@@ -347,3 +347,113 @@ def analyse_body(kernel: KernelDescription) -> BodyFacts:
                    not_accumulators=not_accumulators,
                    intermediate_bytes=max_intermediate_bytes(pure.jaxpr),
                    has_matrix_product=_binds(pure.jaxpr, "dot_general"))
+
+
+# ------------------------------------------------------------------ merging into blocks
+_ELEMENTWISE = frozenset({
+    "add", "sub", "mul", "div", "neg", "abs", "sign", "max", "min", "exp", "exp2", "log",
+    "log1p", "expm1", "sqrt", "rsqrt", "square", "integer_pow", "tanh", "logistic", "sin",
+    "cos", "pow", "convert_element_type"})
+
+
+def blocks_merge_along(kernel: KernelDescription, tiled: dict[int, int]) -> str | None:
+  """Whether the body may run once on input blocks widened along a reduction axis.
+
+  `tiled` maps input index -> the array dimension it tiles along that axis. The
+  answer is None (yes) when every output ends as `reset(o) + reduce_sum(E)`, with
+  E elementwise in those inputs only (and literal scalars) and the sum running
+  over the widened dimension: then one run on the concatenated blocks gives the
+  sum over the axis of every step's term. Otherwise, a reason why not.
+  """
+  gm = kernel.grid_mapping
+  pure = internals.discharge_state(kernel.jaxpr)
+  jaxpr = pure.jaxpr
+  G, n_pre, n_in = len(gm.grid), len(gm.prefetch_avals), len(gm.inputs)
+  stacked: dict[Any, int] = {}           # value -> its widened (kernel) dimension
+  for i, d in tiled.items():
+    dims = gm.inputs[i].dims
+    if dims[d].kind != "blocked":
+      return f"{gm.inputs[i].origin} tiles a squeezed or element dimension"
+    stacked[jaxpr.invars[G + n_pre + i]] = sum(1 for e in dims[:d] if e.kind != "squeezed")
+  summed: set[Any] = set()
+  out_vars = jaxpr.outvars[n_pre + n_in:n_pre + n_in + len(gm.outputs)]
+  out_invars = jaxpr.invars[G + n_pre + n_in:G + n_pre + n_in + len(gm.outputs)]
+  finals: dict[Any, Any] = {}
+  for eqn in _live_eqns(jaxpr):
+    name = eqn.primitive.name
+    wide = [x for x in eqn.invars if _is_var(x) and x in stacked]
+    if any(_is_var(x) and x in summed for x in eqn.invars):
+      if name not in ("add", "add_any") or eqn.outvars[0] not in out_vars:
+        return f"the block-wide sum feeds {name}, not the output's final add"
+      finals[eqn.outvars[0]] = eqn
+      continue
+    if not wide:
+      continue
+    if name == "reduce_sum":
+      if stacked[eqn.invars[0]] not in eqn.params["axes"]:
+        return "a reduction keeps the dimension the blocks would be widened along"
+      summed.add(eqn.outvars[0])
+      continue
+    if name not in _ELEMENTWISE:
+      return f"{name} is applied to a block of an input tiled along the axis"
+    positions = {stacked[x] for x in wide}
+    shapes = {x.aval.shape for x in wide}
+    others = [x for x in eqn.invars if not (_is_var(x) and x in stacked)]
+    if len(positions) != 1 or len(shapes) != 1 or any(
+        _is_var(x) or np.ndim(x.val) != 0 for x in others):
+      return f"{name} combines tiled blocks with other values"
+    stacked[eqn.outvars[0]] = positions.pop()
+  if any(x in stacked or x in summed for x in jaxpr.outvars[n_pre + n_in:] if _is_var(x)):
+    return "a tiled block reaches an output unsummed"
+  for o, (var, o_in) in enumerate(zip(out_vars, out_invars)):
+    eqn = finals.get(var)
+    if eqn is None:
+      return f"{gm.outputs[o].origin} does not end as (maybe zeroed) o + a block-wide sum"
+    other = [x for x in eqn.invars if not (_is_var(x) and x in summed)]
+    if len(other) != 1 or not _plain_reset_of(jaxpr, other[0], o_in):
+      return f"{gm.outputs[o].origin} adds more than a block-wide sum to its block"
+  return None
+
+
+def _plain_reset_of(jaxpr: Any, var: Any, block: Any) -> bool:
+  """Whether `var` is `block` or `block` zeroed by a select/cond, with nothing added."""
+  if var is block:
+    return True
+  if not _is_var(var):
+    return False
+  producer = next((e for e in jaxpr.eqns if var in e.outvars), None)
+  if producer is None:
+    return False
+  k = producer.outvars.index(var)
+  name = producer.primitive.name
+  if name == "select_n":
+    return all(_plain_reset_of(jaxpr, x, block) or _is_zero_value(jaxpr, x)
+               for x in producer.invars[1:])
+  if name == "cond":
+    operands = producer.invars[1:]
+    for branch in producer.params["branches"]:
+      out = branch.jaxpr.outvars[k]
+      if out in branch.jaxpr.invars:
+        if operands[branch.jaxpr.invars.index(out)] is not block:
+          return False
+      elif not _is_zero_value(branch.jaxpr, out):
+        return False
+    return True
+  if name in _CALL_PRIMITIVES and "jaxpr" in producer.params:
+    inner = producer.params["jaxpr"].jaxpr
+    out = inner.outvars[k]
+    mapping = dict(zip(inner.invars, producer.invars))
+    # the inner result must be a reset of the inner parameter bound to `block`
+    params = [v for v, outer in mapping.items() if outer is block]
+    return any(_plain_reset_of(inner, out, p) for p in params)
+  return False
+
+
+def _is_zero_value(jaxpr: Any, x: Any) -> bool:
+  if not _is_var(x):
+    return _is_zero_literal(x)
+  producer = next((e for e in jaxpr.eqns if x in e.outvars), None)
+  if producer is None or producer.primitive.name not in ("broadcast_in_dim",
+                                                          "convert_element_type"):
+    return False
+  return _is_zero_value(jaxpr, producer.invars[0])

@@ -49,8 +49,12 @@ class _Slab:
     axis_of = {d: g for g, d in op.tiled_by.items()}
     self.sizes, view, self.batch_pos = [], [], {}
     for d, dim in enumerate(op.mapping.dims):
-      if d in axis_of:
-        g = axis_of[d]
+      g = axis_of.get(d)
+      if g in plan.merged:    # widened block, no batch axis
+        self.sizes.append(plan.chunk[g] * dim.size)
+        view.append(plan.chunk[g] * dim.size)
+        continue
+      if g is not None:
         self.sizes.append(plan.chunk[g] * dim.size)
         self.batch_pos[g] = len(view)
         view.append(plan.chunk[g])

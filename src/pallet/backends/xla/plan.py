@@ -15,6 +15,9 @@ a table of block positions. From the tables and `body_analysis`:
   accumulator (`o = maybe_zeroed(o) + f(inputs)`, zeroed exactly on the first
   step or never) and the body multiplies matrices: the body runs with `o = 0`
   and the per-step results are summed (XLA folds the sum into the contraction);
+* merged axes: a sequential axis of an accumulator whose term is a block-wide sum
+  of elementwise functions of the inputs (a column sum) runs at once on input
+  blocks widened along it: one plain reduction instead of a loop;
 * looped axes: the remaining parallel axes (outer loop) and sequential axes
   (inner loop). Output blocks stay resident across the inner loop when they do
   not move along it;
@@ -33,7 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallet import _internals as internals
-from pallet.backends.xla.body_analysis import BodyFacts, analyse_body, evaluate_resets
+from pallet.backends.xla.body_analysis import (BodyFacts, analyse_body,
+                                                blocks_merge_along, evaluate_resets)
 from pallet.grid_mapping import BlockMapping, GridMapping
 from pallet.tracing import KernelDescription
 
@@ -68,6 +72,7 @@ class ExecutionPlan:
   vectorized: list[int]      # vmap levels, outermost first: summed axes, then parallel ones
   chunk: dict[int, int]      # vectorized axis -> programs per vmap (its size unless chunked)
   summed: list[int]          # sequential axes vectorized, outputs summed over them
+  merged: list[int]          # sequential axes run at once by widening input blocks
   outer: list[int]           # looped outside: parallel axes (chunked ones by chunk)
   inner: list[int]           # looped inside: sequential axes (chunked summed ones by chunk)
   inputs: list[OperandPlan]
@@ -84,6 +89,7 @@ class ExecutionPlan:
     chunked = {g: b for g, b in self.chunk.items() if b != self.grid[g]}
     head = (f"grid {self.grid}: vectorized axes {self.vectorized}"
             + (f" (summed {self.summed})" if self.summed else "")
+            + (f", merged into blocks {self.merged}" if self.merged else "")
             + (f", chunks {chunked}" if chunked else "")
             + f", outer loop {self.outer}, inner loop {self.inner}, outputs "
             + ("resident across the inner loop" if self.resident_outputs
@@ -199,7 +205,7 @@ def make_plan(kernel: KernelDescription) -> ExecutionPlan:
   outputs = [operand(m) for m in gm.outputs]
 
   def looped(order: list[int], resident: bool) -> ExecutionPlan:
-    return ExecutionPlan(grid, [], {}, [], [], order, inputs, outputs, resident,
+    return ExecutionPlan(grid, [], {}, [], [], [], order, inputs, outputs, resident,
                          [True] * len(outputs), reasons)
 
   if dynamic:
@@ -237,8 +243,9 @@ def make_plan(kernel: KernelDescription) -> ExecutionPlan:
     vectorized.append(g)
     reasons.append(f"axis {g} vectorized (blocks tile their arrays exactly)")
 
-  summed, keep_initial = _summed_axes(kernel, facts, sequential, inputs, outputs, reasons)
-  chunk = {g: grid[g] for g in summed + vectorized}
+  summed, merged, keep_initial = _reduction_axes(kernel, facts, sequential, inputs, outputs,
+                                                 reasons)
+  chunk = {g: grid[g] for g in summed + merged + vectorized}
   _bound_memory(gm, facts, summed + vectorized, chunk, reasons)
   for g in [g for g in vectorized if chunk[g] == 1]:
     vectorized.remove(g)
@@ -246,8 +253,8 @@ def make_plan(kernel: KernelDescription) -> ExecutionPlan:
       op.tiled_by.pop(g, None)
     del chunk[g]
   outer = [g for g in parallel if g not in vectorized or chunk[g] < grid[g]]
-  inner = [g for g in sequential if g not in summed or chunk[g] < grid[g]]
-  return ExecutionPlan(grid, summed + vectorized, chunk, summed, outer, inner, inputs,
+  inner = [g for g in sequential if g not in summed + merged or chunk[g] < grid[g]]
+  return ExecutionPlan(grid, summed + vectorized, chunk, summed, merged, outer, inner, inputs,
                        outputs, _resident(outputs, inner), keep_initial, reasons)
 
 
@@ -256,22 +263,22 @@ def _record_tiling(ops: list[OperandPlan], g: int, tiled: dict[int, int]) -> Non
     ops[i].tiled_by[g] = d
 
 
-def _summed_axes(kernel: KernelDescription, facts: BodyFacts, sequential: list[int],
-                 inputs: list[OperandPlan], outputs: list[OperandPlan],
-                 reasons: list[str]) -> tuple[list[int], list[bool]]:
-  """The sequential axes to vectorize and sum over (all of them or none)."""
+def _reduction_axes(kernel: KernelDescription, facts: BodyFacts, sequential: list[int],
+                    inputs: list[OperandPlan], outputs: list[OperandPlan],
+                    reasons: list[str]) -> tuple[list[int], list[int], list[bool]]:
+  """(summed axes, merged axes, keep_initial): how the sequential axes avoid a loop."""
   keep_all = [True] * len(outputs)
   if not sequential:
-    return [], keep_all
+    return [], [], keep_all
   if facts.not_accumulators:
     o, why = next(iter(facts.not_accumulators.items()))
     reasons.append(f"sequential axes {sequential} looped: {outputs[o].mapping.origin} "
                    f"is not an accumulator ({why})")
-    return [], keep_all
+    return [], [], keep_all
   feeding = [g for g in sequential if g in facts.trip_count_axes]
   if feeding:
     reasons.append(f"sequential axes looped: {feeding} feed a while-loop trip count")
-    return [], keep_all
+    return [], [], keep_all
   grid = kernel.grid_mapping.grid
   coords = np.indices(grid)
   first_step = np.all([coords[g] == 0 for g in sequential], axis=0)
@@ -281,7 +288,7 @@ def _summed_axes(kernel: KernelDescription, facts: BodyFacts, sequential: list[i
     if zeroed is None:
       reasons.append(f"sequential axes looped: {outputs[o].mapping.origin} is zeroed "
                      f"under a condition that depends on data")
-      return [], keep_all
+      return [], [], keep_all
     if not zeroed.any():
       keep_initial.append(True)
     elif np.array_equal(zeroed, first_step):
@@ -289,27 +296,37 @@ def _summed_axes(kernel: KernelDescription, facts: BodyFacts, sequential: list[i
     else:
       reasons.append(f"sequential axes looped: {outputs[o].mapping.origin} is zeroed at "
                      f"steps other than the first of the reduction")
-      return [], keep_all
-  if not facts.has_matrix_product:
-    # Measured on XLA CPU: for memory-bound bodies (elementwise + reductions) the
-    # vectorized sum becomes a reduction over split dimensions that runs several
-    # times slower than the loop (column sum of squares: 7x vs 1.6x of jax.numpy).
-    reasons.append(f"sequential axes {sequential} looped: the outputs are accumulators, "
-                   f"but the body has no matrix product, so summing is not worth it")
-    return [], keep_all
+      return [], [], keep_all
   tilings = []
   for g in sequential:
     tiled = _tiling(inputs, outputs, g, outputs_move=False)
     if isinstance(tiled, str):
       reasons.append(f"sequential axes looped: along axis {g}, {tiled}")
-      return [], keep_all
+      return [], [], keep_all
     tilings.append((g, tiled))
-  for g, tiled in tilings:
+  form = f"o = {'o' if all(keep_initial) else 'zeroed-at-first-step(o)'} + f(inputs)"
+  if facts.has_matrix_product:
+    for g, tiled in tilings:
+      _record_tiling(inputs + outputs, g, tiled)
+    reasons.append(f"sequential axes {sequential} vectorized and summed: every output is an "
+                   f"accumulator ({form}), proven from the kernel body")
+    return list(sequential), [], keep_initial
+  # Memory-bound bodies: a vectorized sum becomes a reduction over split dimensions,
+  # which XLA CPU runs several times slower than a loop; widening the blocks instead
+  # leaves one plain reduction.
+  why = (f"{len(sequential)} sequential axes" if len(sequential) > 1 else
+         blocks_merge_along(kernel, tilings[0][1]))
+  if why is None:
+    g, tiled = tilings[0]
     _record_tiling(inputs + outputs, g, tiled)
-  reasons.append(f"sequential axes {sequential} vectorized and summed: every output is an "
-                 f"accumulator (o = {'o' if all(keep_initial) else 'zeroed-at-first-step(o)'}"
-                 f" + f(inputs)), proven from the kernel body")
-  return list(sequential), keep_initial
+    reasons.append(f"sequential axis {g} merged into the blocks: every output is "
+                   f"{form} with f a block-wide sum of elementwise terms, so one run on "
+                   f"the widened blocks sums every step")
+    return [], [g], keep_initial
+  reasons.append(f"sequential axes {sequential} looped: the outputs are accumulators but the "
+                 f"body has no matrix product (a vectorized sum is slow there) and the "
+                 f"blocks cannot be merged ({why})")
+  return [], [], keep_all
 
 
 def _bound_memory(gm: GridMapping, facts: BodyFacts, axes: list[int], chunk: dict[int, int],
