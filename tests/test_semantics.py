@@ -250,6 +250,32 @@ def test_aliased_in_place_update_with_other_inputs():
   assert_close(out, acc + delta)
 
 
+def test_aliased_output_reads_the_input_values_before_writing():
+  # o_ref starts as the aliased input, so `+=` updates it in place, block by block.
+  def kernel(d_ref, acc_ref, o_ref):
+    o_ref[...] += d_ref[...]
+
+  acc, d = random_array((16, 4)), random_array((16, 4))
+  spec = pl.BlockSpec((4, 4), lambda i: (i, 0))
+  out = pallas_call(kernel, out_shape=sds(acc), grid=(4,),
+                    in_specs=[spec, pl.BlockSpec(memory_space=pl.ANY)], out_specs=spec,
+                    input_output_aliases={1: 0})(d, acc)
+  assert_close(out, acc + d)
+
+
+def test_aliased_resident_output_accumulates_onto_the_input():
+  def kernel(x_ref, acc_ref, o_ref):
+    o_ref[...] += jnp.sum(x_ref[...], axis=1, keepdims=True)
+
+  x, acc = random_array((8, 12)), random_array((8, 1))
+  out = pallas_call(kernel, out_shape=sds(acc), grid=(2, 3),
+                    in_specs=[pl.BlockSpec((4, 4), lambda i, k: (i, k)),
+                              pl.BlockSpec((4, 1), lambda i, k: (i, 0))],
+                    out_specs=pl.BlockSpec((4, 1), lambda i, k: (i, 0)),
+                    input_output_aliases={1: 0})(x, acc)
+  assert_close(out, acc + x.sum(1, keepdims=True), rtol=1e-5, atol=1e-5)
+
+
 # ------------------------------------------------------------ scratch
 def test_scratch_persists_across_grid_steps():
   # Accumulate a row-block sum in VMEM scratch over k; write it on the last step.
