@@ -8,19 +8,20 @@ import platform
 import subprocess
 import sys
 from pathlib import Path
-from collections.abc import Sequence
 from typing import Any
 
 import jax
 
 from benchmarks import catalog, report
-from benchmarks.case import SIZES, Benchmark, Size
-from benchmarks.runner import BenchmarkResult, PeerPolicy, run_benchmark
-from benchmarks.variants import CPU_VARIANTS, Variant
+from benchmarks.case import SIZES, Size
+from benchmarks.runner import PeerPolicy
+from benchmarks.suite import exit_code, positive_int, run_suite
+from benchmarks.variants import CPU_VARIANTS
 
 DEFAULT_REPS = 11
-DOCS_DIR = Path("docs")
-SCRATCH_DIR = Path("bench_out")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DOCS_DIR = REPO_ROOT / "docs"
+SCRATCH_DIR = REPO_ROOT / "bench_out"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,11 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--no-peer", action="store_true",
                  help="skip the jax.experimental.pallas interpret peer")
   p.add_argument("--out", type=Path, default=None, metavar="DIR",
-                 help=f"where to write the JSON and PNG (default: {DOCS_DIR}/ for a "
-                      f"complete full-size run, {SCRATCH_DIR}/ otherwise)")
-  p.add_argument("--reps", type=_positive_int, default=DEFAULT_REPS, metavar="N",
+                 help="where to write the JSON and PNG (default: docs/ for a complete "
+                      "full-size run, bench_out/ otherwise, both in the repository)")
+  p.add_argument("--reps", type=positive_int, default=DEFAULT_REPS, metavar="N",
                  help=f"timed rounds per benchmark (default {DEFAULT_REPS})")
-  p.add_argument("--peer-reps", type=_positive_int, default=3, metavar="N",
+  p.add_argument("--peer-reps", type=positive_int, default=3, metavar="N",
                  help="timed rounds for the interpret peer (default 3)")
   p.add_argument("--peer-single-s", type=float, default=2.0, metavar="S",
                  help="an interpret run this slow is measured only once (default 2)")
@@ -51,13 +52,6 @@ def build_parser() -> argparse.ArgumentParser:
                  help="total seconds the interpret peer may use (default 600)")
   p.add_argument("--seed", type=int, default=0, help="PRNG seed for the inputs")
   return p
-
-
-def _positive_int(text: str) -> int:
-  value = int(text)
-  if value < 1:
-    raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-  return value
 
 
 def _git_commit() -> str | None:
@@ -94,21 +88,6 @@ def _meta(args: argparse.Namespace, size: Size,
       "devices": [str(d) for d in jax.devices()],
       "git_commit": _git_commit(),
   }
-
-
-def run_suite(benches: Sequence[Benchmark], variants: Sequence[Variant], *, reps: int,
-              peer: PeerPolicy, seed: int, device: jax.Device) -> list[BenchmarkResult]:
-  """Run `benches` one after another on `device`, printing a line as each finishes."""
-  results = []
-  with jax.default_device(device):
-    for bench in benches:
-      print(f"[{len(results) + 1}/{len(benches)}] {bench.name}: {bench.shapes}, "
-            f"grid {bench.grid}", flush=True)
-      result = run_benchmark(bench, variants, reps=reps, peer=peer, seed=seed)
-      results.append(result)
-      print("    " + "  ".join(f"{v}={report.time_cell(r)}"
-                               for v, r in result.variants.items()), flush=True)
-  return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,9 +136,7 @@ def main(argv: list[str] | None = None) -> int:
   except ImportError:
     print(f"\nwrote {json_path} (matplotlib not installed: no chart)")
 
-  failed = [r for r in results if any(v.status in ("error", "mismatch")
-                                      for v in r.variants.values())]
-  return 1 if failed else 0
+  return exit_code(results)
 
 
 if __name__ == "__main__":

@@ -23,9 +23,11 @@ from jax import lax
 from benchmarks import catalog, matmul, reduction, report
 from benchmarks.case import Benchmark, Size
 from benchmarks.runner import PeerPolicy
+from benchmarks.suite import exit_code, positive_int, run_suite
 from benchmarks.variants import JNP, Variant
 
 GRID_REDUCTION_BENCHMARKS = ("matmul", "colsumsq")
+SCRATCH_DIR = Path(__file__).resolve().parent.parent / "bench_out"
 GPU_COLUMNS = report.Columns(reference="jnp", subject="pallet", peer="pallas_triton")
 
 
@@ -129,9 +131,12 @@ def gpu_device() -> jax.Device | None:
 def main(argv: list[str] | None = None) -> int:
   """Run the GPU suite; 0 if all ran and matched (or there is no GPU), 1 otherwise."""
   p = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__.split("\n")[0])
-  p.add_argument("--only", action="append", default=[], metavar="NAME")
-  p.add_argument("--reps", type=int, default=21, metavar="N")
-  p.add_argument("--out", type=Path, default=Path("bench_out"), metavar="DIR")
+  p.add_argument("--only", action="append", default=[], metavar="NAME",
+                 help="run only this benchmark or family (repeatable)")
+  p.add_argument("--reps", type=positive_int, default=21, metavar="N",
+                 help="timed rounds per benchmark (default 21)")
+  p.add_argument("--out", type=Path, default=SCRATCH_DIR, metavar="DIR",
+                 help="where perf_gpu.json goes (default: bench_out/ in the repository)")
   args = p.parse_args(argv)
   benches = gpu_benchmarks()
   try:
@@ -143,7 +148,6 @@ def main(argv: list[str] | None = None) -> int:
     print("benchmarks.gpu: no GPU visible to JAX; skipping the GPU benchmarks.")
     return 0
 
-  from benchmarks.__main__ import run_suite
   results = run_suite(selected, GPU_VARIANTS, reps=args.reps, peer=PeerPolicy(), seed=0,
                       device=device)
   print()
@@ -158,9 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                                                             "jax": jax.__version__,
                                                             "reps": args.reps}, GPU_COLUMNS)
   print(f"\nwrote {args.out / 'perf_gpu.json'}")
-  failed = [r for r in results
-            if any(v.status in ("error", "mismatch") for v in r.variants.values())]
-  return 1 if failed else 0
+  return exit_code(results)
 
 
 if __name__ == "__main__":

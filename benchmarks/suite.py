@@ -1,0 +1,42 @@
+"""Running a list of benchmarks on one device: what the CPU and GPU commands share."""
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+import jax
+
+from benchmarks import report
+from benchmarks.case import Benchmark
+from benchmarks.runner import BenchmarkResult, PeerPolicy, run_benchmark
+from benchmarks.variants import Variant
+
+
+def run_suite(benches: Sequence[Benchmark], variants: Sequence[Variant], *, reps: int,
+              peer: PeerPolicy, seed: int, device: jax.Device) -> list[BenchmarkResult]:
+  """Run `benches` one after another with `device` as JAX's default device."""
+  results = []
+  with jax.default_device(device):
+    for bench in benches:
+      print(f"[{len(results) + 1}/{len(benches)}] {bench.name}: {bench.shapes}, "
+            f"grid {bench.grid}", flush=True)
+      result = run_benchmark(bench, variants, reps=reps, peer=peer, seed=seed)
+      results.append(result)
+      print("    " + "  ".join(f"{v}={report.time_cell(r)}"
+                               for v, r in result.variants.items()), flush=True)
+  return results
+
+
+def exit_code(results: Sequence[BenchmarkResult]) -> int:
+  """1 if any variant failed or disagreed with jax.numpy, else 0."""
+  failed = any(v.status in ("error", "mismatch")
+               for r in results for v in r.variants.values())
+  return 1 if failed else 0
+
+
+def positive_int(text: str) -> int:
+  """argparse type for counts such as --reps."""
+  value = int(text)
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+  return value
