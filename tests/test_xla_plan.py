@@ -13,7 +13,6 @@ from jax import lax
 import pallet as pl
 from helpers import assert_close, poisoned, random_array, sds
 from pallet.backends.xla import body_analysis, plan as plan_lib, plan_of
-from pallet.backends.xla.canonical_reductions import canonicalized
 
 f32 = jnp.float32
 pytestmark = pytest.mark.cpu_only
@@ -405,13 +404,3 @@ def test_accumulator_analysis_reports_why_not():
   facts = body_analysis.analyse_body(
       _description(lambda x, y: _matmul(x, y, _zero_then_add), x, y))
   assert list(facts.accumulators) == [0] and facts.has_matrix_product
-
-
-def test_canonicalized_reductions_merge_adjacent_dimensions():
-  x = random_array((2, 3, 4, 5))
-  f = lambda x: (jnp.sum(x, axis=(0, 1)), jnp.max(x, axis=(2, 3)), jnp.sum(x, axis=(1, 3)))
-  jaxpr = jax.make_jaxpr(canonicalized(f))(x)
-  reduces = [(e.invars[0].aval.shape, e.params["axes"]) for e in jaxpr.eqns
-             if e.primitive.name in ("reduce_sum", "reduce_max")]
-  assert reduces == [((6, 20), (0,)), ((6, 20), (1,)), ((2, 3, 4, 5), (1, 3))]
-  assert_close(canonicalized(f)(x), f(x))

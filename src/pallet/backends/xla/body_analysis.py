@@ -263,7 +263,7 @@ def _eqn_forms(scope: _Scope, eqn: Any, ins: list[Any]) -> list[Any]:
     return [_DIRTY] * n_out
   name = eqn.primitive.name
   acc_at = [i for i, f in enumerate(ins) if isinstance(f, Accumulator)]
-  if name in _SHAPE_ONLY:
+  if name in _SHAPE_ONLY and eqn.params.get("dimensions") is None:  # no transposition
     return [ins[0]]
   if name == "convert_element_type":
     same = eqn.invars[0].aval.dtype == eqn.outvars[0].aval.dtype

@@ -19,7 +19,6 @@ import numpy as np
 from jax import lax
 
 from pallet import _internals as internals
-from pallet.backends.xla.canonical_reductions import canonicalized
 from pallet.backends.xla.plan import ExecutionPlan, OperandPlan, make_plan
 from pallet.tracing import KernelDescription
 
@@ -87,7 +86,7 @@ class _Slab:
     """Per-program results (summed axes, then batch-first) summed into raw layout.
 
     The sum runs over a 2-D view: XLA's CPU reductions are slow over split
-    dimensions (see canonical_reductions)."""
+    dimensions."""
     dst = [n_summed + self.batch_pos[g] for g in self.levels]
     if dst:
       partial = jnp.moveaxis(partial, list(range(n_summed, n_summed + len(dst))), dst)
@@ -212,8 +211,7 @@ def _vectorized_body(body: Body, plan: ExecutionPlan, in_slabs: list[_Slab],
       return lambda vids, base, pre, ins, outs, scr: mapped(
           jnp.arange(n, dtype=jnp.int32), vids, base, pre, ins, outs, scr)
     fn = wrap(fn)
-  vectorized = lambda base, pre, ins, outs, scr: fn((), base, pre, ins, outs, scr)
-  return canonicalized(vectorized) if V else vectorized
+  return lambda base, pre, ins, outs, scr: fn((), base, pre, ins, outs, scr)
 
 
 # ------------------------------------------------------------------ the function
