@@ -187,15 +187,7 @@ def test_atomic_lanes_on_distinct_cells_are_sequential(op):
   assert _some_lane_order_explains(op, init, idx, values, cmps, final, olds), (final, olds)
 
 
-_DUPLICATE_LANES_BUG = pytest.mark.xfail(
-    strict=True, reason="pallet bug: lanes of one atomic call that hit the same cell all "
-                        "see the cell's initial value (returned olds), and for and/or/xor/"
-                        "xchg/cas only one lane's update survives; sequential semantics "
-                        "need each lane to see the previous lane's result")
-
-
-@pytest.mark.parametrize("op", [pytest.param(op, marks=_DUPLICATE_LANES_BUG)
-                                for op in sorted(_SEQUENTIAL_UPDATE)])
+@pytest.mark.parametrize("op", sorted(_SEQUENTIAL_UPDATE))
 def test_atomic_lanes_hitting_one_cell_are_sequential(op):
   # Three lanes hit cell 0, and at least two of them change it whatever the order.
   init, idx, cmps = [6, 9], [0, 1, 0, 0], [6, 9, 3, 6]
@@ -205,6 +197,5 @@ def test_atomic_lanes_hitting_one_cell_are_sequential(op):
 
 
 def test_atomic_add_lanes_hitting_one_cell_sum_every_update():
-  # The final value is right even where the returned olds are not (see above).
   final, _ = _run_atomic_lanes("add", [6, 9], [0, 1, 0, 0], [3, 5, 12, 1], [0] * 4)
   assert final == [6 + 3 + 12 + 1, 9 + 5]

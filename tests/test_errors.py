@@ -125,8 +125,6 @@ def test_unknown_backend_name():
     pl.pallas_call(copy_kernel, out_shape=sds(X), backend="tpu")(X)
 
 
-@pytest.mark.xfail(strict=True, reason="pallet bug: the unknown-backend error does not "
-                                       "name the kernel")
 def test_unknown_backend_error_names_the_kernel():
   with _raises(ValueError, "copy_kernel", "unknown pallet backend 'tpu'"):
     pl.pallas_call(copy_kernel, out_shape=sds(X), backend="tpu")(X)

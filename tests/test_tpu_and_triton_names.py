@@ -37,9 +37,6 @@ def test_prefetch_scalars_select_blocks_and_reach_the_kernel():
   assert_close(out, expected.reshape(20, 8))
 
 
-@pytest.mark.xfail(strict=True, raises=pl.PalletError,
-                   reason="pallet bug: input_output_aliases indices skip the scalar-prefetch "
-                          "operands; in Pallas they index all of pallas_call's operands")
 def test_prefetch_selects_output_blocks_too():
   # Scatter rows: output block chosen by data; unselected rows keep the aliased input.
   # Alias indices count every operand of the call, the prefetch ones included.

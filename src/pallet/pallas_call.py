@@ -49,8 +49,12 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *,
     scratch_shapes = grid_spec.scratch_shapes
     num_scalar_prefetch = grid_spec.num_scalar_prefetch
   grid = gm_lib.normalize_grid(grid, name)
+  # Alias keys count every operand of the call, scalar-prefetch ones included (as in Pallas).
   aliases = tuple(sorted((int(k), int(v)) for k, v in (input_output_aliases or {}).items()))
-  backend_name = backends.resolve(backend, interpret)
+  try:
+    backend_name = backends.resolve(backend, interpret)
+  except ValueError as e:
+    raise PalletError(f"pallas_call of kernel '{name}': {e}") from None
   dimension_semantics = _dimension_semantics(compiler_params, grid, name)
 
   @functools.wraps(kernel)
@@ -116,7 +120,7 @@ def _launch(kernel, name, args, out_shape, grid, in_specs, out_specs, scratch_sh
   mapping = GridMapping(grid=grid, inputs=inputs, outputs=outputs,
                         scratch_avals=scratch_avals, prefetch_avals=prefetch_avals,
                         dimension_semantics=dimension_semantics)
-  _check_aliases(aliases, in_avals, out_avals, name)
+  aliases = _check_aliases(aliases, len(prefetch_avals), in_avals, out_avals, name)
 
   # The kernel sees (*prefetch refs, *input refs, *output refs, *scratch refs), with
   # pytree inputs and outputs handed over as pytrees of refs.
@@ -138,16 +142,22 @@ def _launch(kernel, name, args, out_shape, grid, in_specs, out_specs, scratch_sh
   return jax.tree_util.tree_unflatten(out_tree, results)
 
 
-def _check_aliases(aliases, in_avals, out_avals, name):
-  for i, o in aliases:
+def _check_aliases(aliases, n_prefetch, in_avals, out_avals, name):
+  """Validates `{operand index: output index}`; returns pairs over the non-prefetch inputs."""
+  resolved = []
+  for k, o in aliases:
+    i = k - n_prefetch
     if not (0 <= i < len(in_avals) and 0 <= o < len(out_avals)):
       raise PalletError(f"pallas_call of kernel '{name}': input_output_aliases entry "
-                        f"{i}: {o} is out of range ({len(in_avals)} inputs, "
-                        f"{len(out_avals)} outputs)")
+                        f"{k}: {o} is out of range ({n_prefetch} scalar-prefetch operands "
+                        f"+ {len(in_avals)} inputs, {len(out_avals)} outputs; scalar-"
+                        f"prefetch operands cannot be aliased)")
     if (in_avals[i].shape, in_avals[i].dtype) != (out_avals[o].shape, out_avals[o].dtype):
-      raise PalletError(f"pallas_call of kernel '{name}': input_output_aliases {i}: {o} "
+      raise PalletError(f"pallas_call of kernel '{name}': input_output_aliases {k}: {o} "
                         f"pairs input {in_avals[i].str_short()} with output "
                         f"{out_avals[o].str_short()}; shapes and dtypes must match")
+    resolved.append((i, o))
+  return tuple(resolved)
 
 
 def _check_kernel_arity(kernel, name, n_refs, n_prefetch, n_in, n_out, n_scratch):

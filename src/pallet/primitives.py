@@ -334,18 +334,64 @@ def _atomic_rmw_abstract_eval(ref_aval, *args, tree, op, has_mask):
 atomic_rmw_p.def_effectful_abstract_eval(_atomic_rmw_abstract_eval)
 
 
+def _lanes_by_target(size: int, offsets: jax.Array, mask: Any):
+  """Lanes (row-major) stably sorted by the element they hit.
+
+  Returns the sort order, the sorted targets (masked-out and out-of-range lanes
+  get `size`, past every real element), and which sorted lanes start and end a
+  run of lanes hitting the same element.
+  """
+  targets = offsets.reshape(-1)
+  valid = targets >= 0
+  if mask is not None:
+    valid = valid & mask.reshape(-1)
+  targets = jnp.where(valid, targets, size)
+  order = jnp.argsort(targets, stable=True)
+  sorted_targets = targets[order]
+  change = sorted_targets[1:] != sorted_targets[:-1]
+  first = jnp.concatenate([jnp.ones((1,), bool), change])
+  last = jnp.concatenate([change, jnp.ones((1,), bool)])
+  return order, sorted_targets, first, last
+
+
+def _sequential_rmw(ref_value, offsets, value, mask, combine):
+  """`ref[o_i] = combine(ref[o_i], v_i)` for lanes i in row-major order, as a sequence
+  of GPU atomics would do it: (new ref, value each lane saw before its update).
+
+  A segmented scan over lanes sorted by target computes, per lane, the combination
+  of the earlier lanes on the same element, so repeated targets need no loop.
+  """
+  size = ref_value.size
+  if offsets.size == 0:
+    return ref_value, jnp.zeros(offsets.shape, ref_value.dtype)
+  order, targets, first, last = _lanes_by_target(size, offsets, mask)
+  lane_values = jnp.asarray(value).reshape(-1)[order]
+
+  def segmented(a, b):
+    starts_a, va = a
+    starts_b, vb = b
+    return starts_a | starts_b, jnp.where(starts_b, vb, combine(va, vb))
+  _, running = lax.associative_scan(segmented, (first, lane_values))
+  flat = ref_value.reshape(-1)
+  base = flat.at[targets].get(mode="fill", fill_value=0)
+  before = jnp.concatenate([running[:1], running[:-1]])
+  old_sorted = jnp.where(first, base, combine(base, before))
+  new_flat = flat.at[jnp.where(last, targets, size)].set(combine(base, running), mode="drop")
+  old = jnp.zeros_like(old_sorted).at[order].set(old_sorted)
+  return new_flat.reshape(ref_value.shape), old.reshape(offsets.shape)
+
+
 @internals.register_discharge_rule(atomic_rmw_p)
 def _atomic_rmw_discharge(in_avals, out_avals, ref_value, *args, tree, op, has_mask):
   flat, (value, *mask) = _split(args, [tree.num_leaves, 1 + has_mask])
   mask = mask[0] if mask else None
   offsets = _element_offsets(ref_value.shape, jax.tree_util.tree_unflatten(tree, flat))
-  old = _gather(ref_value, offsets)
+  new_ref, old = _sequential_rmw(ref_value, offsets, value, mask, _ATOMIC_COMBINE[op])
   if op in _ATOMIC_SCATTER:
-    update = lambda at: getattr(at, _ATOMIC_SCATTER[op])(value.reshape(-1), mode="drop")
-  else:
-    new = _ATOMIC_COMBINE[op](old, value)
-    update = lambda at: at.set(new.reshape(-1), mode="drop")
-  new_ref = _scatter_into(ref_value, offsets, mask, update)
+    # Same final state, but a plain scatter is far cheaper; the sort above is then
+    # only kept by XLA when the kernel uses the returned old values.
+    new_ref = _scatter_into(ref_value, offsets, mask, lambda at: getattr(
+        at, _ATOMIC_SCATTER[op])(value.reshape(-1), mode="drop"))
   return (new_ref,) + (None,) * (len(in_avals) - 1), old
 
 
@@ -374,13 +420,25 @@ atomic_cas_p.def_effectful_abstract_eval(_atomic_cas_abstract_eval)
 
 @internals.register_discharge_rule(atomic_cas_p)
 def _atomic_cas_discharge(in_avals, out_avals, ref_value, *args, tree):
+  """Lanes run one after another (row-major): compare-and-swap does not compose into
+  a scan, and kernels use it on few lanes (locks, flags)."""
   flat, (cmp, value) = _split(args, [tree.num_leaves, 2])
   offsets = _element_offsets(ref_value.shape, jax.tree_util.tree_unflatten(tree, flat))
-  old = _gather(ref_value, offsets)
-  new = jnp.where(old == cmp, value, old)
-  new_ref = _scatter_into(ref_value, offsets, None,
-                          lambda at: at.set(new.reshape(-1), mode="drop"))
-  return (new_ref,) + (None,) * (len(in_avals) - 1), old
+  size = ref_value.size
+  targets = jnp.where(offsets.reshape(-1) >= 0, offsets.reshape(-1), size)
+  cmp, value = jnp.asarray(cmp).reshape(-1), jnp.asarray(value).reshape(-1)
+
+  def lane(i, carry):
+    ref_flat, old = carry
+    current = ref_flat.at[targets[i]].get(mode="fill", fill_value=0)
+    ref_flat = ref_flat.at[targets[i]].set(
+        jnp.where(current == cmp[i], value[i], current), mode="drop")
+    return ref_flat, old.at[i].set(current)
+
+  ref_flat, old = lax.fori_loop(0, targets.shape[0], lane,
+                                (ref_value.reshape(-1), jnp.zeros(cmp.shape, cmp.dtype)))
+  return ((ref_flat.reshape(ref_value.shape),) + (None,) * (len(in_avals) - 1),
+          old.reshape(offsets.shape))
 
 
 # ------------------------------------------------------------------ compiler hints

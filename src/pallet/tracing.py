@@ -88,7 +88,15 @@ def trace_kernel(kernel: Callable, name: str, grid_mapping: GridMapping,
                         f"kernels write their results into output refs and return None")
     return []
 
-  jaxpr = jax.make_jaxpr(stateful_body)(*id_avals, *ref_avals)
+  try:
+    jaxpr = jax.make_jaxpr(stateful_body)(*id_avals, *ref_avals)
+  except jax.errors.ConcretizationTypeError as e:
+    source = description_fields.get("source", "")
+    raise PalletError(
+        f"kernel '{name}' ({source}) used a traced value (such as pl.program_id) where "
+        f"Python needs a concrete one: a slice bound (write pl.ds(start, size) for a "
+        f"dynamic slice), an `if` (use pl.when or lax.cond) or a Python loop bound (use "
+        f"lax.fori_loop)") from e
   if any(internals.is_tracer(c) for c in jaxpr.consts):
     raise PalletError(f"kernel '{name}' closes over a traced (non-constant) value; pass "
                       f"it to pallas_call as an input instead")
