@@ -17,7 +17,10 @@ import os
 
 import pytest
 
-if importlib.util.find_spec("triton") is None:
+# (tests/ is on sys.path, so without the real package `import triton` would find
+# this directory as a namespace package: check for a package with a file.)
+_spec = importlib.util.find_spec("triton")
+if _spec is None or _spec.origin is None:
   collect_ignore_glob = ["test_*.py"]
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "") not in ("", "0")

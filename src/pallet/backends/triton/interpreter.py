@@ -193,17 +193,38 @@ def run(generated: Any, operands: Sequence[np.ndarray],
   fn = getattr(load_module(generated.source, True), generated.function_name)
   ins = [np.ascontiguousarray(np.asarray(a)) for a in operands]
   n_pre = len(gm.prefetch_avals)
-  outs = []
   by_output = {o: i for i, o in aliases.items()}
+  buffers = []
   for k, b in enumerate(gm.outputs):
-    if k in by_output:
-      outs.append(np.array(ins[n_pre + by_output[k]], copy=True))
-    else:
-      outs.append(np.zeros(b.array_shape, b.dtype))
-  args = [HostTensor(a) for a in ins + outs + list(generated.constants)]
+    init = ins[n_pre + by_output[k]] if k in by_output else np.zeros(b.array_shape, b.dtype)
+    buffers.append(_GuardedBuffer(init))
   if generated.workspace_bytes:
-    args.append(HostTensor(np.zeros(generated.workspace_bytes * generated.schedule.num_programs,
-                                    np.int8)))
+    buffers.append(_GuardedBuffer(np.zeros(
+        generated.workspace_bytes * generated.schedule.num_programs, np.int8)))
+  args = [HostTensor(a) for a in ins] + [HostTensor(b.array) for b in buffers] + \
+      [HostTensor(np.ascontiguousarray(c)) for c in generated.constants]
   if generated.schedule.num_programs and all(gm.grid):
     fn[generated.launch_grid](*args)
-  return outs
+  for b, what in zip(buffers, [o.origin for o in gm.outputs] + ["the workspace"]):
+    b.check(generated.kernel, what)
+  return [b.array.copy() for b in buffers[:len(gm.outputs)]]
+
+
+class _GuardedBuffer:
+  """An output buffer with guard bytes on both sides: on a GPU a write out of
+  bounds corrupts memory silently; here it is caught and named."""
+  GUARD = 4096
+
+  def __init__(self, init: np.ndarray):
+    nbytes = init.nbytes
+    self.raw = np.full(nbytes + 2 * self.GUARD, 0xA5, np.uint8)
+    inner = self.raw[self.GUARD:self.GUARD + nbytes]
+    self.array = inner.view(init.dtype).reshape(init.shape) if nbytes else \
+        np.zeros(init.shape, init.dtype)
+    self.array[...] = init
+
+  def check(self, kernel: Any, what: str) -> None:
+    g = self.GUARD
+    if (self.raw[:g] != 0xA5).any() or (self.raw[-g:] != 0xA5).any():
+      raise RuntimeError(f"kernel '{kernel.name}' ({kernel.source}) wrote outside "
+                         f"{what} (out-of-bounds store found by pallet's interpreter guard)")

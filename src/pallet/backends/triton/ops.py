@@ -116,9 +116,11 @@ def _sign(gen, eqn, x):
   return [gen.let("sign", expr, shape, dtype)]
 
 
-def _math(template: str, upcast: bool = True) -> Rule:
+def _math(template: str, upcast: bool = True, helper: str | None = None) -> Rule:
   """A float math function; 16-bit inputs are computed in float32."""
   def fn(gen, eqn, *args):
+    if helper:
+      gen.require_helper(helper)
     shape, dtype = _out(eqn)
     wide = upcast and dtype.name in ("float16", "bfloat16")
     texts = [f"{a.typed}.to(tl.float32)" if wide else a.typed for a in args]
@@ -128,6 +130,8 @@ def _math(template: str, upcast: bool = True) -> Rule:
     return [gen.let(eqn.primitive.name, expr, shape, dtype)]
   return fn
 
+
+_NEEDS_HELPER = {"cbrt": "_cbrt"}
 
 for _name, _template in {
     "exp": "tl.exp({})", "exp2": "tl.exp2({})", "log": "tl.log({})", "log2": "tl.log2({})",
@@ -140,12 +144,12 @@ for _name, _template in {
     "tanh": "libdevice.tanh({})", "asinh": "libdevice.asinh({})",
     "acosh": "libdevice.acosh({})", "atanh": "libdevice.atanh({})",
     "expm1": "libdevice.expm1({})", "log1p": "libdevice.log1p({})",
-    "cbrt": "libdevice.cbrt({})", "erf_inv": "libdevice.erfinv({})",
+    "cbrt": "_cbrt({})", "erf_inv": "libdevice.erfinv({})",
     "erfc": "libdevice.erfc({})", "lgamma": "libdevice.lgamma({})",
     "atan2": "libdevice.atan2({}, {})", "pow": "libdevice.pow({}, {})",
     "nextafter": "libdevice.nextafter({}, {})",
 }.items():
-  RULES[_name] = _math(_template)
+  RULES[_name] = _math(_template, helper=_NEEDS_HELPER.get(_name))
 
 
 @rule("sqrt")
@@ -304,13 +308,16 @@ def _expand_to_rank(expr: str, rank: int, positions: list[int]) -> str:
   return f"{expr}[{index}]"
 
 
-@rule("broadcast_in_dim")
+@rule("broadcast_in_dim", "broadcast_to")
 def _broadcast_in_dim(gen, eqn, x):
   shape, dtype = _out(eqn)
   tshape = list(Value("", shape, dtype).tensor_shape)
   if x.is_constant:
     return [constant(x.constant, dtype, shape)]
-  dims = list(eqn.params["broadcast_dimensions"])
+  if "broadcast_dimensions" in eqn.params:
+    dims = list(eqn.params["broadcast_dimensions"])
+  else:   # numpy-style: trailing dimensions line up
+    dims = list(range(len(shape) - len(x.shape), len(shape)))
   # Size-1 operand dims that are broadcast up are dropped first.
   keep = [i for i, d in enumerate(dims) if x.shape[i] == shape[d]]
   expr = x.expr
@@ -628,6 +635,11 @@ HELPERS = {
     "_bitwise_xor": "@triton.jit\ndef _bitwise_xor(a, b):\n    return a ^ b\n",
     "_maximum": "@triton.jit\ndef _maximum(a, b):\n    return tl.maximum(a, b)\n",
     "_minimum": "@triton.jit\ndef _minimum(a, b):\n    return tl.minimum(a, b)\n",
+    # AMD's libdevice has no cbrt; pow on |x| is accurate to about an ulp.
+    "_cbrt": (
+        "@triton.jit\ndef _cbrt(x):\n"
+        "    r = libdevice.pow(tl.abs(x), 1.0 / 3.0)\n"
+        "    return tl.where(x < 0, -r, r)\n"),
     "_round_half_away": (
         "@triton.jit\ndef _round_half_away(x):\n"
         "    return tl.where(x >= 0, tl.floor(x + 0.5), tl.ceil(x - 0.5))\n"),
