@@ -274,19 +274,61 @@ def test_axis_feeding_a_loop_trip_count_stays_looped(causal):
   assert_close(fn(q, k, v), _attention_reference(q, k, v, causal), rtol=1e-4, atol=1e-4)
 
 
-def test_blocks_that_do_not_tile_keep_their_axis_looped():
-  # Overlapping windows: input block i starts at element 4*i but is 8 long.
+def test_outputs_that_do_not_tile_keep_their_axis_looped():
+  # Programs 2b and 2b+1 both write output block b: the later one must win.
   def kernel(x_ref, o_ref):
-    o_ref[...] = x_ref[:4] * x_ref[4:]
-  x = random_array((36,))
+    o_ref[...] = x_ref[...] + pl.program_id(0).astype(f32)
+  x = random_array((32,))
   fn = lambda x: pl.pallas_call(
-      kernel, out_shape=jax.ShapeDtypeStruct((32,), f32), grid=(8,),
-      in_specs=[pl.BlockSpec((pl.Element(8),), lambda i: (4 * i,))],
-      out_specs=pl.BlockSpec((4,), lambda i: (i,)))(x)
+      kernel, out_shape=jax.ShapeDtypeStruct((16,), f32), grid=(8,),
+      in_specs=[pl.BlockSpec((4,), lambda i: (i,))],
+      out_specs=pl.BlockSpec((4,), lambda i: (i // 2,)))(x)
   plan = _plan(fn, x)
   assert plan.vectorized == [] and plan.outer == [0]
   assert "does not tile" in plan.describe()
-  assert_close(fn(x), x[:32] * x[4:36])
+  odd = x.reshape(8, 4)[1::2] + jnp.arange(1, 8, 2, dtype=f32)[:, None]
+  assert_close(fn(x), odd.reshape(-1))
+
+
+def test_inputs_that_do_not_tile_are_gathered_per_program():
+  # Reversed blocks and overlapping windows (an Element dim 8 long, 4 apart).
+  def kernel(x_ref, w_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2.0 + w_ref[:4] * w_ref[4:]
+  x, w = random_array((32,)), random_array((36,))
+  fn = lambda x, w: pl.pallas_call(
+      kernel, out_shape=sds(x), grid=(8,),
+      in_specs=[pl.BlockSpec((4,), lambda i: (7 - i,)),
+                pl.BlockSpec((pl.Element(8),), lambda i: (4 * i,))],
+      out_specs=pl.BlockSpec((4,), lambda i: (i,)))(x, w)
+  plan = _plan(fn, x, w)
+  assert plan.vectorized == [0] and plan.outer == []
+  assert [op.gathered for op in plan.inputs] == [True, True]
+  assert "gathered per program" in plan.describe()
+  expected = x.reshape(8, 4)[::-1].reshape(-1) * 2.0 + w[:32] * w[4:36]
+  assert_close(fn(x, w), expected)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_gathered_blocks_on_a_2d_grid_with_chunks(chunked, monkeypatch):
+  if chunked:
+    monkeypatch.setattr(plan_lib, "MEMORY_FLOOR_BYTES", 0)
+    monkeypatch.setattr(plan_lib, "MEMORY_MULTIPLE", 0.5)
+  # Output block (i, j) reads input block ((3 i) mod 4, 2 - j): permuted and reversed.
+  def kernel(x_ref, o_ref):
+    o_ref[...] = jnp.sin(x_ref[...]) + pl.program_id(0).astype(f32)
+  x = random_array((16, 12))
+  fn = lambda x: pl.pallas_call(
+      kernel, out_shape=sds(x), grid=(4, 3),
+      in_specs=[pl.BlockSpec((4, 4), lambda i, j: ((3 * i) % 4, 2 - j))],
+      out_specs=pl.BlockSpec((4, 4), lambda i, j: (i, j)))(x)
+  plan = _plan(fn, x)
+  assert plan.inputs[0].gathered and plan.vectorized
+  if chunked:
+    assert plan.outer and "chunked" in plan.describe()
+  blocks = x.reshape(4, 4, 3, 4).transpose(0, 2, 1, 3)
+  picked = blocks[jnp.array([0, 3, 2, 1])][:, ::-1]
+  expected = jnp.sin(picked) + jnp.arange(4, dtype=f32)[:, None, None, None]
+  assert_close(fn(x), expected.transpose(0, 2, 1, 3).reshape(16, 12))
 
 
 def test_scalar_prefetch_loops_every_axis():

@@ -45,7 +45,11 @@ class _Slab:
 
   def __init__(self, op: OperandPlan, plan: ExecutionPlan):
     self.op = op
-    axis_of = {d: g for g, d in op.tiled_by.items()}
+    self.gathered = op.gathered
+    self.block = [d.size for d in op.mapping.dims]
+    self.gathered_view = (tuple(plan.chunk[g] for g in plan.vectorized)
+                          + tuple(d.size for d in op.mapping.dims if d.kind != "squeezed"))
+    axis_of = {} if op.gathered else {d: g for g, d in op.tiled_by.items()}
     self.sizes, view, self.batch_pos = [], [], {}
     for d, dim in enumerate(op.mapping.dims):
       g = axis_of.get(d)
@@ -75,7 +79,12 @@ class _Slab:
     return lax.dynamic_slice(x, list(start), self.sizes)
 
   def cut(self, x: jax.Array, start: Any) -> jax.Array:
-    """The slab at `start`, reshaped so each vmapped axis is its own dimension."""
+    """The slab at `start`, reshaped so each vmapped axis is its own dimension;
+    for gathered operands, `start` holds every program's block start."""
+    if self.gathered:
+      blocks = jax.vmap(lambda st: lax.dynamic_slice(x, [st[d] for d in range(x.ndim)],
+                                                     self.block))(start)
+      return blocks.reshape(self.gathered_view)
     return self.raw(x, start).reshape(self.view)
 
   def batch_first_shape(self, plan: ExecutionPlan) -> tuple[int, ...]:
@@ -106,6 +115,8 @@ class _Slab:
 
   def axis_at_level(self, level: int) -> int | None:
     """Where vmap level `level` finds its batch axis, once outer levels took theirs."""
+    if self.gathered:      # batch-first over every vmap level
+      return 0
     g = self.vectorized[level]
     if g not in self.batch_pos:
       return None
@@ -137,6 +148,10 @@ class _Starts:
       self.static = None
       return
     G = len(plan.grid)
+    if op.gathered:
+      self.static = None
+      self.table = jnp.asarray(_gather_table(op.table, plan), jnp.int32)
+      return
     # first program of each chunk along vectorized axes, every program along looped ones
     t = op.table[tuple(slice(None, None, plan.chunk.get(g, 1)) for g in range(G))]
     loop_axes = plan.outer + plan.inner
@@ -151,7 +166,27 @@ class _Starts:
     if self.static is not None:
       return self.static
     row = self.table[s, r]
-    return [row[d] for d in range(row.shape[0])]
+    return row if row.ndim == 2 else [row[d] for d in range(row.shape[0])]
+
+
+def _gather_table(table: np.ndarray, plan: ExecutionPlan) -> np.ndarray:
+  """Block starts of every vectorized program, per loop step:
+  (outer steps, inner steps, programs in vmap order, ndim)."""
+  G = len(plan.grid)
+  split, loop_dim, vec_dim = [], {}, {}
+  for g in range(G):
+    loop_dim[g] = len(split)
+    split.append(plan.loop_size(g) if g in plan.chunk else plan.grid[g])
+    if g in plan.chunk:
+      vec_dim[g] = len(split)
+      split.append(plan.chunk[g])
+  t = table.reshape(*split, table.shape[-1])
+  loops = [loop_dim[g] for g in plan.outer + plan.inner]
+  rest = [loop_dim[g] for g in range(G) if g not in plan.outer + plan.inner]
+  order = loops + rest + [vec_dim[g] for g in plan.vectorized] + [len(split)]
+  n_outer = math.prod(plan.loop_size(g) for g in plan.outer)
+  n_inner = math.prod(plan.loop_size(g) for g in plan.inner)
+  return np.transpose(t, order).reshape(n_outer, n_inner, -1, table.shape[-1])
 
 
 def _unravel(flat: Any, axes: Sequence[int], sizes: Sequence[int]) -> dict[int, Any]:

@@ -6,9 +6,11 @@ a table of block positions. From the tables and `body_analysis`:
 
 * parallel axes: some output block moves along them (or the user said
   "parallel"); the others are sequential (reduction) axes;
-* vectorized axes: parallel axes along which every operand either stays put or
-  tiles one dimension exactly (block index = grid index + const), so the blocks
-  of all programs are a reshape of one slab and the body runs once under `vmap`.
+* vectorized axes: parallel axes along which every output tiles one dimension
+  exactly (block index = grid index + const, so programs write disjoint blocks)
+  and every input stays put or tiles: the blocks of all programs are a reshape
+  of one slab and the body runs once under `vmap`. Inputs that move otherwise
+  (strided, permuted, overlapping blocks) have their blocks gathered per program.
   Axes that feed a while-loop trip count stay looped (under vmap every program
   would run the longest loop);
 * summed axes: sequential axes vectorized too, when every output is a proven
@@ -55,6 +57,7 @@ class OperandPlan:
   pad: tuple[tuple[int, int], ...]          # padding added to each array dimension
   table: np.ndarray | None                  # grid + (ndim,) element starts, after padding
   tiled_by: dict[int, int]                  # vectorized axis -> array dimension it tiles
+  gathered: bool = False                    # blocks gathered per program (do not tile)
 
   @property
   def padded_shape(self) -> tuple[int, ...]:
@@ -156,16 +159,23 @@ def _tiled_dim(op: OperandPlan, axis: int) -> int | None | bool:
 
 
 def _tiling(ops: list[OperandPlan], outputs: list[OperandPlan], g: int,
-            outputs_move: bool) -> dict[int, int] | str:
+            outputs_move: bool, gather: set[int] | None = None) -> dict[int, int] | str:
   """Operand index -> dimension tiled along axis `g`, or why `g` cannot be vmapped.
 
   `outputs_move`: every output must tile along `g` (parallel axes, so that the
-  programs write disjoint blocks) or must stay put (summed axes).
+  programs write disjoint blocks) or must stay put (summed axes). With `gather`,
+  inputs that do not tile are added to it instead of failing.
   """
   tiled = {}
   for i, op in enumerate(ops + outputs):
+    if op.gathered:
+      continue
     d = _tiled_dim(op, g)
     is_output = i >= len(ops)
+    if gather is not None and not is_output and (
+        d is False or (d is not None and d in op.tiled_by.values())):
+      gather.add(i)
+      continue
     if d is False:
       return f"{op.mapping.origin} does not tile a single dimension exactly"
     if is_output and outputs_move and d is None:
@@ -235,18 +245,24 @@ def make_plan(kernel: KernelDescription) -> ExecutionPlan:
       reasons.append(f"axis {g} looped: it feeds a while-loop trip count (vectorized, "
                      f"every program would run the longest loop)")
       continue
-    tiled = _tiling(inputs, outputs, g, outputs_move=True)
+    gather: set[int] = set()
+    tiled = _tiling(inputs, outputs, g, outputs_move=True, gather=gather)
     if isinstance(tiled, str):
       reasons.append(f"axis {g} looped: {tiled}")
       continue
     _record_tiling(inputs + outputs, g, tiled)
+    for i in gather:
+      inputs[i].gathered = True
     vectorized.append(g)
-    reasons.append(f"axis {g} vectorized (blocks tile their arrays exactly)")
+    gathered = [inputs[i].mapping.origin for i in sorted(gather)]
+    reasons.append(f"axis {g} vectorized (blocks tile their arrays exactly)" if not gathered else
+                   f"axis {g} vectorized (outputs tile exactly; blocks of {gathered} "
+                   f"gathered per program)")
 
   summed, merged, keep_initial = _reduction_axes(kernel, facts, sequential, inputs, outputs,
                                                  reasons)
   chunk = {g: grid[g] for g in summed + merged + vectorized}
-  _bound_memory(gm, facts, summed + vectorized, chunk, reasons)
+  _bound_memory(gm, facts, inputs, summed + vectorized, chunk, reasons)
   for g in [g for g in vectorized if chunk[g] == 1]:
     vectorized.remove(g)
     for op in inputs + outputs:
@@ -315,6 +331,7 @@ def _reduction_axes(kernel: KernelDescription, facts: BodyFacts, sequential: lis
   # which XLA CPU runs several times slower than a loop; widening the blocks instead
   # leaves one plain reduction.
   why = (f"{len(sequential)} sequential axes" if len(sequential) > 1 else
+         "some input blocks are gathered" if any(op.gathered for op in inputs) else
          blocks_merge_along(kernel, tilings[0][1]))
   if why is None:
     g, tiled = tilings[0]
@@ -329,14 +346,16 @@ def _reduction_axes(kernel: KernelDescription, facts: BodyFacts, sequential: lis
   return [], [], keep_all
 
 
-def _bound_memory(gm: GridMapping, facts: BodyFacts, axes: list[int], chunk: dict[int, int],
-                  reasons: list[str]) -> None:
+def _bound_memory(gm: GridMapping, facts: BodyFacts, inputs: list[OperandPlan], axes: list[int],
+                  chunk: dict[int, int], reasons: list[str]) -> None:
   """Shrinks chunks (outermost axes first) until the vectorized programs' largest
   intermediate fits the budget."""
   operand_bytes = sum(math.prod(b.array_shape) * np.dtype(b.dtype).itemsize
                       for b in (*gm.inputs, *gm.outputs))
   budget = max(MEMORY_MULTIPLE * operand_bytes, MEMORY_FLOOR_BYTES)
-  per_program = max(facts.intermediate_bytes, 1)
+  gathered = sum(math.prod(b.block_shape) * np.dtype(b.dtype).itemsize
+                 for b, op in zip(gm.inputs, inputs) if op.gathered)
+  per_program = max(facts.intermediate_bytes + gathered, 1)
   for g in axes:
     others = math.prod(chunk[a] for a in axes if a != g)
     if per_program * others * chunk[g] <= budget:
@@ -344,7 +363,7 @@ def _bound_memory(gm: GridMapping, facts: BodyFacts, axes: list[int], chunk: dic
     allowed = max(1, budget // (per_program * others))
     chunk[g] = max(b for b in range(1, gm.grid[g] + 1) if gm.grid[g] % b == 0 and b <= allowed)
     reasons.append(f"axis {g} chunked: {chunk[g]} of its {gm.grid[g]} programs at a time "
-                   f"(each program creates up to {per_program} bytes; budget {budget})")
+                   f"(each program creates up to {per_program} bytes; budget {int(budget)})")
 
 
 def _resident(outputs: list[OperandPlan], inner: list[int]) -> bool:
