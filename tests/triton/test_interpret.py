@@ -59,3 +59,28 @@ def test_debug_print_prints_from_the_interpreter(capfd):
 
   jax.block_until_ready(call(kernel, sds(x), True)(x))
   assert "value is" in capfd.readouterr().out and "4242" in capfd.readouterr().out + "4242"
+
+
+def test_writes_into_an_input_ref_leave_the_callers_array_alone():
+  x = random_array((8, 16))
+  before = np.asarray(x).copy()
+
+  def kernel(x_ref, o_ref):
+    x_ref[...] = x_ref[...] * 2
+    o_ref[...] = x_ref[...] + 1
+
+  out = call(kernel, sds(x), True)(x)
+  assert_close(out, x * 2 + 1)
+  np.testing.assert_array_equal(np.asarray(x), before)
+
+
+def test_out_of_bounds_stores_are_caught():
+  x = random_array((8,))
+  idx = jnp.array([0, 1, 12], jnp.int32)   # a scatter index past the end of the output
+
+  def kernel(x_ref, i_ref, o_ref):
+    o_ref[...] = x_ref[...]
+    o_ref[i_ref[...]] = jnp.ones((3,), jnp.float32)
+
+  with pytest.raises(Exception, match="wrote outside output 0"):
+    jax.block_until_ready(call(kernel, sds(x), True)(x, idx))

@@ -48,7 +48,9 @@ class GeneratedKernel:
   function_name: str
   parameters: tuple[str, ...]
   signature: dict[str, str]           # parameter -> Triton type ("*fp32")
-  constants: tuple[np.ndarray, ...]   # arrays the kernel closes over, passed after the outputs
+  constants: tuple[np.ndarray, ...]   # arrays the kernel closes over, passed after the inputs
+  written_inputs: tuple[int, ...]     # inputs the kernel stores to, not aliased to an output:
+                                      # launchers pass copies (and once more, last)
   workspace_bytes: int                # per program; 0 when there is no workspace
   schedule: Schedule
   kernel: KernelDescription
@@ -135,6 +137,8 @@ class KernelGenerator:
     self.promoted: set[Any] = set()
     self.constants: list[np.ndarray] = []
     self.largest_tensor = 1
+    self.input_pointers: dict[str, int] = {}
+    self.written_inputs: set[int] = set()
 
   # -- emission ---------------------------------------------------------------
   def line(self, text: str) -> None:
@@ -290,7 +294,12 @@ class KernelGenerator:
       args = f", mask={' & '.join(masks)}, other={fill}"
     return self.let(f"{ref.name}_load", f"tl.load({pointer}{args})", shape, ref.dtype)
 
+  def _note_write(self, ref: MemoryRef) -> None:
+    if ref.pointer in self.input_pointers:
+      self.written_inputs.add(self.input_pointers[ref.pointer])
+
   def _store(self, ref: MemoryRef, transforms, value: Value, mask: Value | None) -> None:
+    self._note_write(ref)
     pointer, structural, shape = refs.address(self, ref, transforms, ref.name)
     masks = [m for m in (structural, mask.typed if mask is not None else None) if m]
     val = value.typed if value.shape == shape and not value.is_constant else \
@@ -350,6 +359,7 @@ class KernelGenerator:
 
   def _ref_atomic_rmw(self, eqn, ins, used):
     ref = self._memory(ins[0])
+    self._note_write(ref)
     n = eqn.params["tree"].num_leaves
     transforms = self._transforms(eqn, ins, 1)
     extra = ins[1 + n:]
@@ -365,6 +375,7 @@ class KernelGenerator:
 
   def _ref_atomic_cas(self, eqn, ins, used):
     ref = self._memory(ins[0])
+    self._note_write(ref)
     n = eqn.params["tree"].num_leaves
     transforms = self._transforms(eqn, ins, 1)
     cmp, value = ins[1 + n], ins[2 + n]
@@ -567,6 +578,7 @@ def generate(kernel: KernelDescription) -> GeneratedKernel:
   params = _param_names(kernel)
   n_pre, n_in, n_out = len(gm.prefetch_avals), len(gm.inputs), len(gm.outputs)
   ptrs = [f"{p}_ptr" for p in params]
+  gen.input_pointers = {p: j for j, p in enumerate(ptrs[n_pre:n_pre + n_in])}
   pre_names, in_names, out_names = params[:n_pre], params[n_pre:n_pre + n_in], params[n_pre + n_in:]
   jaxpr = kernel.jaxpr.jaxpr
   g = len(gm.grid)
@@ -674,15 +686,23 @@ def generate(kernel: KernelDescription) -> GeneratedKernel:
 
   # Assemble the module.
   fn_name = _identifier(kernel.name)
-  parameters = list(ptrs)
-  signature = {p: "*" + signature_dtype(a.dtype) for p, a in zip(
-      ptrs, [*gm.prefetch_avals, *gm.inputs, *gm.outputs])}
-  for k, arr in enumerate(gen.constants):
-    parameters.append(f"const{k}_ptr")
-    signature[f"const{k}_ptr"] = "*" + signature_dtype(arr.dtype)
+  # Operands first, then results, as XLA hands buffers to the custom call:
+  # prefetch, inputs, closed-over constants, outputs, workspace.
+  const_ptrs = [f"const{k}_ptr" for k in range(len(gen.constants))]
+  parameters = ptrs[:n_pre + n_in] + const_ptrs + ptrs[n_pre + n_in:]
+  dtypes = dict(zip(ptrs, [*gm.prefetch_avals, *gm.inputs, *gm.outputs]))
+  dtypes.update(zip(const_ptrs, gen.constants))
+  signature = {p: "*" + signature_dtype(dtypes[p].dtype) for p in parameters}
   if gen.workspace_bytes:
     parameters.append("workspace_ptr")
     signature["workspace_ptr"] = "*i8"
+  aliased_inputs = {i for i, _ in kernel.input_output_aliases}
+  for j in sorted(gen.written_inputs - aliased_inputs):
+    # The launcher's private copy of an input the kernel writes to (the same
+    # buffer as the input's pointer; listed so parameters match XLA's buffers).
+    name = f"{in_names[j]}_copy_ptr"
+    parameters.append(name)
+    signature[name] = signature[ptrs[n_pre + j]]
   workspace = -(-gen.workspace_bytes // 16) * 16
   header = [
       "@triton.jit",
@@ -700,7 +720,9 @@ def generate(kernel: KernelDescription) -> GeneratedKernel:
     module += [ops.HELPERS[h], ""]
   source = "\n".join(module + header + gen.lines) + "\n"
   return GeneratedKernel(source, fn_name, tuple(parameters), signature,
-                         tuple(gen.constants), workspace, schedule, kernel,
+                         tuple(gen.constants),
+                         tuple(sorted(gen.written_inputs - aliased_inputs)), workspace,
+                         schedule, kernel,
                          default_num_warps(gen.largest_tensor))
 
 

@@ -193,6 +193,8 @@ def run(generated: Any, operands: Sequence[np.ndarray],
   fn = getattr(load_module(generated.source, True), generated.function_name)
   ins = [np.ascontiguousarray(np.asarray(a)) for a in operands]
   n_pre = len(gm.prefetch_avals)
+  for j in generated.written_inputs:   # never write into the caller's (JAX's) buffers
+    ins[n_pre + j] = np.array(ins[n_pre + j], copy=True)
   by_output = {o: i for i, o in aliases.items()}
   buffers = []
   for k, b in enumerate(gm.outputs):
@@ -201,8 +203,10 @@ def run(generated: Any, operands: Sequence[np.ndarray],
   if generated.workspace_bytes:
     buffers.append(_GuardedBuffer(np.zeros(
         generated.workspace_bytes * generated.schedule.num_programs, np.int8)))
-  args = [HostTensor(a) for a in ins] + [HostTensor(b.array) for b in buffers] + \
-      [HostTensor(np.ascontiguousarray(c)) for c in generated.constants]
+  args = [HostTensor(a) for a in ins] + \
+      [HostTensor(np.ascontiguousarray(c)) for c in generated.constants] + \
+      [HostTensor(b.array) for b in buffers] + \
+      [HostTensor(ins[n_pre + j]) for j in generated.written_inputs]
   if generated.schedule.num_programs and all(gm.grid):
     fn[generated.launch_grid](*args)
   for b, what in zip(buffers, [o.origin for o in gm.outputs] + ["the workspace"]):

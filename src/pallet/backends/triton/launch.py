@@ -82,13 +82,16 @@ def lower_gpu(ctx: Any, *args: Any, kernel: KernelDescription, platform: str) ->
   triton_kernel = library.TritonKernel(*kernel_args)
 
   n_operands = len(args) + len(gen.constants)
-  n_buffers = n_operands + len(gm.outputs) + (1 if gen.workspace_bytes else 0)
+  n_buffers = (n_operands + len(gm.outputs) + (1 if gen.workspace_bytes else 0)
+               + len(gen.written_inputs))
   params = [library.create_array_parameter(0, 16) for _ in range(n_buffers)]
   grid = gen.launch_grid
   call = library.TritonKernelCall(triton_kernel, grid[0], grid[1], grid[2], params)
   opaque = zlib.compress(call.to_proto(kernel.name, b""))
 
-  # Operands: prefetch, inputs, closed-over constants; results: outputs, workspace.
+  # Operands: prefetch, inputs, closed-over constants; results: outputs, workspace,
+  # then one result aliased to each input the kernel writes into, so that XLA gives
+  # the kernel a buffer of its own (a copy where the input is still needed).
   operands = list(args) + [mlir.ir_constant(np.asarray(c)) for c in gen.constants]
   out_avals = list(ctx.avals_out)
   if gen.workspace_bytes:
@@ -98,6 +101,9 @@ def lower_gpu(ctx: Any, *args: Any, kernel: KernelDescription, platform: str) ->
                                    for c in gen.constants]
   n_pre = len(gm.prefetch_avals)
   aliases = {n_pre + i: o for i, o in kernel.input_output_aliases}
+  for j in gen.written_inputs:
+    aliases[n_pre + j] = len(out_avals)
+    out_avals.append(ctx.avals_in[n_pre + j])
   rule = jax.ffi.ffi_lowering(CUSTOM_CALL_TARGET, api_version=4,
                               operand_output_aliases=aliases, has_side_effect=False)
   sub_ctx = ctx.replace(avals_in=in_avals, avals_out=out_avals)
