@@ -68,15 +68,12 @@ def test_matmul_uses_wgmma_on_sm90():
 
 
 def test_matmul_accumulates_in_registers_across_the_reduction_axis():
-  ptx = compile_for(_matmul_kernel(), "sm80").asm["ptx"]
-  # The output block is stored once per program, after the k loop: the stores of
-  # the 128x128 f32 block appear once, not inside the loop.
+  # The output block is stored once per program, after the k loop, not in it.
   ttir = compile_for(_matmul_kernel(), "sm80").asm["ttir"]
   loop = ttir[ttir.index("scf.for"):]
   loop_body = loop[:loop.index("scf.yield")]
-  assert "tt.store" not in loop_body
-  assert "tt.store" in ttir
-  assert ptx
+  assert "tt.dot" in loop_body and "tt.store" not in loop_body
+  assert "tt.store" in loop
 
 
 def test_contiguous_f32_blocks_load_and_store_vectorized():
@@ -170,11 +167,9 @@ def test_debug_true_prints_the_generated_source(capsys):
     o_ref[...] = x_ref[...] + 1
 
   f = call(kernel, sds(x), False, debug=True)
-  kernels_of(f, x)
-  from pallet.backends.triton import generated
-  generated.cache_clear()
   plt.source(f, x)
-  assert "@triton.jit" in capsys.readouterr().out
+  out = capsys.readouterr().out
+  assert "--- pallet Triton source for 'kernel' ---" in out and "@triton.jit" in out
 
 
 # ------------------------------------------------------------------ errors

@@ -28,7 +28,7 @@ import numpy as np
 from pallet import _internals as internals
 from pallet.backends.triton import ops, refs
 from pallet.backends.triton.refs import ArrayDim, MemoryRef, RegisterRef
-from pallet.backends.triton.schedule import Schedule, make_schedule
+from pallet.backends.triton.schedule import Schedule, block_start_range, make_schedule
 from pallet.backends.triton.values import (TritonLoweringError, Value, constant, padded,
                                            python_literal, signature_dtype, tl_dtype)
 from pallet.grid_mapping import BlockMapping
@@ -541,14 +541,22 @@ def _param_names(kernel: KernelDescription) -> list[str]:
 
 
 def _block_ref(gen: KernelGenerator, name: str, pointer: str, b: BlockMapping,
-               starts: list[Value | int]) -> MemoryRef:
+               starts: list[Value | int], ranges: list[tuple[int, int]] | None) -> MemoryRef:
+  """A block as a MemoryRef. Edges are masked unless the block provably stays
+  inside the array at every grid step (`ranges`, from schedule.block_start_range):
+  reads past the edge give zeros and writes there are dropped, never landing in
+  other memory."""
   strides = _row_major_strides(b.array_shape)
   dims = []
   for d, (dim, n, s, st) in enumerate(zip(b.dims, b.array_shape, starts, strides)):
-    if dim.kind == "element":
-      low, high = dim.padding[0] > 0, dim.padding[1] > 0 or n < dim.size
+    if ranges is None:
+      low = dim.kind == "element"
+      high = True
     else:
-      low, high = False, n % dim.size != 0
+      lo, hi = ranges[d]
+      low, high = lo < 0, hi + dim.size > n
+    if b.whole:
+      low, high = False, False
     dims.append(ArrayDim(s, st, n, low, high, dim.kind != "squeezed"))
   return MemoryRef(name, pointer, dims, np.dtype(b.dtype), b.kernel_shape)
 
@@ -635,10 +643,13 @@ def generate(kernel: KernelDescription) -> GeneratedKernel:
     else:
       scratch_refs.append(gen.workspace_ref(f"scratch{i}", shape, aval.dtype))
 
+  has_prefetch = bool(gm.prefetch_avals)
+
   def output_block(i, step_ids):
     b = gm.outputs[i]
     starts = _block_starts(gen, b, out_names[i], step_ids, prefetch)
-    return _block_ref(gen, out_names[i], ptrs[n_pre + n_in + i], b, starts)
+    return _block_ref(gen, out_names[i], ptrs[n_pre + n_in + i], b, starts,
+                      block_start_range(b, gm.grid, has_prefetch))
 
   hoisted: dict[int, tuple[MemoryRef, RegisterRef]] = {}
   zero_ids = [ids[a] if a in schedule.parallel or ids[a] is not None else constant(0, np.int32)
@@ -660,7 +671,8 @@ def generate(kernel: KernelDescription) -> GeneratedKernel:
     in_refs = []
     for j, b in enumerate(gm.inputs):
       starts = _block_starts(gen, b, in_names[j], ids, prefetch)
-      in_refs.append(_block_ref(gen, in_names[j], ptrs[n_pre + j], b, starts))
+      in_refs.append(_block_ref(gen, in_names[j], ptrs[n_pre + j], b, starts,
+                                block_start_range(b, gm.grid, has_prefetch)))
     out_refs: list[Any] = []
     per_step: list[tuple[MemoryRef, RegisterRef]] = []
     for i in range(n_out):

@@ -69,3 +69,33 @@ def make_schedule(gm: GridMapping) -> Schedule:
   sequential = [a for a in range(g) if a not in parallel]
   resident = tuple(not (m & set(sequential)) for m in moves)
   return Schedule(tuple(gm.grid), tuple(parallel), tuple(sequential), resident)
+
+
+_MAX_EVALUATED_STEPS = 1 << 20
+
+
+def block_start_range(mapping: BlockMapping, grid: tuple[int, ...],
+                      has_prefetch: bool) -> list[tuple[int, int]] | None:
+  """(lowest, highest) element offset at which the block starts along each array
+  dimension over the whole grid, or None when that is data-dependent (scalar
+  prefetch) or the grid is too large to enumerate. Lets the code generator drop
+  edge masks that can never be false."""
+  steps = math.prod(grid) if grid else 1
+  if has_prefetch or steps == 0 or steps > _MAX_EVALUATED_STEPS:
+    return None
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  im = mapping.index_map
+  with jax.ensure_compile_time_eval():
+    if grid:
+      ids = [jnp.asarray(c.reshape(-1)) for c in np.indices(grid, dtype=np.int32)]
+      outs = jax.vmap(lambda *i: jax.core.eval_jaxpr(im.jaxpr, im.consts, *i))(*ids)
+    else:
+      outs = jax.core.eval_jaxpr(im.jaxpr, im.consts)
+  ranges = []
+  for dim, out in zip(mapping.dims, outs):
+    scale = 1 if dim.kind == "element" else dim.size
+    starts = np.asarray(out, np.int64) * scale
+    ranges.append((int(starts.min()), int(starts.max())))
+  return ranges
