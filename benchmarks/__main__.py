@@ -18,7 +18,7 @@ from benchmarks.runner import PeerPolicy
 from benchmarks.suite import exit_code, positive_int, run_suite
 from benchmarks.variants import CPU_VARIANTS
 
-DEFAULT_REPS = 11
+DEFAULT_REPS = 21
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DOCS_DIR = REPO_ROOT / "docs"
 SCRATCH_DIR = REPO_ROOT / "bench_out"
