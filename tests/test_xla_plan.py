@@ -132,15 +132,28 @@ def test_tiled_parallel_axis_is_vectorized_without_loops():
   assert_close(_add(x, y, 8), x + y)
 
 
-def test_matmul_accumulator_sums_its_k_axis():
+def test_matmul_merges_its_k_axis_into_the_blocks():
   x, y = random_array((16, 32)), random_array((32, 24))
   fn = lambda x, y: _matmul(x, y, _zero_then_add)
   plan = _plan(fn, x, y)
-  assert plan.summed == [2]
-  assert plan.vectorized == [2, 0, 1]
+  assert (plan.merged, plan.vectorized, plan.summed) == ([2], [0, 1], [])
+  assert (plan.outer, plan.inner, plan.keep_initial) == ([], [], [False])
+  assert plan.chunk[2] == 4 and "merged into the blocks" in plan.describe()
+  assert_close(fn(x, y), x @ y, matmul=True)
+
+
+def _zero_then_add_scaled(o, p, k):
+  return jnp.where(k == 0, 0.0, o) + 0.5 * p
+
+
+def test_matmul_accumulator_that_does_not_merge_sums_its_k_axis():
+  x, y = random_array((16, 32)), random_array((32, 24))
+  fn = lambda x, y: _matmul(x, y, _zero_then_add_scaled)
+  plan = _plan(fn, x, y)
+  assert (plan.summed, plan.merged, plan.vectorized) == ([2], [], [2, 0, 1])
   assert (plan.outer, plan.inner, plan.keep_initial) == ([], [], [False])
   assert "vectorized and summed" in plan.describe()
-  assert_close(fn(x, y), x @ y, matmul=True)
+  assert_close(fn(x, y), 0.5 * (x @ y), matmul=True)
 
 
 def test_pl_when_zeroing_is_recognised_like_where():
@@ -157,7 +170,7 @@ def test_pl_when_zeroing_is_recognised_like_where():
                                     pl.BlockSpec((8, 8), lambda i, j, k: (k, j))],
                           out_specs=pl.BlockSpec((8, 8), lambda i, j, k: (i, j)))(x, y)
   x, y = random_array((16, 32)), random_array((32, 16))
-  assert _plan(fn, x, y).summed == [2]
+  assert _plan(fn, x, y).merged == [2]
   assert_close(fn(x, y), x @ y, matmul=True)
 
 
@@ -165,8 +178,12 @@ def test_accumulator_without_reset_starts_from_the_aliased_input():
   x, y, init = random_array((16, 16)), random_array((16, 16)), random_array((16, 16))
   fn = lambda x, y, init: _matmul(x, y, lambda o, p, k: o + p, out=init)
   plan = _plan(fn, x, y, init)
-  assert plan.summed == [2] and plan.keep_initial == [True]
+  assert plan.merged == [2] and plan.keep_initial == [True]
   assert_close(fn(x, y, init), init + x @ y, matmul=True)
+  fn = lambda x, y, init: _matmul(x, y, lambda o, p, k: o + 2.0 * p, out=init)
+  plan = _plan(fn, x, y, init)
+  assert plan.summed == [2] and plan.keep_initial == [True]
+  assert_close(fn(x, y, init), init + 2.0 * (x @ y), matmul=True)
 
 
 @pytest.mark.parametrize("name, update, reference", [
@@ -184,7 +201,7 @@ def test_non_accumulators_are_never_summed(name, update, reference):
   x, y = random_array((16, 32)), random_array((32, 16))
   fn = lambda x, y: _matmul(x, y, update)
   plan = _plan(fn, x, y)
-  assert plan.summed == [] and plan.inner == [2], name
+  assert plan.summed == [] and plan.merged == [] and plan.inner == [2], name
   assert "looped" in plan.describe()
   terms = _blocks_k(x, y)
   assert_close(fn(x, y), reference(terms, len(terms)), matmul=True)
@@ -389,10 +406,10 @@ def test_summed_axis_is_chunked_into_the_inner_loop(monkeypatch):
   monkeypatch.setattr(plan_lib, "MEMORY_FLOOR_BYTES", 0)
   monkeypatch.setattr(plan_lib, "MEMORY_MULTIPLE", 0.25)
   x, y = random_array((16, 256)), random_array((256, 16))
-  fn = lambda x, y: _matmul(x, y, _zero_then_add)
+  fn = lambda x, y: _matmul(x, y, _zero_then_add_scaled)
   plan = _plan(fn, x, y)
   assert plan.summed == [2] and plan.inner == [2] and 1 < plan.chunk[2] < 32
-  assert_close(fn(x, y), x @ y, matmul=True)
+  assert_close(fn(x, y), 0.5 * (x @ y), matmul=True)
 
 
 # ------------------------------------------------------------------ other strategies

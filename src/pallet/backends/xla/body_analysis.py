@@ -360,9 +360,10 @@ def blocks_merge_along(kernel: KernelDescription, tiled: dict[int, int]) -> str 
   """Whether the body may run once on input blocks widened along a reduction axis.
 
   `tiled` maps input index -> the array dimension it tiles along that axis. The
-  answer is None (yes) when every output ends as `reset(o) + reduce_sum(E)`, with
-  E elementwise in those inputs only (and literal scalars) and the sum running
-  over the widened dimension: then one run on the concatenated blocks gives the
+  answer is None (yes) when every output ends as `reset(o) + S`, where S is a
+  `reduce_sum` over the widened dimension, or a matrix product contracting the
+  widened dimensions of both its operands, of values elementwise in those inputs
+  only (and literal scalars): then one run on the concatenated blocks gives the
   sum over the axis of every step's term. Otherwise, a reason why not.
   """
   gm = kernel.grid_mapping
@@ -394,6 +395,14 @@ def blocks_merge_along(kernel: KernelDescription, tiled: dict[int, int]) -> str 
         return "a reduction keeps the dimension the blocks would be widened along"
       summed.add(eqn.outvars[0])
       continue
+    if name == "dot_general":
+      # sum_k a_k . b_k is the product of the blocks widened along the contraction
+      (lhs_c, rhs_c), _ = eqn.params["dimension_numbers"]
+      a, b = eqn.invars
+      if not (len(wide) == 2 and (stacked[a], stacked[b]) in list(zip(lhs_c, rhs_c))):
+        return "a matrix product does not contract the widened dimension of both blocks"
+      summed.add(eqn.outvars[0])
+      continue
     if name not in _ELEMENTWISE:
       return f"{name} is applied to a block of an input tiled along the axis"
     positions = {stacked[x] for x in wide}
@@ -415,8 +424,9 @@ def blocks_merge_along(kernel: KernelDescription, tiled: dict[int, int]) -> str 
   return None
 
 
-def _plain_reset_of(jaxpr: Any, var: Any, block: Any) -> bool:
-  """Whether `var` is `block` or `block` zeroed by a select/cond, with nothing added."""
+def _plain_reset_of(jaxpr: Any, var: Any, block: Any, zeros: frozenset = frozenset()) -> bool:
+  """Whether `var` is `block` or `block` zeroed by a select/cond, with nothing added.
+  `zeros`: variables of `jaxpr` known to be zero (call parameters bound to 0)."""
   if var is block:
     return True
   if not _is_var(var):
@@ -427,7 +437,7 @@ def _plain_reset_of(jaxpr: Any, var: Any, block: Any) -> bool:
   k = producer.outvars.index(var)
   name = producer.primitive.name
   if name == "select_n":
-    return all(_plain_reset_of(jaxpr, x, block) or _is_zero_value(jaxpr, x)
+    return all(_plain_reset_of(jaxpr, x, block, zeros) or _is_zero_value(jaxpr, x, zeros)
                for x in producer.invars[1:])
   if name == "cond":
     operands = producer.invars[1:]
@@ -441,19 +451,22 @@ def _plain_reset_of(jaxpr: Any, var: Any, block: Any) -> bool:
     return True
   if name in _CALL_PRIMITIVES and "jaxpr" in producer.params:
     inner = producer.params["jaxpr"].jaxpr
-    out = inner.outvars[k]
-    mapping = dict(zip(inner.invars, producer.invars))
+    bound = list(zip(inner.invars, producer.invars))
+    inner_zeros = frozenset(v for v, x in bound
+                            if (x in zeros if _is_var(x) else _is_zero_literal(x)))
     # the inner result must be a reset of the inner parameter bound to `block`
-    params = [v for v, outer in mapping.items() if outer is block]
-    return any(_plain_reset_of(inner, out, p) for p in params)
+    return any(_plain_reset_of(inner, inner.outvars[k], v, inner_zeros)
+               for v, x in bound if x is block)
   return False
 
 
-def _is_zero_value(jaxpr: Any, x: Any) -> bool:
+def _is_zero_value(jaxpr: Any, x: Any, zeros: frozenset = frozenset()) -> bool:
   if not _is_var(x):
     return _is_zero_literal(x)
+  if x in zeros:
+    return True
   producer = next((e for e in jaxpr.eqns if x in e.outvars), None)
   if producer is None or producer.primitive.name not in ("broadcast_in_dim",
                                                           "convert_element_type"):
     return False
-  return _is_zero_value(jaxpr, producer.invars[0])
+  return _is_zero_value(jaxpr, producer.invars[0], zeros)

@@ -13,13 +13,13 @@ a table of block positions. From the tables and `body_analysis`:
   (strided, permuted, overlapping blocks) have their blocks gathered per program.
   Axes that feed a while-loop trip count stay looped (under vmap every program
   would run the longest loop);
-* summed axes: sequential axes vectorized too, when every output is a proven
-  accumulator (`o = maybe_zeroed(o) + f(inputs)`, zeroed exactly on the first
-  step or never) and the body multiplies matrices: the body runs with `o = 0`
-  and the per-step results are summed (XLA folds the sum into the contraction);
-* merged axes: a sequential axis of an accumulator whose term is a block-wide sum
-  of elementwise functions of the inputs (a column sum) runs at once on input
-  blocks widened along it: one plain reduction instead of a loop;
+* merged axes: a sequential axis of proven accumulators (`o = maybe_zeroed(o) +
+  f(inputs)`, zeroed exactly on the first step or never) whose term is a
+  block-wide sum (a column sum, or a matrix product contracting along the axis)
+  runs at once on input blocks widened along it: one plain reduction or product;
+* summed axes: otherwise, sequential axes of proven accumulators whose body
+  multiplies matrices are vectorized too: the body runs with `o = 0` and the
+  per-step results are summed;
 * looped axes: the remaining parallel axes (outer loop) and sequential axes
   (inner loop). Output blocks stay resident across the inner loop when they do
   not move along it;
@@ -321,25 +321,25 @@ def _reduction_axes(kernel: KernelDescription, facts: BodyFacts, sequential: lis
       return [], [], keep_all
     tilings.append((g, tiled))
   form = f"o = {'o' if all(keep_initial) else 'zeroed-at-first-step(o)'} + f(inputs)"
-  if facts.has_matrix_product:
-    for g, tiled in tilings:
-      _record_tiling(inputs + outputs, g, tiled)
-    reasons.append(f"sequential axes {sequential} vectorized and summed: every output is an "
-                   f"accumulator ({form}), proven from the kernel body")
-    return list(sequential), [], keep_initial
-  # Memory-bound bodies: a vectorized sum becomes a reduction over split dimensions,
-  # which XLA CPU runs several times slower than a loop; widening the blocks instead
-  # leaves one plain reduction.
   why = (f"{len(sequential)} sequential axes" if len(sequential) > 1 else
          "some input blocks are gathered" if any(op.gathered for op in inputs) else
          blocks_merge_along(kernel, tilings[0][1]))
   if why is None:
+    # Widening the blocks leaves one plain reduction / matrix product for XLA.
     g, tiled = tilings[0]
     _record_tiling(inputs + outputs, g, tiled)
     reasons.append(f"sequential axis {g} merged into the blocks: every output is "
-                   f"{form} with f a block-wide sum of elementwise terms, so one run on "
-                   f"the widened blocks sums every step")
+                   f"{form} with f a block-wide sum (reduce_sum or a matrix product over "
+                   f"the widened dimension), so one run on the widened blocks sums every step")
     return [], [g], keep_initial
+  if facts.has_matrix_product:
+    for g, tiled in tilings:
+      _record_tiling(inputs + outputs, g, tiled)
+    reasons.append(f"sequential axes {sequential} vectorized and summed: every output is an "
+                   f"accumulator ({form}), proven from the kernel body (not mergeable: {why})")
+    return list(sequential), [], keep_initial
+  # Memory-bound bodies: a vectorized sum becomes a reduction over split dimensions,
+  # which XLA CPU runs several times slower than a loop.
   reasons.append(f"sequential axes {sequential} looped: the outputs are accumulators but the "
                  f"body has no matrix product (a vectorized sum is slow there) and the "
                  f"blocks cannot be merged ({why})")
