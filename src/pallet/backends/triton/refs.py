@@ -196,7 +196,7 @@ def address(gen, ref: MemoryRef, transforms: list[Any], label: str):
   """(pointer expression, mask expression or None, view shape) for ref[transforms]."""
   view_shape, terms = resolve_view(gen, ref.shape, transforms)
   rank = len(view_shape)
-  offsets, masks = [], []
+  offsets, masks, scalar_masks = [], [], []
   vt = iter(terms)
   for dim in ref.dims:
     coord = next(vt) if dim.visible else _Fixed(0)
@@ -210,13 +210,18 @@ def address(gen, ref: MemoryRef, transforms: list[Any], label: str):
       c = _expand_leading(coord.index.typed, len(coord.index.shape), coord.first, rank)
     pos = c if (isinstance(dim.start, int) and dim.start == 0) else \
         f"{_text(dim.start)} + {c}" if c != "0" else _text(dim.start)
-    if dim.check_high or dim.check_low:
+    static = _static_int(pos)
+    if static is not None:
+      # A position known now: check it now (Triton masks must be tensors).
+      if (dim.check_low and static < 0) or (dim.check_high and static >= dim.extent):
+        gen.fail(f"an access at position {static} of a dimension of size {dim.extent}")
+    elif dim.check_high or dim.check_low:
       checks = []
       if dim.check_low:
         checks.append(f"({pos} >= 0)")
       if dim.check_high:
         checks.append(f"({pos} < {dim.extent})")
-      masks.append(" & ".join(checks))
+      (scalar_masks if isinstance(coord, _Fixed) else masks).append(" & ".join(checks))
     if pos != "0":
       wrapped = f"({pos})" if _compound(pos) else pos
       offsets.append(f"{wrapped} * {dim.stride}" if dim.stride != 1 else wrapped)
@@ -230,9 +235,26 @@ def address(gen, ref: MemoryRef, transforms: list[Any], label: str):
   if rank and not _covers(terms, rank):
     pointer = f"tl.broadcast_to({pointer}, {list(padded(view_shape))})"
   mask = None
-  if masks:
-    mask = gen.let(f"{label}_mask", " & ".join(masks), view_shape, np.dtype(bool)).expr
+  expr = " & ".join(masks)
+  if scalar_masks:
+    scalar = " & ".join(scalar_masks)
+    if not rank:
+      expr = scalar
+    else:
+      # `tensor & scalar` of booleans comes out as integers in Triton's interpreter;
+      # select instead.
+      full = expr or f"tl.full({list(padded(view_shape))}, True, tl.int1)"
+      expr = f"tl.where({scalar}, {full}, False)"
+  if expr:
+    mask = gen.let(f"{label}_mask", expr, view_shape, np.dtype(bool)).expr
   return pointer, mask, view_shape
+
+
+def _static_int(expr: str) -> int | None:
+  try:
+    return int(expr)
+  except ValueError:
+    return None
 
 
 def _compound(expr: str) -> bool:
