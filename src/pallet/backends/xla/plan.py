@@ -36,6 +36,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import subjaxprs
 
 from pallet import _internals as internals
 from pallet.backends.xla.body_analysis import (BodyFacts, analyse_body,
@@ -58,14 +59,6 @@ class OperandPlan:
   table: np.ndarray | None                  # grid + (ndim,) element starts, after padding
   tiled_by: dict[int, int]                  # vectorized axis -> array dimension it tiles
   gathered: bool = False                    # blocks gathered per program (do not tile)
-
-  @property
-  def padded_shape(self) -> tuple[int, ...]:
-    return tuple(n + lo + hi for n, (lo, hi) in zip(self.mapping.array_shape, self.pad))
-
-  @property
-  def dynamic(self) -> bool:
-    return self.table is None
 
 
 @dataclasses.dataclass
@@ -191,7 +184,6 @@ def _tiling(ops: list[OperandPlan], outputs: list[OperandPlan], g: int,
 
 def _uses_primitive(jaxpr: Any, names: tuple[str, ...]) -> bool:
   """Whether `jaxpr` or any jaxpr nested in it binds one of the named primitives."""
-  from jax.extend.core import subjaxprs
   if any(eqn.primitive.name in names for eqn in jaxpr.eqns):
     return True
   return any(_uses_primitive(sub, names) for sub in subjaxprs(jaxpr))
@@ -199,6 +191,7 @@ def _uses_primitive(jaxpr: Any, names: tuple[str, ...]) -> bool:
 
 # ------------------------------------------------------------------ the planner
 def make_plan(kernel: KernelDescription) -> ExecutionPlan:
+  """Decides, per grid axis, how the kernel runs on XLA (see the module docstring)."""
   gm: GridMapping = kernel.grid_mapping
   grid, G = gm.grid, len(gm.grid)
   dynamic = bool(gm.prefetch_avals)
