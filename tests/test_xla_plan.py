@@ -462,3 +462,16 @@ def test_accumulator_analysis_reports_why_not():
   facts = body_analysis.analyse_body(
       _description(lambda x, y: _matmul(x, y, _zero_then_add), x, y))
   assert list(facts.accumulators) == [0] and facts.has_matrix_product
+
+
+def test_element_blocks_that_tile_are_sliced_not_gathered():
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] - 1.0
+  x = random_array((64, 8))
+  fn = lambda x: pl.pallas_call(
+      kernel, out_shape=sds(x), grid=(8,),
+      in_specs=[pl.BlockSpec((pl.Element(8), 8), lambda i: (8 * i, 0))],
+      out_specs=pl.BlockSpec((8, 8), lambda i: (i, 0)))(x)
+  plan = _plan(fn, x)
+  assert plan.vectorized == [0] and not plan.inputs[0].gathered
+  assert_close(fn(x), x - 1.0)

@@ -146,7 +146,7 @@ def _tiled_dim(op: OperandPlan, axis: int) -> int | None | bool:
   d = moving[0]
   dim = op.mapping.dims[d]
   step = np.diff(table[..., d], axis=axis)
-  if dim.kind == "element" or not np.all(step == dim.size):
+  if not np.all(step == dim.size):   # blocked or element offsets, contiguous blocks
     return False
   return d
 
