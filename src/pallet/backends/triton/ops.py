@@ -465,7 +465,7 @@ def _concatenate(gen, eqn, *xs):
 
 # ------------------------------------------------------------------ reductions
 def _identity(kind: str, dtype: np.dtype) -> str:
-  if kind in ("sum", "or", "argmax_pad_or"):
+  if kind in ("sum", "or"):
     return "0" if not is_bool(dtype) else "False"
   if kind == "prod":
     return "1"
@@ -489,8 +489,6 @@ _REDUCERS = {
     "reduce_or": ("or", "tl.reduce({x}, {a}, _bitwise_or)"),
     "reduce_xor": ("sum", "tl.reduce({x}, {a}, _bitwise_xor)"),
 }
-_COMBINE_HELPERS = {"prod": "_multiply", "and": "_bitwise_and", "or": "_bitwise_or",
-                    "reduce_xor": "_bitwise_xor"}
 
 
 @rule(*_REDUCERS)
