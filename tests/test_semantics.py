@@ -199,9 +199,9 @@ def test_resident_output_with_k_not_starting_from_zero_block():
 def test_axis_classification_parallel_and_sequential():
   x, y = random_array((16, 12)), random_array((12, 24))
   plan = _plan(lambda x, y: _matmul_with_k_at(1, x, y), x, y)
-  # k (axis 1) is a reduction: looped inside, or vectorized and summed where the
+  # k (axis 1) is a reduction: looped inside, merged into widened blocks, or vectorized and summed where the
   # backend proves the body an accumulator; i and j (axes 0, 2) are parallel.
-  reduced = set(plan.inner) | set(getattr(plan, "summed", ()))
+  reduced = set(plan.inner) | set(getattr(plan, "summed", ())) | set(getattr(plan, "merged", ()))
   assert reduced == {1}
   assert {0, 2} <= set(plan.vectorized) | set(plan.outer)
 
