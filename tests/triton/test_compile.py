@@ -216,3 +216,18 @@ def test_compiling_for_the_cpu_is_a_clear_error():
   f = call(kernel, sds(x), False)
   with pytest.raises(TritonLoweringError, match="runs on CUDA and ROCm GPUs.*backend='xla'"):
     jax.jit(f).lower(x)
+
+
+def test_arrays_of_2_to_the_31_elements_get_64_bit_offsets():
+  x = jax.ShapeDtypeStruct((65536, 65536), jnp.bfloat16)   # traced only, never allocated
+
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2
+
+  f = call(kernel, x, False, grid=(512, 64),
+           in_specs=[pl.BlockSpec((128, 1024), lambda i, j: (i, j))],
+           out_specs=pl.BlockSpec((128, 1024), lambda i, j: (i, j)))
+  src = plt.source(f, x)
+  assert re.search(r"x_ref_offsets_\d+ = \(.*\)\.to\(tl\.int64\) \* 65536", src)
+  compiled = compile_for(kernels_of(f, x)[0], "sm80")
+  assert re.search(r"\.s64|mul\.wide", compiled.asm["ptx"])

@@ -43,6 +43,14 @@ class MemoryRef:
   dtype: np.dtype
   shape: tuple[int, ...]     # what the kernel sees (squeezed dims dropped)
 
+  @property
+  def wide(self) -> bool:
+    """Whether element offsets into the array can exceed int32."""
+    size = 1
+    for d in self.dims:
+      size *= d.extent
+    return size >= 2 ** 31
+
 
 @dataclasses.dataclass
 class RegisterRef:
@@ -224,6 +232,8 @@ def address(gen, ref: MemoryRef, transforms: list[Any], label: str):
       (scalar_masks if isinstance(coord, _Fixed) else masks).append(" & ".join(checks))
     if pos != "0":
       wrapped = f"({pos})" if _compound(pos) else pos
+      if ref.wide:    # 64-bit offsets for arrays of 2**31 elements or more
+        wrapped = f"({pos}).to(tl.int64)"
       offsets.append(f"{wrapped} * {dim.stride}" if dim.stride != 1 else wrapped)
   for d, n in enumerate(view_shape):
     if next_pow2(n) != n:
