@@ -25,7 +25,7 @@ from helpers import random_array, sds
 class Case:
   make: Callable[[bool], tuple[Callable, tuple, Any]]
   tol: dict | None = None
-  bf16: bool = False      # the interpreter computes bf16 wrongly: compile-only
+  bf16: bool = False      # also checked by compiling (the interpreter holds bf16 in f32)
 
 
 CASES: dict[str, Case] = {}

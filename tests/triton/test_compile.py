@@ -231,3 +231,11 @@ def test_arrays_of_2_to_the_31_elements_get_64_bit_offsets():
   assert re.search(r"x_ref_offsets_\d+ = \(.*\)\.to\(tl\.int64\) \* 65536", src)
   compiled = compile_for(kernels_of(f, x)[0], "sm80")
   assert re.search(r"\.s64|mul\.wide", compiled.asm["ptx"])
+
+
+def test_interpreter_source_differs_only_in_holding_bf16_as_float32():
+  from pallet.backends.triton import generated, generated_for_interpreter
+  kernel = _kernel("bf16_exp_is_upcast")
+  gpu, interpreted = generated(kernel).source, generated_for_interpreter(kernel).source
+  assert ".to(tl.bfloat16)" in gpu and "bfloat16" not in interpreted
+  assert gpu.replace("tl.bfloat16", "tl.float32") == interpreted

@@ -20,7 +20,7 @@ from jax.interpreters import mlir
 
 from pallet.backends.triton import compiler
 from pallet.backends.triton.codegen import GeneratedKernel, generate
-from pallet.backends.triton.values import TritonLoweringError
+from pallet.backends.triton.values import TritonLoweringError, bf16_as_float32
 from pallet.tracing import KernelDescription
 
 NAME = "triton"
@@ -39,6 +39,19 @@ def generated(kernel: KernelDescription) -> GeneratedKernel:
   return result
 
 
+@functools.lru_cache(maxsize=512)
+def generated_for_interpreter(kernel: KernelDescription) -> GeneratedKernel:
+  """The kernel as generated for Triton's interpreter: the same program, except
+  that bf16 values are held in float32 (the interpreter's bf16 is broken)."""
+  with bf16_as_float32():
+    result = generate(kernel)
+  if kernel.debug:
+    print(f"--- pallet Triton source for '{kernel.name}' (interpreter) ---\n{result.source}")
+  if os.environ.get(DUMP_DIR_ENV):
+    compiler.dump(generated(kernel), os.environ[DUMP_DIR_ENV])
+  return result
+
+
 def lower(ctx: Any, *args: Any, kernel: KernelDescription, interpret: bool) -> list:
   if interpret:
     return _lower_interpreted(ctx, *args, kernel=kernel)
@@ -54,7 +67,7 @@ def lower(ctx: Any, *args: Any, kernel: KernelDescription, interpret: bool) -> l
 
 
 def _lower_interpreted(ctx: Any, *args: Any, kernel: KernelDescription) -> list:
-  gen = generated(kernel)
+  gen = generated_for_interpreter(kernel)
   out_shapes = [jax.ShapeDtypeStruct(b.array_shape, b.dtype)
                 for b in kernel.grid_mapping.outputs]
   aliases = dict(kernel.input_output_aliases)

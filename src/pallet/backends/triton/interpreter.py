@@ -191,27 +191,33 @@ def run(generated: Any, operands: Sequence[np.ndarray],
   check_interpreter_enabled(generated.kernel)
   gm = generated.kernel.grid_mapping
   fn = getattr(load_module(generated.source, True), generated.function_name)
-  ins = [np.ascontiguousarray(np.asarray(a)) for a in operands]
+  ins = [np.ascontiguousarray(_widen(np.asarray(a))) for a in operands]
   n_pre = len(gm.prefetch_avals)
   for j in generated.written_inputs:   # never write into the caller's (JAX's) buffers
     ins[n_pre + j] = np.array(ins[n_pre + j], copy=True)
   by_output = {o: i for i, o in aliases.items()}
   buffers = []
   for k, b in enumerate(gm.outputs):
-    init = ins[n_pre + by_output[k]] if k in by_output else np.zeros(b.array_shape, b.dtype)
+    init = ins[n_pre + by_output[k]] if k in by_output else \
+        np.zeros(b.array_shape, _widen(np.zeros((), b.dtype)).dtype)
     buffers.append(_GuardedBuffer(init))
   if generated.workspace_bytes:
     buffers.append(_GuardedBuffer(np.zeros(
         generated.workspace_bytes * generated.schedule.num_programs, np.int8)))
   args = [HostTensor(a) for a in ins] + \
-      [HostTensor(np.ascontiguousarray(c)) for c in generated.constants] + \
+      [HostTensor(np.ascontiguousarray(_widen(c))) for c in generated.constants] + \
       [HostTensor(b.array) for b in buffers] + \
       [HostTensor(ins[n_pre + j]) for j in generated.written_inputs]
   if generated.schedule.num_programs and all(gm.grid):
     fn[generated.launch_grid](*args)
   for b, what in zip(buffers, [o.origin for o in gm.outputs] + ["the workspace"]):
     b.check(generated.kernel, what)
-  return [b.array.copy() for b in buffers[:len(gm.outputs)]]
+  return [b.array.astype(o.dtype) for b, o in zip(buffers, gm.outputs)]
+
+
+def _widen(a: np.ndarray) -> np.ndarray:
+  """bf16 arrays as float32: the interpreter's code holds bf16 values in float32."""
+  return a.astype(np.float32) if a.dtype.name == "bfloat16" else a
 
 
 class _GuardedBuffer:

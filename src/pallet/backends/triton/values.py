@@ -6,9 +6,11 @@ reductions, dots and stores mask out. Every `Value` knows both shapes.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -41,15 +43,34 @@ _SIGNATURE_NAMES = {
 }
 
 
-def tl_dtype(dtype: Any) -> str:
+# Triton's interpreter computes bf16 wrongly (it keeps raw bits), so code generated
+# for it stores and computes bf16 values as float32.
+_bf16_as_f32 = contextvars.ContextVar("pallet_triton_bf16_as_f32", default=False)
+
+
+@contextlib.contextmanager
+def bf16_as_float32() -> Iterator[None]:
+  token = _bf16_as_f32.set(True)
+  try:
+    yield
+  finally:
+    _bf16_as_f32.reset(token)
+
+
+def _name(dtype: Any) -> str:
   name = np.dtype(dtype).name
+  return "float32" if name == "bfloat16" and _bf16_as_f32.get() else name
+
+
+def tl_dtype(dtype: Any) -> str:
+  name = _name(dtype)
   if name not in _TL_DTYPES:
     raise TritonLoweringError(f"dtype {name} has no Triton equivalent")
   return _TL_DTYPES[name]
 
 
 def signature_dtype(dtype: Any) -> str:
-  return _SIGNATURE_NAMES[np.dtype(dtype).name]
+  return _SIGNATURE_NAMES[_name(dtype)]
 
 
 def is_float(dtype: Any) -> bool:
