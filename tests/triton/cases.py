@@ -375,6 +375,62 @@ def _fori(interpret):
           x.reshape(8, 8, 16).sum(0))
 
 
+@case("fori_loop_traced_trip_count")
+def _fori_traced(interpret):
+  # Program i sums row blocks 0..i: the trip count is traced, so the loop is a
+  # counted while loop (generated as a `for` over a range).
+  x = random_array((32, 16))
+  def kernel(x_ref, o_ref):
+    def step(k, acc):
+      return acc + x_ref[pl.ds(k * 8, 8), :]
+    o_ref[...] = lax.fori_loop(0, pl.program_id(0) + 1, step, jnp.zeros((8, 16), jnp.float32))
+  f = call(kernel, jax.ShapeDtypeStruct((4, 8, 16), jnp.float32), interpret, grid=(4,),
+           in_specs=[pl.BlockSpec((32, 16), lambda i: (0, 0))],
+           out_specs=pl.BlockSpec((None, 8, 16), lambda i: (i, 0, 0)))
+  return f, (x,), jnp.cumsum(x.reshape(4, 8, 16), axis=0)
+
+
+@case("while_counted_final_index")
+def _while_counted(interpret):
+  # Traced start and bound, one program with no iterations, and the loop's final
+  # index and bound read after it (max(start, bound) and bound).
+  x = random_array((4, 8))
+  def kernel(x_ref, o_ref):
+    i = pl.program_id(0)
+    def body(c):
+      return c[0] + 1, c[1], c[2] * 0.5 + c[0].astype(jnp.float32)
+    k, n, acc = lax.while_loop(lambda c: c[0] < c[1], body, (i, 5 - i, x_ref[...]))
+    o_ref[...] = acc + 10.0 * k.astype(jnp.float32) + 100.0 * n.astype(jnp.float32)
+  def ref(x):
+    out = []
+    for i, r in enumerate(np.asarray(x)):
+      k, n = i, 5 - i
+      while k < n:
+        r, k = r * 0.5 + k, k + 1
+      out.append(r + 10.0 * k + 100.0 * n)
+    return jnp.asarray(np.stack(out))
+  f = call(kernel, sds(x), interpret, grid=(4,), in_specs=[rows(1, 8)], out_specs=rows(1, 8))
+  return f, (x,), ref(x)
+
+
+@case("while_counted_bound_from_a_register_ref")
+def _while_counted_register_bound(interpret):
+  # The bound is read from scratch held in registers, which the body then changes:
+  # the loop's bound, read in the body and after the loop, must not change with it.
+  x = random_array((4, 8))
+  def kernel(x_ref, o_ref, n_ref):
+    n_ref[...] = pl.program_id(0) + 2
+    def body(c):
+      n_ref[...] = n_ref[...] + 10
+      return c[0] + 1, c[1], c[2] + c[1].astype(jnp.float32)
+    k, _, acc = lax.while_loop(lambda c: c[0] < c[1], body, (jnp.int32(0), n_ref[...], x_ref[...]))
+    o_ref[...] = acc + 10.0 * k.astype(jnp.float32) + 100.0 * n_ref[...].astype(jnp.float32)
+  n = np.arange(4, dtype=np.float32)[:, None] + 2
+  f = call(kernel, sds(x), interpret, grid=(4,), in_specs=[rows(1, 8)], out_specs=rows(1, 8),
+           scratch_shapes=[pl.ScratchShape((), jnp.int32)])
+  return f, (x,), x + n * n + 10.0 * n + 100.0 * (11 * n)
+
+
 @case("program_id_num_programs_hints")
 def _program_id(interpret):
   x = random_array((6, 32))
