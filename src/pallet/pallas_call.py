@@ -283,16 +283,18 @@ batching.primitive_batchers[pallas_call_p] = _pallas_call_batching
 def _pallas_call_jvp(primals, tangents, *, kernel, name, backend, interpret):
   """Derivatives come from the kernel's pure (discharged) form, so `jax.grad` works.
 
-  The primal runs on the chosen backend; tangents are computed by XLA from the
-  same kernel description, which JAX can then transpose for reverse mode.
+  Tangents are computed by XLA from the same kernel description, which JAX can then
+  transpose for reverse mode. On the XLA backend that computation yields the primal
+  too; any other backend still runs the primal itself.
   """
   from pallet.backends.xla import kernel_as_function
-  primal_out = pallas_call_p.bind(*primals, kernel=kernel, name=name, backend=backend,
-                                  interpret=interpret)
   tangents = [ad.instantiate_zeros(t) for t in tangents]
   fn = kernel_as_function(kernel)
-  _, tangent_out = jax.jvp(fn, tuple(primals), tuple(tangents))
-  return primal_out, list(tangent_out)
+  primal_out, tangent_out = jax.jvp(fn, tuple(primals), tuple(tangents))
+  if backend != "xla":
+    primal_out = pallas_call_p.bind(*primals, kernel=kernel, name=name, backend=backend,
+                                    interpret=interpret)
+  return list(primal_out), list(tangent_out)
 
 
 ad.primitive_jvps[pallas_call_p] = _pallas_call_jvp
