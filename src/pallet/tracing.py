@@ -39,26 +39,30 @@ class KernelDescription:
     # Shown inside jaxprs as the `kernel=` parameter of pallas_call: keep it short.
     return f"<kernel '{self.name}' grid={self.grid_mapping.grid} from {self.source}>"
 
-  @property
-  def num_grid_axes(self) -> int:
-    return len(self.grid_mapping.grid)
-
   def replace(self, **changes) -> "KernelDescription":
     return dataclasses.replace(self, **changes)
 
 
-def kernel_name(kernel: Callable) -> str:
+def _user_function(kernel: Callable) -> Callable:
+  """The function the user wrote, under functools.partial and decorators
+  (e.g. pallet.named's wrapper)."""
   fn = kernel
-  while hasattr(fn, "func"):           # functools.partial
-    fn = fn.func
+  while True:
+    if hasattr(fn, "func"):              # functools.partial
+      fn = fn.func
+    elif hasattr(fn, "__wrapped__"):     # functools.wraps
+      fn = fn.__wrapped__
+    else:
+      return fn
+
+
+def kernel_name(kernel: Callable) -> str:
+  fn = _user_function(kernel)
   return getattr(fn, "__name__", type(fn).__name__)
 
 
 def kernel_source(kernel: Callable) -> str:
-  fn = kernel
-  while hasattr(fn, "func"):
-    fn = fn.func
-  fn = inspect.unwrap(fn)  # wrappers (e.g. pallet.named) point at the user's kernel
+  fn = _user_function(kernel)
   try:
     return f"{inspect.getsourcefile(fn)}:{inspect.getsourcelines(fn)[1]}"
   except (TypeError, OSError):
