@@ -8,7 +8,6 @@ Run it: `python examples/vector_add.py`.
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import pallet as pl

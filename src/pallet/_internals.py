@@ -15,7 +15,6 @@ from jax._src import core as _core
 from jax._src import debugging as _debugging
 from jax._src.state import discharge as _discharge
 from jax._src.state import indexing as _indexing
-from jax._src.state import primitives as _state_primitives
 from jax._src.state import types as _state_types
 
 # --- ref indexing: JAX's own indexer objects, so `ref[...]` and `pl.ds` agree ----
@@ -24,20 +23,13 @@ NDIndexer = _indexing.NDIndexer
 TransformedRef = _state_types.TransformedRef
 AbstractRef = jax.ref.AbstractRef
 
-# --- the state primitives that refs bind --------------------------------------
-get_p = _state_primitives.get_p
-swap_p = _state_primitives.swap_p
-addupdate_p = _state_primitives.addupdate_p
-
 # --- effects --------------------------------------------------------------------
 ReadEffect = _state_types.ReadEffect
 WriteEffect = _state_types.WriteEffect
-AccumEffect = _state_types.AccumEffect
 debug_effect = _debugging.debug_effect
 
 # --- state discharge: turning a jaxpr over refs into a pure function --------------
 transform_array = _discharge.transform_array
-transform_swap_array = _discharge.transform_swap_array
 
 _NEW_DISCHARGE_API = "ctx" in inspect.signature(
     _discharge._get_discharge_rule).parameters
@@ -67,10 +59,6 @@ def register_discharge_rule(primitive: Any) -> Callable:
 
 def is_tracer(x: Any) -> bool:
   return isinstance(x, _core.Tracer)
-
-
-def jaxpr_effects(closed_jaxpr: Any) -> Any:
-  return closed_jaxpr.effects
 
 
 # --- Triton backend: where an equation came from, for comments and error messages ---

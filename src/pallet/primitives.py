@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import math
 from typing import Any, Callable, Iterator, Sequence
 
@@ -107,6 +106,11 @@ def _as_transformed(ref: Any, idx: Any) -> tuple[Any, tuple[Any, ...]]:
   return ref, ()
 
 
+def _ref_view(base: Any, transforms: tuple[Any, ...]) -> Any:
+  """`base` seen through `transforms`, as a ref JAX's own get/swap accept."""
+  return internals.TransformedRef(base, transforms) if transforms else base
+
+
 def _view_shape_dtype(ref_aval: Any, transforms: Sequence[Any]) -> tuple[tuple[int, ...], Any]:
   aval = getattr(ref_aval, "inner_aval", ref_aval)
   for t in transforms:
@@ -190,7 +194,7 @@ def load(ref: Any, idx: Any = None, *, mask: Any = None, other: Any = None,
   del cache_modifier, eviction_policy, volatile, memory_space  # hints for GPU backends
   base, transforms = _as_transformed(ref, idx)
   if mask is None:
-    return internals.TransformedRef(base, transforms)[...] if transforms else base[...]
+    return _ref_view(base, transforms)[...]
   shape, dtype = _view_shape_dtype(jax.typeof(base), transforms)
   mask = jnp.broadcast_to(jnp.asarray(mask, jnp.bool_), shape)
   extra = [mask]
@@ -231,8 +235,7 @@ def store(ref: Any, idx: Any, value: Any = None, *, mask: Any = None,
   shape, dtype = _view_shape_dtype(jax.typeof(base), transforms)
   value = jnp.broadcast_to(jnp.asarray(value, dtype), shape)
   if mask is None:
-    view = internals.TransformedRef(base, transforms) if transforms else base
-    view[...] = value
+    _ref_view(base, transforms)[...] = value
     return
   mask = jnp.broadcast_to(jnp.asarray(mask, jnp.bool_), shape)
   flat, tree = jax.tree_util.tree_flatten(transforms)
@@ -279,7 +282,7 @@ _ATOMIC_COMBINE: dict[str, Callable[[Any, Any], Any]] = {
 }
 # Ops whose scatter form combines duplicate indices within one call, as a
 # sequence of atomics on a GPU would.
-_ATOMIC_SCATTER = {"add": "add", "max": "max", "min": "min"}
+_ATOMIC_SCATTER = frozenset({"add", "max", "min"})
 
 
 def _atomic(op: str, ref: Any, idx: Any, value: Any, mask: Any) -> jax.Array:
@@ -390,8 +393,8 @@ def _atomic_rmw_discharge(in_avals, out_avals, ref_value, *args, tree, op, has_m
   if op in _ATOMIC_SCATTER:
     # Same final state, but a plain scatter is far cheaper; the sort above is then
     # only kept by XLA when the kernel uses the returned old values.
-    new_ref = _scatter_into(ref_value, offsets, mask, lambda at: getattr(
-        at, _ATOMIC_SCATTER[op])(value.reshape(-1), mode="drop"))
+    new_ref = _scatter_into(ref_value, offsets, mask,
+                            lambda at: getattr(at, op)(value.reshape(-1), mode="drop"))
   return (new_ref,) + (None,) * (len(in_avals) - 1), old
 
 

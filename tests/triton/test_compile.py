@@ -6,9 +6,7 @@ import re
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
-from jax import lax
 
 import pallet as pl
 import pallet.triton as plt

@@ -8,13 +8,12 @@ rejects most math on 16-bit floats.
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 import numpy as np
 
-from pallet.backends.triton.values import (TritonLoweringError, Value, bit_width, constant,
-                                           is_bool, is_float, is_int, is_signed,
+from pallet.backends.triton.values import (Value, bit_width, constant,
+                                           is_bool, is_float, is_signed,
                                            next_pow2, python_literal, tl_dtype)
 
 Rule = Callable[..., list[Value]]
@@ -589,7 +588,6 @@ def _dot_general(gen, eqn, a, b):
     return v, bool(free)
   a2, a_free = arrange(a, ca[0], ba, True)
   b2, b_free = arrange(b, cb[0], bb, False)
-  k = a2.shape[-1]
   if a2.is_padded or b2.is_padded:
     # Padding along K must be zero in both operands, or it pollutes every sum.
     a2 = gen.mask_padding(a2, [len(a2.shape) - 1], "0")
