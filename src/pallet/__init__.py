@@ -12,6 +12,7 @@ from pallet.primitives import (Slice, atomic_add, atomic_and, atomic_cas, atomic
                                max_contiguous, multiple_of, num_programs, program_id,
                                run_scoped, store, when)
 from pallet.pallas_call import pallas_call, pallas_call_p
+from pallet.dma import semaphore_read, semaphore_signal, semaphore_wait
 from pallet import named
 
 __version__ = "0.1.0"

@@ -30,6 +30,7 @@ debug_effect = _debugging.debug_effect
 
 # --- state discharge: turning a jaxpr over refs into a pure function --------------
 transform_array = _discharge.transform_array
+transform_swap_array = _discharge.transform_swap_array   # (old view, updated array)
 
 _NEW_DISCHARGE_API = "ctx" in inspect.signature(
     _discharge._get_discharge_rule).parameters
@@ -74,6 +75,14 @@ def equation_source(eqn: Any) -> tuple[str, int] | None:
     if not frame.file_name.startswith(_PALLET_DIR):
       return frame.file_name, frame.start_line
   return None
+
+
+def user_source_line() -> str:
+  """`file:line` of the user code being traced now (outside JAX and pallet)."""
+  for frame in _source_info_util.user_frames(_source_info_util.current().traceback):
+    if not frame.file_name.startswith(_PALLET_DIR):
+      return f"{frame.file_name}:{frame.start_line}"
+  return "<unknown>"
 
 
 # --- Triton backend: scan's parameters changed shape between JAX 0.10 and 0.12 ----

@@ -19,6 +19,7 @@ class MemorySpace(enum.Enum):
   SMEM = "smem"      # scalar / shared memory
   VMEM = "vmem"      # TPU vector memory
   HBM = "hbm"
+  SEMAPHORE = "semaphore"  # TPU semaphores (int32 counters on the CPU), see dma.py
 
   def __call__(self, shape: Sequence[int], dtype: Any) -> "ScratchShape":
     """`pltpu.VMEM((8, 128), jnp.float32)` describes a scratch buffer."""

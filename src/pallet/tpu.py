@@ -6,11 +6,15 @@ from typing import Any, Sequence
 
 from pallet.specs import CompilerParams as _BaseCompilerParams
 from pallet.specs import GridSpec, MemorySpace, no_block_spec
+from pallet.dma import (AsyncCopyDescriptor, SemaphoreType, async_copy, make_async_copy,
+                        make_async_remote_copy, semaphore_read, semaphore_signal,
+                        semaphore_wait, sync_copy)
 
 VMEM = MemorySpace.VMEM
 SMEM = MemorySpace.SMEM
 ANY = MemorySpace.ANY
 HBM = MemorySpace.HBM
+SEMAPHORE = MemorySpace.SEMAPHORE
 
 
 class TPUMemorySpace:
@@ -19,6 +23,7 @@ class TPUMemorySpace:
   SMEM = SMEM
   ANY = ANY
   HBM = HBM
+  SEMAPHORE = SEMAPHORE
 
 
 @dataclasses.dataclass(frozen=True)

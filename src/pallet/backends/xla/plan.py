@@ -39,6 +39,7 @@ import numpy as np
 from jax.extend.core import subjaxprs
 
 from pallet import _internals as internals
+from pallet.dma import DMA_PRIMITIVE_NAMES
 from pallet.backends.xla.body_analysis import (BodyFacts, analyse_body,
                                                 blocks_merge_along, evaluate_resets)
 from pallet.grid_mapping import BlockMapping, GridMapping
@@ -215,6 +216,11 @@ def make_plan(kernel: KernelDescription) -> ExecutionPlan:
     reasons.append("index maps read scalar-prefetch operands: block positions are data, "
                    "every axis runs as a loop")
     return looped(list(range(G)), resident=False)
+
+  if _uses_primitive(kernel.jaxpr.jaxpr, tuple(DMA_PRIMITIVE_NAMES)):
+    reasons.append("kernel uses DMAs or semaphores, whose state carries from one grid "
+                   "step to the next: running the grid in exact row-major order")
+    return looped(list(range(G)), _resident(outputs, list(range(G))))
 
   if gm.dimension_semantics is not None:
     parallel = [g for g in range(G) if gm.dimension_semantics[g] == "parallel"]

@@ -1,0 +1,348 @@
+"""Asynchronous copies (DMAs) and semaphores, as TPU kernels use them.
+
+A semaphore is an int32 ref (scratch in `MemorySpace.SEMAPHORE`). A DMA copies at
+`.start()` and adds the number of copied elements to its semaphore; `.wait()`
+checks that the semaphore holds at least the elements of the described copy and
+takes them off. On a TPU the data may land any time before the wait completes,
+so a correct kernel cannot tell the difference: the copy is visible after the
+wait, as the hardware promises. A wait that the semaphore can never satisfy
+(nothing else runs concurrently on the CPU) is a run-time error naming the
+source line, where a TPU would hang.
+
+Each primitive has its abstract evaluation and its discharge rule (the
+sequential meaning every backend compiles) side by side.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Primitive
+
+from pallet import _internals as internals
+from pallet.grid_mapping import PalletError
+from pallet.specs import MemorySpace, ScratchShape
+
+# Names of the primitives below: the XLA plan runs kernels that use them in exact
+# grid order, since copies and semaphores carry state from one grid step to the next.
+DMA_PRIMITIVE_NAMES = frozenset({"dma_start", "dma_wait", "semaphore_signal",
+                                 "semaphore_wait", "semaphore_read"})
+
+
+# ------------------------------------------------------------------ semaphore types
+@dataclasses.dataclass(frozen=True)
+class SemaphoreScratch(ScratchShape):
+  """A semaphore (or array of semaphores) requested as scratch or in run_scoped.
+
+  `SemaphoreType.DMA` is one semaphore; `SemaphoreType.DMA((2,))` an array of two.
+  """
+  kind: str = "regular"
+
+  def __call__(self, shape: tuple[int, ...]) -> "SemaphoreScratch":
+    return SemaphoreScratch(tuple(shape), jnp.int32, MemorySpace.SEMAPHORE, self.kind)
+
+
+class SemaphoreType:
+  """`pltpu.SemaphoreType`: DMA semaphores count copied elements, REGULAR ones count signals."""
+  REGULAR = SemaphoreScratch((), jnp.int32, MemorySpace.SEMAPHORE, "regular")
+  DMA = SemaphoreScratch((), jnp.int32, MemorySpace.SEMAPHORE, "dma")
+  BARRIER = SemaphoreScratch((), jnp.int32, MemorySpace.SEMAPHORE, "barrier")
+
+
+# ------------------------------------------------------------------ helpers
+def _ref_and_transforms(ref: Any) -> tuple[Any, tuple[Any, ...]]:
+  if isinstance(ref, internals.TransformedRef):
+    return ref.ref, tuple(ref.transforms)
+  return ref, ()
+
+
+def _view_aval(ref_aval: Any, transforms: Any) -> Any:
+  aval = getattr(ref_aval, "inner_aval", ref_aval)
+  for t in transforms:
+    aval = t.transform_type(aval)
+  return aval
+
+
+def _is_ref(x: Any) -> bool:
+  return isinstance(getattr(x, "aval", jax.typeof(x) if internals.is_tracer(x) else None),
+                    internals.AbstractRef) or isinstance(x, internals.TransformedRef)
+
+
+def _check_ref(x: Any, api: str, what: str) -> None:
+  if not _is_ref(x):
+    raise PalletError(f"{api}: {what} must be a ref (a kernel parameter, scratch buffer or "
+                      f"a view such as ref.at[...]), got {type(x).__name__} "
+                      f"({internals.user_source_line()})")
+
+
+def _semaphore_view(sem: Any, api: str) -> tuple[Any, tuple[Any, ...]]:
+  _check_ref(sem, api, "the semaphore")
+  base, transforms = _ref_and_transforms(sem)
+  aval = _view_aval(jax.typeof(base), transforms)
+  if aval.shape != () or aval.dtype != jnp.int32:
+    raise PalletError(f"{api}: the semaphore must be a single semaphore (e.g. "
+                      f"sems.at[i] of a SemaphoreType.DMA((n,)) array), got a "
+                      f"{aval.dtype}{list(aval.shape)} ref ({internals.user_source_line()})")
+  return base, transforms
+
+
+def _ref_positions(tree: Any, n: int, ref_slots: tuple[int, ...]) -> list[int]:
+  """Flat operand positions of the refs in slots `ref_slots` of the flattened tuple."""
+  parts = jax.tree_util.tree_unflatten(tree, list(range(n)))
+  return [parts[s] for s in ref_slots if parts[s] is not None]
+
+
+def _replace(new_values: dict[int, Any], n: int) -> tuple[Any, ...]:
+  return tuple(new_values.get(i) for i in range(n))
+
+
+def _check(ok: jax.Array, message: str) -> None:
+  """Fails at run time with `message` unless `ok` (pallet's runtime check, see checks.py)."""
+  from pallet.checks import check_p
+  check_p.bind(jnp.asarray(ok, jnp.bool_), message=message)
+
+
+def _sem_add(sem_value: jax.Array, transforms: Any, delta: Any) -> jax.Array:
+  current = internals.transform_array(sem_value, transforms)
+  _, new = internals.transform_swap_array(sem_value, transforms,
+                                          current + jnp.asarray(delta, jnp.int32))
+  return new
+
+
+# ------------------------------------------------------------------ dma_start
+dma_start_p = Primitive("dma_start")
+dma_start_p.multiple_results = True
+
+# Slots of the flattened operand tuple (src, src_t, dst, dst_t, sem, sem_t, src_sem, src_sem_t).
+_SRC, _SRC_T, _DST, _DST_T, _SEM, _SEM_T, _SRC_SEM, _SRC_SEM_T = range(8)
+
+
+def _dma_start_abstract_eval(*avals, tree, add, site):
+  parts = jax.tree_util.tree_unflatten(tree, list(range(len(avals))))
+  effects = {internals.ReadEffect(parts[_SRC]), internals.WriteEffect(parts[_DST]),
+             internals.WriteEffect(parts[_SEM])}
+  if add:
+    effects.add(internals.ReadEffect(parts[_DST]))
+  if parts[_SRC_SEM] is not None:
+    effects.add(internals.WriteEffect(parts[_SRC_SEM]))
+  return [], effects
+
+
+dma_start_p.def_effectful_abstract_eval(_dma_start_abstract_eval)
+
+
+@internals.register_discharge_rule(dma_start_p)
+def _dma_start_discharge(in_avals, out_avals, *args, tree, add, site):
+  src, src_t, dst, dst_t, sem, sem_t, src_sem, src_sem_t = jax.tree_util.tree_unflatten(
+      tree, args)
+  pos = jax.tree_util.tree_unflatten(tree, list(range(len(args))))
+  data = internals.transform_array(src, src_t)
+  if add:
+    data = internals.transform_array(dst, dst_t) + data
+  _, new_dst = internals.transform_swap_array(dst, dst_t, data.astype(dst.dtype))
+  new = {pos[_DST]: new_dst, pos[_SEM]: _sem_add(sem, sem_t, data.size)}
+  if src_sem is not None:
+    new[pos[_SRC_SEM]] = _sem_add(src_sem, src_sem_t, data.size)
+  return _replace(new, len(args)), []
+
+
+# ------------------------------------------------------------------ dma_wait
+_SEM_WAIT = 2   # slot of the semaphore in dma_wait's (ref, ref_t, sem, sem_t)
+dma_wait_p = Primitive("dma_wait")
+dma_wait_p.multiple_results = True
+
+
+def _dma_wait_abstract_eval(ref_aval, *avals, tree, site):
+  parts = jax.tree_util.tree_unflatten(tree, list(range(1 + len(avals))))
+  return [], {internals.WriteEffect(parts[_SEM_WAIT])}
+
+
+dma_wait_p.def_effectful_abstract_eval(_dma_wait_abstract_eval)
+
+
+@internals.register_discharge_rule(dma_wait_p)
+def _dma_wait_discharge(in_avals, out_avals, *args, tree, site):
+  ref, ref_t, sem, sem_t = jax.tree_util.tree_unflatten(tree, args)
+  pos = jax.tree_util.tree_unflatten(tree, list(range(len(args))))
+  size = _view_aval(in_avals[0], ref_t).size
+  current = internals.transform_array(sem, sem_t)
+  _check(current >= size,
+         f"{site}: a DMA wait for {size} elements, but fewer have been copied into its "
+         f"semaphore (no started copy delivers them): on a TPU this wait would never finish")
+  return _replace({pos[_SEM_WAIT]: _sem_add(sem, sem_t, -size)}, len(args)), []
+
+
+# ------------------------------------------------------------------ the descriptor
+@dataclasses.dataclass
+class AsyncCopyDescriptor:
+  """A DMA from `src_ref` to `dst_ref` signalling `dst_sem` (and `src_sem`, if given)."""
+  src_ref: Any
+  dst_ref: Any
+  dst_sem: Any
+  src_sem: Any = None
+
+  def start(self, priority: int = 0, *, add: bool = False) -> None:
+    """Copies now (a TPU would copy in the background) and signals the semaphore(s)."""
+    del priority
+    site = internals.user_source_line()
+    src, src_t = _ref_and_transforms(self.src_ref)
+    dst, dst_t = _ref_and_transforms(self.dst_ref)
+    sem, sem_t = _semaphore_view(self.dst_sem, "make_async_copy(...).start()")
+    src_sem, src_sem_t = (None, ()) if self.src_sem is None else _semaphore_view(
+        self.src_sem, "make_async_copy(...).start()")
+    src_aval = _view_aval(jax.typeof(src), src_t)
+    dst_aval = _view_aval(jax.typeof(dst), dst_t)
+    if src_aval.shape != dst_aval.shape or src_aval.dtype != dst_aval.dtype:
+      raise PalletError(f"make_async_copy at {site}: source {src_aval.str_short()} and "
+                        f"destination {dst_aval.str_short()} must have the same shape and "
+                        f"dtype")
+    flat, tree = jax.tree_util.tree_flatten(
+        (src, src_t, dst, dst_t, sem, sem_t, src_sem, src_sem_t))
+    dma_start_p.bind(*flat, tree=tree, add=add, site=site)
+
+  def _wait_on(self, ref: Any, sem: Any) -> None:
+    site = internals.user_source_line()
+    base, transforms = _ref_and_transforms(ref)
+    sem, sem_t = _semaphore_view(sem, "make_async_copy(...).wait()")
+    flat, tree = jax.tree_util.tree_flatten((base, transforms, sem, sem_t))
+    dma_wait_p.bind(*flat, tree=tree, site=site)
+
+  def wait(self) -> None:
+    """Waits until the copy has arrived (and was read, when a source semaphore is given)."""
+    if self.src_sem is not None:
+      self.wait_send()
+    self.wait_recv()
+
+  def wait_recv(self) -> None:
+    """Waits for the copy's data to arrive in `dst_ref`."""
+    self._wait_on(self.dst_ref, self.dst_sem)
+
+  wait_write = wait_recv
+
+  def wait_send(self) -> None:
+    """Waits for the copy to have read `src_ref` (needs a source semaphore)."""
+    if self.src_sem is None:
+      raise PalletError(f"make_async_copy(...).wait_send() at "
+                        f"{internals.user_source_line()}: this copy has no source "
+                        f"semaphore (pass src_sem=...); use .wait()")
+    self._wait_on(self.src_ref, self.src_sem)
+
+  wait_read = wait_send
+
+
+def make_async_copy(src_ref: Any, dst_ref: Any, sem: Any = None, *,
+                    src_sem: Any = None) -> AsyncCopyDescriptor:
+  """Describes a copy `src_ref -> dst_ref` whose arrival `sem` counts; start it with `.start()`."""
+  for what, r in (("src_ref", src_ref), ("dst_ref", dst_ref)):
+    _check_ref(r, "make_async_copy", what)
+  if sem is None:
+    raise PalletError(f"make_async_copy at {internals.user_source_line()}: a semaphore is "
+                      f"needed (e.g. scratch pltpu.SemaphoreType.DMA)")
+  return AsyncCopyDescriptor(src_ref, dst_ref, sem, src_sem)
+
+
+def async_copy(src_ref: Any, dst_ref: Any, sem: Any = None, *, src_sem: Any = None,
+               priority: int = 0, add: bool = False) -> AsyncCopyDescriptor:
+  """Starts a copy and returns its descriptor (to `.wait()` on)."""
+  copy = make_async_copy(src_ref, dst_ref, sem, src_sem=src_sem)
+  copy.start(priority=priority, add=add)
+  return copy
+
+
+def make_async_remote_copy(src_ref: Any, dst_ref: Any, send_sem: Any, recv_sem: Any,
+                           device_id: Any, device_id_type: Any = None) -> AsyncCopyDescriptor:
+  raise PalletError(f"make_async_remote_copy at {internals.user_source_line()}: copies to "
+                    f"other devices are not supported on this backend (pallet runs a "
+                    f"kernel on one device); use make_async_copy for local copies")
+
+
+def sync_copy(src_ref: Any, dst_ref: Any, *, add: bool = False) -> None:
+  """Copies a pytree of refs into another and waits for the copies."""
+  srcs, tree = jax.tree_util.tree_flatten(src_ref, is_leaf=_is_ref)
+  dsts = tree.flatten_up_to(dst_ref)
+  if not srcs:
+    return
+  sem = jax.new_ref(jnp.zeros((), jnp.int32))
+  copies = [make_async_copy(s, d, sem) for s, d in zip(srcs, dsts)]
+  for c in copies:
+    c.start(add=add)
+  for c in copies:
+    c.wait()
+
+
+# ------------------------------------------------------------------ semaphores
+semaphore_signal_p = Primitive("semaphore_signal")
+semaphore_signal_p.multiple_results = True
+semaphore_wait_p = Primitive("semaphore_wait")
+semaphore_wait_p.multiple_results = True
+semaphore_read_p = Primitive("semaphore_read")
+
+
+def _sem_operands(sem: Any, api: str) -> tuple[list[Any], Any]:
+  base, transforms = _semaphore_view(sem, api)
+  return jax.tree_util.tree_flatten((base, transforms))
+
+
+def semaphore_signal(sem_or_view: Any, inc: Any = 1, *, device_id: Any = None,
+                     device_id_type: Any = None, core_index: Any = None) -> None:
+  """Adds `inc` to a semaphore."""
+  del device_id_type
+  if device_id is not None or core_index is not None:
+    raise PalletError(f"semaphore_signal at {internals.user_source_line()}: signalling "
+                      f"another device or core is not supported on this backend (pallet "
+                      f"runs a kernel on one core of one device)")
+  flat, tree = _sem_operands(sem_or_view, "semaphore_signal")
+  semaphore_signal_p.bind(*flat, jnp.asarray(inc, jnp.int32), tree=tree)
+
+
+def semaphore_wait(sem_or_view: Any, value: Any = 1, *, decrement: bool = True) -> None:
+  """Waits until a semaphore holds at least `value`; then takes `value` off (if `decrement`)."""
+  site = internals.user_source_line()
+  flat, tree = _sem_operands(sem_or_view, "semaphore_wait")
+  semaphore_wait_p.bind(*flat, jnp.asarray(value, jnp.int32), tree=tree,
+                        decrement=decrement, site=site)
+
+
+def semaphore_read(sem_or_view: Any) -> jax.Array:
+  """The semaphore's current value (an int32 scalar)."""
+  flat, tree = _sem_operands(sem_or_view, "semaphore_read")
+  return semaphore_read_p.bind(*flat, tree=tree)
+
+
+semaphore_signal_p.def_effectful_abstract_eval(
+    lambda *avals, tree: ([], {internals.WriteEffect(0)}))
+
+
+@internals.register_discharge_rule(semaphore_signal_p)
+def _semaphore_signal_discharge(in_avals, out_avals, sem, *args, tree):
+  *flat_t, inc = args
+  _, transforms = jax.tree_util.tree_unflatten(tree, [sem, *flat_t])
+  return (_sem_add(sem, transforms, inc),) + (None,) * len(args), []
+
+
+semaphore_wait_p.def_effectful_abstract_eval(
+    lambda *avals, tree, decrement, site: ([], {internals.WriteEffect(0)}))
+
+
+@internals.register_discharge_rule(semaphore_wait_p)
+def _semaphore_wait_discharge(in_avals, out_avals, sem, *args, tree, decrement, site):
+  *flat_t, value = args
+  _, transforms = jax.tree_util.tree_unflatten(tree, [sem, *flat_t])
+  current = internals.transform_array(sem, transforms)
+  _check(current >= value,
+         f"{site}: semaphore_wait for more than the semaphore holds, and nothing else "
+         f"can signal it: on a TPU this wait would never finish")
+  new = _sem_add(sem, transforms, -value) if decrement else None
+  return (new,) + (None,) * len(args), []
+
+
+semaphore_read_p.def_effectful_abstract_eval(
+    lambda *avals, tree: (jax.core.ShapedArray((), jnp.int32), {internals.ReadEffect(0)}))
+
+
+@internals.register_discharge_rule(semaphore_read_p)
+def _semaphore_read_discharge(in_avals, out_avals, sem, *flat_t, tree):
+  _, transforms = jax.tree_util.tree_unflatten(tree, [sem, *flat_t])
+  return (None,) * (1 + len(flat_t)), internals.transform_array(sem, transforms)
