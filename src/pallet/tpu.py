@@ -9,6 +9,7 @@ from pallet.specs import GridSpec, MemorySpace, no_block_spec
 from pallet.dma import (AsyncCopyDescriptor, SemaphoreType, async_copy, make_async_copy,
                         make_async_remote_copy, semaphore_read, semaphore_signal,
                         semaphore_wait, sync_copy)
+from pallet.pipeline import emit_pipeline, emit_pipeline_with_allocations
 
 VMEM = MemorySpace.VMEM
 SMEM = MemorySpace.SMEM

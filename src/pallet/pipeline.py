@@ -1,0 +1,275 @@
+"""`pltpu.emit_pipeline`: a grid of blocks run inside a kernel over whole (`ANY`) refs.
+
+On a TPU the emitted pipeline double-buffers: it copies the next blocks in while
+the body works on the current ones. Its observable meaning is a sequential loop
+over the inner grid that, per step, copies each operand's block into a buffer,
+runs the body on the buffers and copies the output blocks back; that is what
+this module builds (one `fori_loop`, buffers allocated once). Blocks that
+overhang an array edge read unspecified values there (zeros) and write only
+their in-bounds part, as on a TPU. Inside the body, `pl.program_id` answers for
+the inner grid.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallet import _internals as internals
+from pallet import primitives
+from pallet.grid_mapping import PalletError
+from pallet.specs import (BlockSpec, Blocked, Element, MemorySpace, ScratchShape, Squeezed,
+                          no_block_spec)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Window:
+  """How one operand is cut: its block dims and the index map (grid indices -> block)."""
+  spec: BlockSpec
+  shape: tuple[int, ...]
+  dtype: Any
+  where: str
+
+  @property
+  def dims(self) -> list[tuple[str, int]]:
+    """(kind, size) per array dimension: 'blocked', 'squeezed' or 'element'."""
+    out = []
+    for d, n in zip(self.spec.block_shape, self.shape):
+      if d is None or isinstance(d, Squeezed):
+        out.append(("squeezed", 1))
+      elif isinstance(d, Element):
+        out.append(("element", int(d.block_size)))
+      elif isinstance(d, Blocked):
+        out.append(("blocked", int(d.block_size)))
+      elif isinstance(d, (numbers.Integral,)) and not isinstance(d, bool):
+        out.append(("blocked", int(d)))
+      else:
+        raise PalletError(f"{self.where}: block_shape entries must be ints, None, "
+                          f"pl.Squeezed(), pl.Element(n) or pl.Blocked(n); got {d!r}")
+    return out
+
+  @property
+  def buffer(self) -> ScratchShape:
+    return ScratchShape(tuple(n for kind, n in self.dims if kind != "squeezed"),
+                        self.dtype, MemorySpace.VMEM)
+
+  def starts(self, indices: Sequence[Any]) -> list[Any]:
+    """Element offset of the block in every array dimension at grid step `indices`."""
+    index_map = self.spec.index_map or (lambda *_: (0,) * len(self.shape))
+    block = index_map(*indices)
+    if not isinstance(block, (tuple, list)):
+      block = (block,)
+    if len(block) != len(self.shape):
+      raise PalletError(f"{self.where}: index_map returned {len(block)} indices but the "
+                        f"array has rank {len(self.shape)}")
+    return [jnp.asarray(b, jnp.int32) * (1 if kind == "element" else n)
+            for b, (kind, n) in zip(block, self.dims)]
+
+  def view(self, starts: Sequence[Any]) -> tuple[tuple[Any, ...], Any]:
+    """(index into the array for the block, mask of its in-bounds elements or None)."""
+    idx, in_bounds = [], []
+    kernel_dims = [k != "squeezed" for k, _ in self.dims]
+    for s, (kind, n), size in zip(starts, self.dims, self.shape):
+      if kind == "squeezed":
+        idx.append(s)
+        continue
+      idx.append(primitives.ds(s, n))
+      if kind == "element" or size % n:
+        in_bounds.append((len(in_bounds), (s + lax.iota(jnp.int32, n) >= 0)
+                          & (s + lax.iota(jnp.int32, n) < size)))
+      else:
+        in_bounds.append((len(in_bounds), None))
+    rank = sum(kernel_dims)
+    mask = None
+    for d, m in in_bounds:
+      if m is None:
+        continue
+      m = m.reshape([n if i == d else 1 for i in range(rank)])
+      mask = m if mask is None else mask & m
+    if mask is not None:
+      mask = jnp.broadcast_to(mask, self.buffer.shape)
+    return tuple(idx), mask
+
+
+def _is_windowed(spec: Any) -> bool:
+  return (isinstance(spec, BlockSpec) and spec.block_shape is not None
+          and spec.memory_space is not MemorySpace.ANY)
+
+
+def _ref_aval(ref: Any, where: str) -> Any:
+  aval = jax.typeof(ref.ref) if isinstance(ref, internals.TransformedRef) else jax.typeof(ref)
+  if not isinstance(aval, internals.AbstractRef):
+    raise PalletError(f"{where}: expected a ref, got {type(ref).__name__}")
+  if isinstance(ref, internals.TransformedRef):
+    inner = aval.inner_aval
+    for t in ref.transforms:
+      inner = t.transform_type(inner)
+    return inner
+  return aval.inner_aval
+
+
+def _normalize(specs: Any) -> tuple[Any, ...]:
+  if specs is None:
+    return ()
+  return tuple(specs) if isinstance(specs, (list, tuple)) else (specs,)
+
+
+def _windows(specs: tuple[Any, ...], refs: Sequence[Any], what: str, site: str):
+  """Flat (ref, window or None) pairs of a tuple of ref pytrees and matching specs."""
+  if len(specs) != len(refs):
+    raise PalletError(f"emit_pipeline at {site}: {len(specs)} {what} specs for "
+                      f"{len(refs)} {what} refs")
+  pairs = []
+  for i, (spec, tree) in enumerate(zip(specs, refs)):
+    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_is_ref_leaf)
+    spec_leaves = ([spec] * len(leaves) if spec is None or spec is no_block_spec
+                   or isinstance(spec, BlockSpec) else
+                   treedef.flatten_up_to(spec))
+    for j, (s, r) in enumerate(zip(spec_leaves, leaves)):
+      where = f"emit_pipeline at {site}, {what} {i}" + (f" leaf {j}" if len(leaves) > 1 else "")
+      aval = _ref_aval(r, where)
+      if _is_windowed(s):
+        if len(s.block_shape) != len(aval.shape):
+          raise PalletError(f"{where}: block_shape {tuple(s.block_shape)} has rank "
+                            f"{len(s.block_shape)} but the ref has shape {aval.shape}")
+        pairs.append((r, _Window(s, tuple(aval.shape), aval.dtype, where)))
+      else:
+        pairs.append((r, None))
+    pairs.append(treedef)
+  return pairs
+
+
+def _is_ref_leaf(x: Any) -> bool:
+  return isinstance(x, internals.TransformedRef)
+
+
+def _unflatten(pairs: list, values: list) -> list[Any]:
+  """Re-nests per-leaf values (in the order of `pairs`) into the operands' pytrees."""
+  out, leaves, it = [], [], iter(values)
+  for p in pairs:
+    if isinstance(p, tuple):
+      leaves.append(next(it))
+    else:
+      out.append(jax.tree_util.tree_unflatten(p, leaves))
+      leaves = []
+  return out
+
+
+def _grid_steps(grid: Sequence[Any], site: str) -> tuple[tuple[Any, ...], Any]:
+  grid = tuple(grid)
+  for g in grid:
+    if isinstance(g, (numbers.Integral,)) and not isinstance(g, bool):
+      if g <= 0:
+        raise PalletError(f"emit_pipeline at {site}: grid sizes must be positive, got {grid}")
+    elif not (hasattr(g, "shape") and g.shape == () and jnp.issubdtype(g.dtype, jnp.integer)):
+      raise PalletError(f"emit_pipeline at {site}: grid entries must be ints or integer "
+                        f"scalars, got {grid}")
+  if all(isinstance(g, numbers.Integral) for g in grid):
+    return grid, math.prod(grid)
+  total = jnp.int32(1)
+  for g in grid:
+    total = total * jnp.asarray(g, jnp.int32)
+  return grid, total
+
+
+def _unravel(step: Any, grid: Sequence[Any]) -> list[Any]:
+  ids = []
+  for g in reversed(grid):
+    ids.append(step % g)
+    step = step // g
+  return ids[::-1]
+
+
+def emit_pipeline(body: Callable[..., None], *, grid: Sequence[Any], in_specs: Any = (),
+                  out_specs: Any = (), tiling: Any = None, core_axis: Any = None,
+                  core_axis_name: Any = None, dimension_semantics: Any = None,
+                  trace_scopes: bool = True, no_pipelining: bool = False,
+                  **unused: Any) -> Callable[..., None]:
+  """Returns `pipeline(*in_refs, *out_refs, scratches=(), allocations=None)`, which runs
+  `body(*in_blocks, *out_blocks, *scratches)` for every step of `grid`.
+
+  Hints for the TPU's scheduler (tiling, dimension_semantics, core partitioning on a
+  single core, no_pipelining) do not change the result and are accepted as such.
+  """
+  del tiling, core_axis, core_axis_name, dimension_semantics, trace_scopes, no_pipelining
+  del unused
+  in_specs, out_specs = _normalize(in_specs), _normalize(out_specs)
+
+  def pipeline(*refs: Any, scratches: Any = None, allocations: Any = None,
+               **unused_hints: Any) -> None:
+    site = internals.user_source_line()
+    steps_grid, n_steps = _grid_steps(grid, site)
+    ins = _windows(in_specs, refs[:len(in_specs)], "input", site)
+    outs = _windows(out_specs, refs[len(in_specs):], "output", site)
+    scratch = () if scratches is None else tuple(scratches)
+    operands = [p for p in ins + outs if isinstance(p, tuple)]
+    windows = [w for _, w in operands if w is not None]
+    if allocations is None:
+      return primitives.run_scoped(
+          lambda *bufs: _run(body, steps_grid, n_steps, ins, outs, scratch, list(bufs)),
+          *[w.buffer for w in windows])
+    bufs = jax.tree_util.tree_leaves(allocations, is_leaf=_is_ref_leaf)
+    if len(bufs) != len(windows):
+      raise PalletError(f"emit_pipeline at {site}: allocations hold {len(bufs)} buffers, "
+                        f"the pipeline needs {len(windows)} (one per windowed operand); "
+                        f"make them with emit_pipeline_with_allocations")
+    return _run(body, steps_grid, n_steps, ins, outs, scratch, bufs)
+
+  return pipeline
+
+
+def _run(body, grid, n_steps, ins, outs, scratch, bufs) -> None:
+  """The loop: per step, blocks in, body, blocks out."""
+  n_in_leaves = sum(isinstance(p, tuple) for p in ins)
+  operands = [p for p in ins + outs if isinstance(p, tuple)]
+  buf_of, it = [], iter(bufs)
+  for _, w in operands:
+    buf_of.append(next(it) if w is not None else None)
+  outer = primitives._grid_contexts[-1] if primitives._grid_contexts else None
+
+  def step(i, carry):
+    ids = _unravel(i, grid)
+    views = [(r, w, buf) + (w.view(w.starts(ids)) if w is not None else ((), None))
+             for (r, w), buf in zip(operands, buf_of)]
+    block_refs = []
+    for k, (r, w, buf, idx, mask) in enumerate(views):
+      if w is None:
+        block_refs.append(r)
+        continue
+      buf[...] = primitives.load(r, idx, mask=mask)
+      block_refs.append(buf)
+    names = {"kernel_name": outer.kernel_name} if hasattr(outer, "kernel_name") else {}
+    with primitives.grid_context(ids, grid, **names):
+      body(*_unflatten(ins, block_refs[:n_in_leaves]),
+           *_unflatten(outs, block_refs[n_in_leaves:]), *scratch)
+    for r, w, buf, idx, mask in views[n_in_leaves:]:
+      if w is not None:
+        primitives.store(r, idx, buf[...], mask=mask)
+    return carry
+
+  if isinstance(n_steps, int) and n_steps == 1:
+    step(jnp.int32(0), ())
+  else:
+    lax.fori_loop(0, n_steps, step, ())
+
+
+def emit_pipeline_with_allocations(body: Callable[..., None], *, grid: Sequence[Any],
+                                   in_specs: Any = (), out_specs: Any = ()):
+  """(pipeline, make_allocations): `make_allocations(*refs)` gives the block buffers as
+  scratch shapes (allocate them with `pl.run_scoped`) to pass as `allocations=`."""
+  in_specs_, out_specs_ = _normalize(in_specs), _normalize(out_specs)
+  pipeline = emit_pipeline(body, grid=grid, in_specs=in_specs, out_specs=out_specs)
+
+  def make_allocations(*refs: Any) -> tuple[ScratchShape, ...]:
+    site = internals.user_source_line()
+    pairs = (_windows(in_specs_, refs[:len(in_specs_)], "input", site)
+             + _windows(out_specs_, refs[len(in_specs_):], "output", site))
+    return tuple(w.buffer for p in pairs if isinstance(p, tuple) for _, w in [p]
+                 if w is not None)
+
+  return pipeline, make_allocations
