@@ -10,8 +10,12 @@ from pallet.primitives import (Slice, atomic_add, atomic_and, atomic_cas, atomic
                                atomic_min, atomic_or, atomic_xchg, atomic_xor,
                                broadcast_to, cdiv, debug_print, dot, ds, dslice, load,
                                max_contiguous, multiple_of, num_programs, program_id,
-                               run_scoped, store, when)
+                               run_scoped, store, swap, when)
 from pallet.pallas_call import pallas_call, pallas_call_p
+from pallet.helpers import (align_to, empty, empty_like, empty_ref_like, estimate_cost, loop,
+                            next_power_of_2, reciprocal, run_state, strides_from_shape,
+                            with_scoped)
+from pallet.checks import debug_check, enable_debug_checks, enable_poison_buffers
 from pallet.dma import semaphore_read, semaphore_signal, semaphore_wait
 from pallet import named
 

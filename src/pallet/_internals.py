@@ -101,3 +101,31 @@ def scan_layout(params: dict) -> tuple[Any, tuple, int, int]:
 # traced, possibly under jit/grad; `jax.ensure_compile_time_eval` does not escape
 # every trace (linearize) in jax 0.12, this evaluates with the eager trace.
 eval_context = _core.eval_context
+
+# --- named grids: `lax.axis_index(name)` of a grid axis is that axis's program id ----
+# The kernel is traced with the grid names in JAX's axis environment (so
+# `lax.axis_size` answers) and a staging rule for axis_index_p that asks pallet
+# for the program id first: nested jaxprs (cond, loops) capture it like any
+# other traced value, so backends never see axis_index.
+from jax._src.interpreters import partial_eval as _pe
+from jax._src.lax import parallel as _parallel
+
+
+def extend_axis_env(name_size_pairs: list[tuple[Any, int]]) -> Any:
+  return _core.extend_axis_env_nd(name_size_pairs)
+
+
+def register_axis_index_substitution(lookup: Callable[[Any], Any]) -> None:
+  """`lookup(axis_name)` returns the value `lax.axis_index(axis_name)` stands for
+  while a pallet kernel is traced, or None to leave it to JAX."""
+  previous = _pe.custom_staging_rules.get(_parallel.axis_index_p)
+
+  def rule(trace, source_info, *tracers, axis_name, **params):
+    value = lookup(axis_name)
+    if value is not None:
+      return trace.to_jaxpr_tracer(value, source_info)
+    if previous is not None:
+      return previous(trace, source_info, *tracers, axis_name=axis_name, **params)
+    return trace.default_process_primitive(_parallel.axis_index_p, tracers,
+                                           dict(axis_name=axis_name, **params), source_info)
+  _pe.custom_staging_rules[_parallel.axis_index_p] = rule

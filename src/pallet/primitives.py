@@ -48,19 +48,44 @@ def cdiv(a: Any, b: Any) -> Any:
 class _GridContext:
   program_ids: tuple[Any, ...]
   grid: tuple[int, ...]
+  kernel_name: str | None = None
+  grid_names: tuple[Any, ...] | None = None   # a named grid: one name (or None) per axis
 
 
 _grid_contexts: list[_GridContext] = []
 
 
 @contextlib.contextmanager
-def grid_context(program_ids: Sequence[Any], grid: Sequence[int]) -> Iterator[None]:
-  """Makes `program_id`/`num_programs` answer for the kernel being traced."""
-  _grid_contexts.append(_GridContext(tuple(program_ids), tuple(grid)))
+def grid_context(program_ids: Sequence[Any], grid: Sequence[int], kernel_name: str | None = None,
+                 grid_names: Sequence[Any] | None = None) -> Iterator[None]:
+  """Makes `program_id`/`num_programs` (and `lax.axis_index` of a named grid axis)
+  answer for the kernel being traced."""
+  names = tuple(grid_names) if grid_names is not None else None
+  _grid_contexts.append(_GridContext(tuple(program_ids), tuple(grid), kernel_name, names))
+  axes = [(n, g) for n, g in zip(names or (), grid) if n is not None]
   try:
-    yield
+    with internals.extend_axis_env(axes):
+      yield
   finally:
     _grid_contexts.pop()
+
+
+def current_kernel_name() -> str | None:
+  """The name of the kernel being traced, or None outside a kernel."""
+  return _grid_contexts[-1].kernel_name if _grid_contexts else None
+
+
+def _named_grid_index(axis_name: Any) -> Any:
+  """The program id of the named grid axis `axis_name` of the kernel being traced, or None."""
+  if not _grid_contexts or _grid_contexts[-1].grid_names is None:
+    return None
+  ctx = _grid_contexts[-1]
+  if axis_name in ctx.grid_names:
+    return ctx.program_ids[ctx.grid_names.index(axis_name)]
+  return None
+
+
+internals.register_axis_index_substitution(_named_grid_index)
 
 
 def _current_grid(fn_name: str) -> _GridContext:
@@ -266,6 +291,15 @@ def _store_discharge(in_avals, out_avals, ref_value, *args, tree):
   new = _scatter_into(ref_value, offsets, mask,
                       lambda at: at.set(value.reshape(-1), mode="drop"))
   return (new,) + (None,) * (len(in_avals) - 1), []
+
+
+def swap(ref: Any, idx: Any, value: Any, *, mask: Any = None,
+         eviction_policy: str | None = None) -> jax.Array:
+  """Writes `value` to `ref[idx]` (where `mask` holds) and returns what was there before
+  (masked-out lanes of the result are unspecified: pallet gives the old contents or 0)."""
+  old = load(ref, idx, mask=mask)
+  store(ref, idx, value, mask=mask, eviction_policy=eviction_policy)
+  return old
 
 
 # ------------------------------------------------------------------ atomics
