@@ -1,0 +1,62 @@
+"""`pltpu.InterpretParams` and the TPU interpret-mode switches.
+
+JAX's TPU interpret mode simulates a TPU on the CPU (memories, DMAs, semaphores,
+races). pallet's CPU backend already gives TPU kernels those meanings, so
+`pallas_call(..., interpret=InterpretParams(...))` simply means "run on the CPU
+backend". The fields are accepted with JAX 0.12's names and defaults; the
+simulator's knobs (race detection, DMA timing, vector clocks) have no counterpart
+here. pallet's own checks are switched with `pl.enable_debug_checks` and
+`pl.enable_poison_buffers`.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+from typing import Any, Callable, Iterator, Literal
+
+
+class LoggingMode(enum.Flag):
+  """Which parts of JAX's interpreter log (accepted, nothing to log here)."""
+  BARRIER = enum.auto()
+  SEMAPHORE = enum.auto()
+  SHARED_MEMORY = enum.auto()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class InterpretParams:
+  """Parameters of TPU interpret mode; a truthy `interpret=` value for pallas_call."""
+  detect_races: bool = False
+  on_race: Literal["raise", "warn"] = "raise"
+  out_of_bounds_reads: Literal["raise", "uninitialized"] = "raise"
+  skip_floating_point_ops: bool = False
+  uninitialized_memory: Literal["nan", "zero"] = "nan"
+  num_cores_or_threads: int = 1
+  vector_clock_size: int | None = None
+  logging_mode: LoggingMode | None = None
+  dma_execution_mode: Literal["eager", "on_wait"] = "on_wait"
+  random_seed: int | None = None
+  grid_point_recorder: Callable[..., Any] | None = None
+  allow_hbm_allocation_in_run_scoped: bool = False
+  buffer_bounds: Literal["logical", "padded"] = "logical"
+
+  @property
+  def num_cores_per_device(self) -> int:
+    return self.num_cores_or_threads
+
+
+@contextlib.contextmanager
+def force_tpu_interpret_mode(params: InterpretParams = InterpretParams()) -> Iterator[None]:
+  """JAX runs TPU kernels in its interpreter inside this context; pallet runs them on
+  its CPU backend anyway (no TPU backend exists), so nothing changes."""
+  del params
+  yield
+
+
+def set_tpu_interpret_mode(params: InterpretParams = InterpretParams()) -> None:
+  """Global form of `force_tpu_interpret_mode`: nothing to switch in pallet."""
+  del params
+
+
+def reset_tpu_interpret_mode_state() -> None:
+  """Clears JAX's simulated shared memory; pallet keeps no state between calls."""
