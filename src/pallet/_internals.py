@@ -77,14 +77,6 @@ def equation_source(eqn: Any) -> tuple[str, int] | None:
   return None
 
 
-def user_source_line() -> str:
-  """`file:line` of the user code being traced now (outside JAX and pallet)."""
-  for frame in _source_info_util.user_frames(_source_info_util.current().traceback):
-    if not frame.file_name.startswith(_PALLET_DIR):
-      return f"{frame.file_name}:{frame.start_line}"
-  return "<unknown>"
-
-
 # --- Triton backend: scan's parameters changed shape between JAX 0.10 and 0.12 ----
 def scan_layout(params: dict) -> tuple[Any, tuple, int, int]:
   """(open jaxpr, consts, num_consts, num_carry) of a `scan` equation."""

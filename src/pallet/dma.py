@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 
 from pallet import _internals as internals
+from pallet import checks, primitives
 from pallet.grid_mapping import PalletError
 from pallet.specs import MemorySpace, ScratchShape
 
@@ -52,6 +53,12 @@ class SemaphoreType:
 
 
 # ------------------------------------------------------------------ helpers
+def kernel_site() -> str:
+  """"kernel 'name' at file:line" for the user code being traced now."""
+  name = primitives.current_kernel_name()
+  return f"{f'kernel {name!r}' if name else 'a kernel'} at {checks.user_source()}"
+
+
 def _ref_and_transforms(ref: Any) -> tuple[Any, tuple[Any, ...]]:
   if isinstance(ref, internals.TransformedRef):
     return ref.ref, tuple(ref.transforms)
@@ -72,9 +79,9 @@ def _is_ref(x: Any) -> bool:
 
 def _check_ref(x: Any, api: str, what: str) -> None:
   if not _is_ref(x):
-    raise PalletError(f"{api}: {what} must be a ref (a kernel parameter, scratch buffer or "
-                      f"a view such as ref.at[...]), got {type(x).__name__} "
-                      f"({internals.user_source_line()})")
+    raise PalletError(f"{api} in {kernel_site()}: {what} must be a ref (a kernel parameter, "
+                      f"scratch buffer or a view such as ref.at[...]), got "
+                      f"{type(x).__name__}")
 
 
 def _semaphore_view(sem: Any, api: str) -> tuple[Any, tuple[Any, ...]]:
@@ -82,9 +89,9 @@ def _semaphore_view(sem: Any, api: str) -> tuple[Any, tuple[Any, ...]]:
   base, transforms = _ref_and_transforms(sem)
   aval = _view_aval(jax.typeof(base), transforms)
   if aval.shape != () or aval.dtype != jnp.int32:
-    raise PalletError(f"{api}: the semaphore must be a single semaphore (e.g. "
-                      f"sems.at[i] of a SemaphoreType.DMA((n,)) array), got a "
-                      f"{aval.dtype}{list(aval.shape)} ref ({internals.user_source_line()})")
+    raise PalletError(f"{api} in {kernel_site()}: the semaphore must be a single semaphore "
+                      f"(e.g. sems.at[i] of a SemaphoreType.DMA((n,)) array), got a "
+                      f"{aval.dtype}{list(aval.shape)} ref")
   return base, transforms
 
 
@@ -96,12 +103,6 @@ def _ref_positions(tree: Any, n: int, ref_slots: tuple[int, ...]) -> list[int]:
 
 def _replace(new_values: dict[int, Any], n: int) -> tuple[Any, ...]:
   return tuple(new_values.get(i) for i in range(n))
-
-
-def _check(ok: jax.Array, message: str) -> None:
-  """Fails at run time with `message` unless `ok` (pallet's runtime check, see checks.py)."""
-  from pallet.checks import check_p
-  check_p.bind(jnp.asarray(ok, jnp.bool_), message=message)
 
 
 def _sem_add(sem_value: jax.Array, transforms: Any, delta: Any) -> jax.Array:
@@ -119,7 +120,7 @@ dma_start_p.multiple_results = True
 _SRC, _SRC_T, _DST, _DST_T, _SEM, _SEM_T, _SRC_SEM, _SRC_SEM_T = range(8)
 
 
-def _dma_start_abstract_eval(*avals, tree, add, site):
+def _dma_start_abstract_eval(*avals, tree, add):
   parts = jax.tree_util.tree_unflatten(tree, list(range(len(avals))))
   effects = {internals.ReadEffect(parts[_SRC]), internals.WriteEffect(parts[_DST]),
              internals.WriteEffect(parts[_SEM])}
@@ -134,7 +135,7 @@ dma_start_p.def_effectful_abstract_eval(_dma_start_abstract_eval)
 
 
 @internals.register_discharge_rule(dma_start_p)
-def _dma_start_discharge(in_avals, out_avals, *args, tree, add, site):
+def _dma_start_discharge(in_avals, out_avals, *args, tree, add):
   src, src_t, dst, dst_t, sem, sem_t, src_sem, src_sem_t = jax.tree_util.tree_unflatten(
       tree, args)
   pos = jax.tree_util.tree_unflatten(tree, list(range(len(args))))
@@ -154,7 +155,7 @@ dma_wait_p = Primitive("dma_wait")
 dma_wait_p.multiple_results = True
 
 
-def _dma_wait_abstract_eval(ref_aval, *avals, tree, site):
+def _dma_wait_abstract_eval(ref_aval, *avals, tree, message):
   parts = jax.tree_util.tree_unflatten(tree, list(range(1 + len(avals))))
   return [], {internals.WriteEffect(parts[_SEM_WAIT])}
 
@@ -163,14 +164,12 @@ dma_wait_p.def_effectful_abstract_eval(_dma_wait_abstract_eval)
 
 
 @internals.register_discharge_rule(dma_wait_p)
-def _dma_wait_discharge(in_avals, out_avals, *args, tree, site):
+def _dma_wait_discharge(in_avals, out_avals, *args, tree, message):
   ref, ref_t, sem, sem_t = jax.tree_util.tree_unflatten(tree, args)
   pos = jax.tree_util.tree_unflatten(tree, list(range(len(args))))
   size = _view_aval(in_avals[0], ref_t).size
   current = internals.transform_array(sem, sem_t)
-  _check(current >= size,
-         f"{site}: a DMA wait for {size} elements, but fewer have been copied into its "
-         f"semaphore (no started copy delivers them): on a TPU this wait would never finish")
+  checks.check(current >= size, message)
   return _replace({pos[_SEM_WAIT]: _sem_add(sem, sem_t, -size)}, len(args)), []
 
 
@@ -186,7 +185,6 @@ class AsyncCopyDescriptor:
   def start(self, priority: int = 0, *, add: bool = False) -> None:
     """Copies now (a TPU would copy in the background) and signals the semaphore(s)."""
     del priority
-    site = internals.user_source_line()
     src, src_t = _ref_and_transforms(self.src_ref)
     dst, dst_t = _ref_and_transforms(self.dst_ref)
     sem, sem_t = _semaphore_view(self.dst_sem, "make_async_copy(...).start()")
@@ -195,19 +193,22 @@ class AsyncCopyDescriptor:
     src_aval = _view_aval(jax.typeof(src), src_t)
     dst_aval = _view_aval(jax.typeof(dst), dst_t)
     if src_aval.shape != dst_aval.shape or src_aval.dtype != dst_aval.dtype:
-      raise PalletError(f"make_async_copy at {site}: source {src_aval.str_short()} and "
+      raise PalletError(f"make_async_copy in {kernel_site()}: source {src_aval.str_short()} and "
                         f"destination {dst_aval.str_short()} must have the same shape and "
                         f"dtype")
     flat, tree = jax.tree_util.tree_flatten(
         (src, src_t, dst, dst_t, sem, sem_t, src_sem, src_sem_t))
-    dma_start_p.bind(*flat, tree=tree, add=add, site=site)
+    dma_start_p.bind(*flat, tree=tree, add=add)
 
   def _wait_on(self, ref: Any, sem: Any) -> None:
-    site = internals.user_source_line()
     base, transforms = _ref_and_transforms(ref)
     sem, sem_t = _semaphore_view(sem, "make_async_copy(...).wait()")
+    size = _view_aval(jax.typeof(base), transforms).size
+    message = (f"DMA wait in {kernel_site()}: waits for {size} copied elements, but the copies "
+               f"started on its semaphore delivered fewer; nothing else can signal it, so on "
+               f"a TPU this wait would never finish")
     flat, tree = jax.tree_util.tree_flatten((base, transforms, sem, sem_t))
-    dma_wait_p.bind(*flat, tree=tree, site=site)
+    dma_wait_p.bind(*flat, tree=tree, message=message)
 
   def wait(self) -> None:
     """Waits until the copy has arrived (and was read, when a source semaphore is given)."""
@@ -224,9 +225,8 @@ class AsyncCopyDescriptor:
   def wait_send(self) -> None:
     """Waits for the copy to have read `src_ref` (needs a source semaphore)."""
     if self.src_sem is None:
-      raise PalletError(f"make_async_copy(...).wait_send() at "
-                        f"{internals.user_source_line()}: this copy has no source "
-                        f"semaphore (pass src_sem=...); use .wait()")
+      raise PalletError(f"make_async_copy(...).wait_send() in {kernel_site()}: this copy has "
+                        f"no source semaphore (pass src_sem=...); use .wait()")
     self._wait_on(self.src_ref, self.src_sem)
 
   wait_read = wait_send
@@ -238,8 +238,8 @@ def make_async_copy(src_ref: Any, dst_ref: Any, sem: Any = None, *,
   for what, r in (("src_ref", src_ref), ("dst_ref", dst_ref)):
     _check_ref(r, "make_async_copy", what)
   if sem is None:
-    raise PalletError(f"make_async_copy at {internals.user_source_line()}: a semaphore is "
-                      f"needed (e.g. scratch pltpu.SemaphoreType.DMA)")
+    raise PalletError(f"make_async_copy in {kernel_site()}: a semaphore is needed (e.g. "
+                      f"scratch pltpu.SemaphoreType.DMA)")
   return AsyncCopyDescriptor(src_ref, dst_ref, sem, src_sem)
 
 
@@ -253,9 +253,9 @@ def async_copy(src_ref: Any, dst_ref: Any, sem: Any = None, *, src_sem: Any = No
 
 def make_async_remote_copy(src_ref: Any, dst_ref: Any, send_sem: Any, recv_sem: Any,
                            device_id: Any, device_id_type: Any = None) -> AsyncCopyDescriptor:
-  raise PalletError(f"make_async_remote_copy at {internals.user_source_line()}: copies to "
-                    f"other devices are not supported on this backend (pallet runs a "
-                    f"kernel on one device); use make_async_copy for local copies")
+  raise PalletError(f"make_async_remote_copy in {kernel_site()}: copies to other devices are "
+                    f"not supported on this backend (pallet runs a kernel on one device); "
+                    f"use make_async_copy for local copies")
 
 
 def sync_copy(src_ref: Any, dst_ref: Any, *, add: bool = False) -> None:
@@ -290,19 +290,20 @@ def semaphore_signal(sem_or_view: Any, inc: Any = 1, *, device_id: Any = None,
   """Adds `inc` to a semaphore."""
   del device_id_type
   if device_id is not None or core_index is not None:
-    raise PalletError(f"semaphore_signal at {internals.user_source_line()}: signalling "
-                      f"another device or core is not supported on this backend (pallet "
-                      f"runs a kernel on one core of one device)")
+    raise PalletError(f"semaphore_signal in {kernel_site()}: signalling another device or core "
+                      f"is not supported on this backend (pallet runs a kernel on one core "
+                      f"of one device)")
   flat, tree = _sem_operands(sem_or_view, "semaphore_signal")
   semaphore_signal_p.bind(*flat, jnp.asarray(inc, jnp.int32), tree=tree)
 
 
 def semaphore_wait(sem_or_view: Any, value: Any = 1, *, decrement: bool = True) -> None:
   """Waits until a semaphore holds at least `value`; then takes `value` off (if `decrement`)."""
-  site = internals.user_source_line()
+  message = (f"semaphore_wait in {kernel_site()}: waits for more than the semaphore holds, and "
+             f"nothing else can signal it, so on a TPU this wait would never finish")
   flat, tree = _sem_operands(sem_or_view, "semaphore_wait")
   semaphore_wait_p.bind(*flat, jnp.asarray(value, jnp.int32), tree=tree,
-                        decrement=decrement, site=site)
+                        decrement=decrement, message=message)
 
 
 def semaphore_read(sem_or_view: Any) -> jax.Array:
@@ -323,17 +324,15 @@ def _semaphore_signal_discharge(in_avals, out_avals, sem, *args, tree):
 
 
 semaphore_wait_p.def_effectful_abstract_eval(
-    lambda *avals, tree, decrement, site: ([], {internals.WriteEffect(0)}))
+    lambda *avals, tree, decrement, message: ([], {internals.WriteEffect(0)}))
 
 
 @internals.register_discharge_rule(semaphore_wait_p)
-def _semaphore_wait_discharge(in_avals, out_avals, sem, *args, tree, decrement, site):
+def _semaphore_wait_discharge(in_avals, out_avals, sem, *args, tree, decrement, message):
   *flat_t, value = args
   _, transforms = jax.tree_util.tree_unflatten(tree, [sem, *flat_t])
   current = internals.transform_array(sem, transforms)
-  _check(current >= value,
-         f"{site}: semaphore_wait for more than the semaphore holds, and nothing else "
-         f"can signal it: on a TPU this wait would never finish")
+  checks.check(current >= value, message)
   new = _sem_add(sem, transforms, -value) if decrement else None
   return (new,) + (None,) * len(args), []
 

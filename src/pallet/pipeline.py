@@ -22,6 +22,7 @@ from jax import lax
 
 from pallet import _internals as internals
 from pallet import primitives
+from pallet.dma import kernel_site
 from pallet.grid_mapping import PalletError
 from pallet.specs import (BlockSpec, Blocked, Element, MemorySpace, ScratchShape, Squeezed,
                           no_block_spec)
@@ -122,7 +123,7 @@ def _normalize(specs: Any) -> tuple[Any, ...]:
 def _windows(specs: tuple[Any, ...], refs: Sequence[Any], what: str, site: str):
   """Flat (ref, window or None) pairs of a tuple of ref pytrees and matching specs."""
   if len(specs) != len(refs):
-    raise PalletError(f"emit_pipeline at {site}: {len(specs)} {what} specs for "
+    raise PalletError(f"emit_pipeline in {site}: {len(specs)} {what} specs for "
                       f"{len(refs)} {what} refs")
   pairs = []
   for i, (spec, tree) in enumerate(zip(specs, refs)):
@@ -131,7 +132,7 @@ def _windows(specs: tuple[Any, ...], refs: Sequence[Any], what: str, site: str):
                    or isinstance(spec, BlockSpec) else
                    treedef.flatten_up_to(spec))
     for j, (s, r) in enumerate(zip(spec_leaves, leaves)):
-      where = f"emit_pipeline at {site}, {what} {i}" + (f" leaf {j}" if len(leaves) > 1 else "")
+      where = f"emit_pipeline in {site}, {what} {i}" + (f" leaf {j}" if len(leaves) > 1 else "")
       aval = _ref_aval(r, where)
       if _is_windowed(s):
         if len(s.block_shape) != len(aval.shape):
@@ -165,9 +166,9 @@ def _grid_steps(grid: Sequence[Any], site: str) -> tuple[tuple[Any, ...], Any]:
   for g in grid:
     if isinstance(g, (numbers.Integral,)) and not isinstance(g, bool):
       if g <= 0:
-        raise PalletError(f"emit_pipeline at {site}: grid sizes must be positive, got {grid}")
+        raise PalletError(f"emit_pipeline in {site}: grid sizes must be positive, got {grid}")
     elif not (hasattr(g, "shape") and g.shape == () and jnp.issubdtype(g.dtype, jnp.integer)):
-      raise PalletError(f"emit_pipeline at {site}: grid entries must be ints or integer "
+      raise PalletError(f"emit_pipeline in {site}: grid entries must be ints or integer "
                         f"scalars, got {grid}")
   if all(isinstance(g, numbers.Integral) for g in grid):
     return grid, math.prod(grid)
@@ -202,7 +203,7 @@ def emit_pipeline(body: Callable[..., None], *, grid: Sequence[Any], in_specs: A
 
   def pipeline(*refs: Any, scratches: Any = None, allocations: Any = None,
                **unused_hints: Any) -> None:
-    site = internals.user_source_line()
+    site = kernel_site()
     steps_grid, n_steps = _grid_steps(grid, site)
     ins = _windows(in_specs, refs[:len(in_specs)], "input", site)
     outs = _windows(out_specs, refs[len(in_specs):], "output", site)
@@ -215,7 +216,7 @@ def emit_pipeline(body: Callable[..., None], *, grid: Sequence[Any], in_specs: A
           *[w.buffer for w in windows])
     bufs = jax.tree_util.tree_leaves(allocations, is_leaf=_is_ref_leaf)
     if len(bufs) != len(windows):
-      raise PalletError(f"emit_pipeline at {site}: allocations hold {len(bufs)} buffers, "
+      raise PalletError(f"emit_pipeline in {site}: allocations hold {len(bufs)} buffers, "
                         f"the pipeline needs {len(windows)} (one per windowed operand); "
                         f"make them with emit_pipeline_with_allocations")
     return _run(body, steps_grid, n_steps, ins, outs, scratch, bufs)
@@ -230,7 +231,7 @@ def _run(body, grid, n_steps, ins, outs, scratch, bufs) -> None:
   buf_of, it = [], iter(bufs)
   for _, w in operands:
     buf_of.append(next(it) if w is not None else None)
-  outer = primitives._grid_contexts[-1] if primitives._grid_contexts else None
+  kernel_name = primitives.current_kernel_name()
 
   def step(i, carry):
     ids = _unravel(i, grid)
@@ -243,8 +244,7 @@ def _run(body, grid, n_steps, ins, outs, scratch, bufs) -> None:
         continue
       buf[...] = primitives.load(r, idx, mask=mask)
       block_refs.append(buf)
-    names = {"kernel_name": outer.kernel_name} if hasattr(outer, "kernel_name") else {}
-    with primitives.grid_context(ids, grid, **names):
+    with primitives.grid_context(ids, grid, kernel_name=kernel_name):
       body(*_unflatten(ins, block_refs[:n_in_leaves]),
            *_unflatten(outs, block_refs[n_in_leaves:]), *scratch)
     for r, w, buf, idx, mask in views[n_in_leaves:]:
@@ -266,7 +266,7 @@ def emit_pipeline_with_allocations(body: Callable[..., None], *, grid: Sequence[
   pipeline = emit_pipeline(body, grid=grid, in_specs=in_specs, out_specs=out_specs)
 
   def make_allocations(*refs: Any) -> tuple[ScratchShape, ...]:
-    site = internals.user_source_line()
+    site = kernel_site()
     pairs = (_windows(in_specs_, refs[:len(in_specs_)], "input", site)
              + _windows(out_specs_, refs[len(in_specs_):], "output", site))
     return tuple(w.buffer for p in pairs if isinstance(p, tuple) for _, w in [p]

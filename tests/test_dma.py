@@ -1,0 +1,210 @@
+"""DMAs and semaphores (`pltpu.make_async_copy`, `pl.semaphore_*`): what a TPU promises
+(a copy is visible after its wait, a semaphore counts) and a clear error where a TPU
+would hang."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallet as pl
+from pallet import tpu as pltpu
+from helpers import assert_close, current_test_backend, pallas_call, random_array, sds
+
+pytestmark = pytest.mark.skipif(
+    current_test_backend() != "xla",
+    reason="DMAs and semaphores run on the XLA backend; the Triton backend has no rules for them")
+
+ANY = pl.BlockSpec(memory_space=pltpu.ANY)
+
+
+def test_copy_is_visible_after_wait():
+  x = random_array((4, 16, 8))
+
+  def kernel(x_hbm, o_ref, buf, sem):
+    i = pl.program_id(0)
+    copy = pltpu.make_async_copy(x_hbm.at[3 - i, pl.ds(4, 8)], buf, sem)
+    copy.start()
+    copy.wait()
+    o_ref[...] = buf[...] * 2.0
+
+  out = pallas_call(
+      kernel, jax.ShapeDtypeStruct((4, 8, 8), x.dtype), grid=(4,), in_specs=[ANY],
+      out_specs=pl.BlockSpec((None, 8, 8), lambda i: (i, 0, 0)),
+      scratch_shapes=[pltpu.VMEM((8, 8), x.dtype), pltpu.SemaphoreType.DMA])(x)
+  assert_close(out, x[::-1, 4:12] * 2.0)
+
+
+def test_copies_into_an_any_output_and_add():
+  x, y = random_array((16, 8)), random_array((16, 8))
+
+  def kernel(x_hbm, y_hbm, o_hbm, sems):
+    first = pltpu.async_copy(x_hbm, o_hbm, sems.at[0])
+    first.wait()
+    pltpu.async_copy(y_hbm.at[pl.ds(0, 8)], o_hbm.at[pl.ds(8, 8)], sems.at[1], add=True).wait()
+    pltpu.sync_copy(y_hbm.at[pl.ds(8, 8)], o_hbm.at[pl.ds(0, 8)])
+
+  out = pallas_call(kernel, sds(x), in_specs=[ANY, ANY], out_specs=ANY,
+                    scratch_shapes=[pltpu.SemaphoreType.DMA((2,))])(x, y)
+  assert_close(out, jnp.concatenate([y[8:], x[8:] + y[:8]]))
+
+
+def test_semaphores_count():
+  inc = random_array((3,), jnp.int32, low=1, high=9)
+
+  def kernel(inc_ref, o_ref, sem):
+    for i in range(3):
+      pl.semaphore_signal(sem, inc_ref[i])
+    o_ref[0] = pl.semaphore_read(sem)
+    pl.semaphore_wait(sem, inc_ref[0])
+    o_ref[1] = pl.semaphore_read(sem)
+    pl.semaphore_wait(sem, 1, decrement=False)
+    o_ref[2] = pl.semaphore_read(sem)
+
+  out = pallas_call(kernel, jax.ShapeDtypeStruct((3,), jnp.int32),
+                    scratch_shapes=[pltpu.SemaphoreType.REGULAR])(inc)
+  total = int(inc.sum())
+  np.testing.assert_array_equal(out, [total, total - int(inc[0]), total - int(inc[0])])
+
+
+def test_dma_semaphore_counts_elements_of_every_copy():
+  """Several copies signal one semaphore; one wait for the whole buffer takes them all."""
+  x = random_array((6, 4, 8))
+  pages = jnp.array([5, 0, 3], jnp.int32)
+
+  def kernel(pages_ref, x_hbm, o_ref, buf, sem):
+    for i in range(3):
+      pltpu.make_async_copy(x_hbm.at[pages_ref[i]], buf.at[i], sem).start()
+    pltpu.make_async_copy(buf, buf, sem).wait()
+    o_ref[...] = buf[...]
+
+  out = pallas_call(
+      kernel, jax.ShapeDtypeStruct((3, 4, 8), x.dtype),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=1, grid=(1,), in_specs=[ANY],
+          out_specs=pl.BlockSpec((3, 4, 8), lambda i, p: (0, 0, 0)),
+          scratch_shapes=[pltpu.VMEM((3, 4, 8), x.dtype), pltpu.SemaphoreType.DMA]))(pages, x)
+  assert_close(out, x[pages])
+
+
+def test_double_buffering_across_grid_steps():
+  """Step i waits for the block step i-1 started (slot i % 2) and prefetches block i+1."""
+  n, block = 6, 8
+  x = random_array((n * block, 16))
+
+  def kernel(x_hbm, o_ref, bufs, sems):
+    i = pl.program_id(0)
+
+    def copy(step, slot):
+      return pltpu.make_async_copy(x_hbm.at[pl.ds(step * block, block)], bufs.at[slot],
+                                   sems.at[slot])
+
+    @pl.when(i == 0)
+    def _():
+      copy(0, 0).start()
+
+    @pl.when(i + 1 < n)
+    def _():
+      copy(i + 1, (i + 1) % 2).start()
+
+    copy(i, i % 2).wait()
+    o_ref[...] = jnp.cumsum(bufs[i % 2], axis=0) + i.astype(jnp.float32)
+
+  out = pallas_call(
+      kernel, sds(x), grid=(n,), in_specs=[ANY],
+      out_specs=pl.BlockSpec((block, 16), lambda i: (i, 0)),
+      scratch_shapes=[pltpu.VMEM((2, block, 16), x.dtype), pltpu.SemaphoreType.DMA((2,))],
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)))(x)
+  expected = (jnp.cumsum(x.reshape(n, block, 16), axis=1)
+              + jnp.arange(n, dtype=x.dtype)[:, None, None]).reshape(x.shape)
+  assert_close(out, expected)
+
+
+def test_semaphores_in_run_scoped():
+  x = random_array((8, 8))
+
+  def kernel(x_hbm, o_hbm):
+    def body(buf, sems):
+      pltpu.make_async_copy(x_hbm, buf, sems.at[1]).start()
+      pltpu.make_async_copy(x_hbm, buf, sems.at[1]).wait()
+      buf[...] = buf[...] + 1.0
+      pltpu.make_async_copy(buf, o_hbm, sems.at[0]).start()
+      pltpu.make_async_copy(buf, o_hbm, sems.at[0]).wait()
+    pl.run_scoped(body, pltpu.VMEM((8, 8), jnp.float32), pltpu.SemaphoreType.DMA((2,)))
+
+  out = pallas_call(kernel, sds(x), in_specs=[ANY], out_specs=ANY)(x)
+  assert_close(out, x + 1.0)
+
+
+def test_dma_kernel_under_jit_and_vmap():
+  x = random_array((3, 16, 8))
+
+  def kernel(x_hbm, o_hbm, sem):
+    copy = pltpu.make_async_copy(x_hbm.at[pl.ds(8, 8)], o_hbm.at[pl.ds(0, 8)], sem)
+    copy.start()
+    copy.wait()
+    o_hbm[pl.ds(8, 8), :] = x_hbm[pl.ds(0, 8), :]
+
+  call = pallas_call(kernel, jax.ShapeDtypeStruct((16, 8), x.dtype), in_specs=[ANY],
+                     out_specs=ANY, scratch_shapes=[pltpu.SemaphoreType.DMA])
+  out = jax.jit(jax.vmap(call))(x)
+  assert_close(out, jnp.roll(x, 8, axis=1))
+
+
+# ------------------------------------------------------------------ errors
+def _run_expecting_error(kernel, scratch, fragments):
+  x = random_array((8, 8))
+  call = pallas_call(kernel, sds(x), in_specs=[ANY], out_specs=ANY, scratch_shapes=scratch)
+  with pytest.raises(Exception) as info:
+    jax.block_until_ready(call(x))
+  for f in fragments:
+    assert f in str(info.value), str(info.value)
+
+
+def test_wait_without_a_started_copy_is_an_error_not_a_hang():
+  def never_started(x_hbm, o_hbm, buf, sem):
+    pltpu.make_async_copy(x_hbm, buf, sem).wait()   # the unsatisfiable wait
+
+  _run_expecting_error(never_started, [pltpu.VMEM((8, 8), jnp.float32), pltpu.SemaphoreType.DMA],
+                       ["DMA wait", "never_started", "test_dma.py", "never finish"])
+
+
+def test_second_wait_for_one_copy_is_an_error():
+  def waits_twice(x_hbm, o_hbm, buf, sem):
+    copy = pltpu.make_async_copy(x_hbm.at[pl.ds(0, 4)], buf.at[pl.ds(0, 4)], sem)
+    copy.start()
+    copy.wait()
+    pltpu.make_async_copy(x_hbm, buf, sem).wait()   # 64 elements, none left
+
+  _run_expecting_error(waits_twice, [pltpu.VMEM((8, 8), jnp.float32), pltpu.SemaphoreType.DMA],
+                       ["waits_twice", "64 copied elements", "never finish"])
+
+
+def test_unsatisfiable_semaphore_wait_is_an_error():
+  def over_waits(x_hbm, o_hbm, sem):
+    pl.semaphore_signal(sem, 2)
+    pl.semaphore_wait(sem, 3)
+
+  _run_expecting_error(over_waits, [pltpu.SemaphoreType.REGULAR],
+                       ["semaphore_wait", "over_waits", "never finish"])
+
+
+def test_copy_shape_mismatch_is_a_clear_error():
+  def mismatched(x_hbm, o_hbm, buf, sem):
+    pltpu.make_async_copy(x_hbm.at[pl.ds(0, 4)], buf, sem).start()
+
+  with pytest.raises(pl.PalletError, match=r"mismatched.*same shape"):
+    pallas_call(mismatched, jax.ShapeDtypeStruct((8, 8), jnp.float32), in_specs=[ANY],
+                out_specs=ANY,
+                scratch_shapes=[pltpu.VMEM((8, 8), jnp.float32), pltpu.SemaphoreType.DMA])(
+                    random_array((8, 8)))
+
+
+def test_remote_copies_are_a_clear_error():
+  def remote(x_hbm, o_hbm, sem):
+    pltpu.make_async_remote_copy(x_hbm, o_hbm, sem, sem, device_id=1)
+
+  with pytest.raises(pl.PalletError, match=r"remote.*not supported"):
+    pallas_call(remote, jax.ShapeDtypeStruct((8, 8), jnp.float32), in_specs=[ANY],
+                out_specs=ANY, scratch_shapes=[pltpu.SemaphoreType.DMA])(random_array((8, 8)))

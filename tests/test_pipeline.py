@@ -1,0 +1,111 @@
+"""`pltpu.emit_pipeline`: an inner grid of blocks over whole (`ANY`) refs inside a kernel."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import pallet as pl
+from pallet import tpu as pltpu
+from helpers import assert_close, current_test_backend, pallas_call, random_array, sds
+
+pytestmark = pytest.mark.skipif(
+    current_test_backend() != "xla",
+    reason="emit_pipeline runs on the XLA backend; the Triton backend has no rules for it")
+
+ANY = pl.BlockSpec(memory_space=pltpu.ANY)
+
+
+def _matmul_body(x_ref, y_ref, o_ref):
+  @pl.when(pl.program_id(2) == 0)
+  def _():
+    o_ref[...] = jnp.zeros_like(o_ref)
+  o_ref[...] += jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32)
+
+
+@pytest.mark.parametrize("m, k, n", [(64, 48, 32), (40, 32, 40)])   # the second overhangs
+def test_emit_pipeline_matmul(m, k, n):
+  bm, bk, bn = 16, 16, 16
+  x, y = random_array((m, k)), random_array((k, n))
+
+  def kernel(x_hbm, y_hbm, o_hbm):
+    pltpu.emit_pipeline(
+        _matmul_body, grid=(pl.cdiv(m, bm), pl.cdiv(n, bn), k // bk),
+        in_specs=[pl.BlockSpec((bm, bk), lambda i, j, kk: (i, kk)),
+                  pl.BlockSpec((bk, bn), lambda i, j, kk: (kk, j))],
+        out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j)))(x_hbm, y_hbm, o_hbm)
+
+  out = pallas_call(kernel, jax.ShapeDtypeStruct((m, n), jnp.float32), in_specs=[ANY, ANY],
+                    out_specs=ANY)(x, y)
+  assert_close(out, x @ y, matmul=True)
+
+
+def test_emit_pipeline_with_allocations_reused():
+  m = k = n = 32
+  x, y = random_array((m, k)), random_array((k, n))
+
+  def kernel(x_hbm, y_hbm, o_hbm, o2_hbm):
+    pipeline, make_allocations = pltpu.emit_pipeline_with_allocations(
+        _matmul_body, grid=(2, 2, 2),
+        in_specs=[pl.BlockSpec((16, 16), lambda i, j, kk: (i, kk)),
+                  pl.BlockSpec((16, 16), lambda i, j, kk: (kk, j))],
+        out_specs=[pl.BlockSpec((16, 16), lambda i, j, kk: (i, j))])
+
+    def run(*allocations):
+      pipeline(x_hbm, y_hbm, o_hbm, allocations=allocations)
+      pipeline(y_hbm, x_hbm, o2_hbm, allocations=allocations)
+    pl.run_scoped(run, *make_allocations(x_hbm, y_hbm, o_hbm))
+
+  out = pallas_call(kernel, (sds(x), sds(x)), in_specs=[ANY, ANY], out_specs=(ANY, ANY))(x, y)
+  assert_close(out, (x @ y, y @ x), matmul=True)
+
+
+def test_inner_pipeline_per_outer_step_sees_its_own_program_ids():
+  rows, cols, block = 3, 40, 8
+  x = random_array((rows, cols))
+
+  def kernel(x_hbm, o_hbm):
+    row = pl.program_id(0)
+
+    def body(x_blk, o_blk):
+      o_blk[...] = x_blk[...] * 2.0 + pl.program_id(0).astype(jnp.float32)
+
+    pltpu.emit_pipeline(
+        body, grid=(cols // block,),
+        in_specs=[pl.BlockSpec((None, block), lambda j: (row, j))],
+        out_specs=[pl.BlockSpec((None, block), lambda j: (row, j))])(x_hbm, o_hbm)
+
+  out = pallas_call(kernel, sds(x), grid=(rows,), in_specs=[ANY], out_specs=ANY)(x)
+  steps = jnp.repeat(jnp.arange(cols // block, dtype=x.dtype), block)
+  assert_close(out, x * 2.0 + steps)
+
+
+def test_pipeline_input_blocks_are_copies():
+  """Writing an input block changes the buffer, not the array (as in VMEM on a TPU)."""
+  x = random_array((16, 8))
+
+  def body(x_blk, o_blk):
+    x_blk[...] = x_blk[...] + 100.0
+    o_blk[...] = x_blk[...]
+
+  def kernel(x_hbm, o_hbm, o2_hbm):
+    pltpu.emit_pipeline(body, grid=(2,), in_specs=[pl.BlockSpec((8, 8), lambda i: (i, 0))],
+                        out_specs=[pl.BlockSpec((8, 8), lambda i: (i, 0))])(x_hbm, o_hbm)
+    o2_hbm[...] = x_hbm[...]
+
+  out, unchanged = pallas_call(kernel, (sds(x), sds(x)), in_specs=[ANY],
+                               out_specs=(ANY, ANY))(x)
+  assert_close(out, x + 100.0)
+  assert_close(unchanged, x)
+
+
+def test_pipeline_spec_count_mismatch_is_a_clear_error():
+  def kernel(x_hbm, o_hbm):
+    spec = pl.BlockSpec((8, 8), lambda i: (i, 0))
+    pltpu.emit_pipeline(lambda a, b: None, grid=(2,), in_specs=[spec],
+                        out_specs=[spec])(x_hbm, o_hbm, o_hbm)
+
+  with pytest.raises(pl.PalletError,
+                     match=r"emit_pipeline in kernel 'kernel'.*1 output specs for 2 output"):
+    pallas_call(kernel, jax.ShapeDtypeStruct((16, 8), jnp.float32), in_specs=[ANY],
+                out_specs=ANY)(random_array((16, 8)))
