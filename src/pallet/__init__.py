@@ -5,6 +5,7 @@
 from pallet.specs import (ANY, BlockSpec, Blocked, Buffered, CompilerParams, CostEstimate,
                           Element, GridSpec, MemorySpace, ScratchShape, Squeezed,
                           no_block_spec, squeezed)
+from pallet.specs import HOST, BlockDim, Indirect, MemoryRef, RevisitMode, semaphore
 from pallet.grid_mapping import PalletError
 from pallet.primitives import (Slice, atomic_add, atomic_and, atomic_cas, atomic_max,
                                atomic_min, atomic_or, atomic_xchg, atomic_xor,
@@ -17,6 +18,11 @@ from pallet.helpers import (align_to, empty, empty_like, empty_ref_like, estimat
                             with_scoped)
 from pallet.checks import debug_check, enable_debug_checks, enable_poison_buffers
 from pallet.dma import semaphore_read, semaphore_signal, semaphore_wait
+from pallet.refs_select import select_ref
+from pallet.export import lower_as_mlir, pallas_export_experimental
+from pallet.global_refs import get_global
+from pallet.device_ids import DeviceIdType
+from pallet.tpu_ops import delay
 from pallet import named
 
 __version__ = "0.1.0"

@@ -11,6 +11,8 @@ import dataclasses
 import enum
 from typing import Any, Callable, Sequence
 
+import jax
+
 
 class MemorySpace(enum.Enum):
   """Where a kernel operand lives. Backends may treat several spaces alike."""
@@ -20,13 +22,28 @@ class MemorySpace(enum.Enum):
   VMEM = "vmem"      # TPU vector memory
   HBM = "hbm"
   SEMAPHORE = "semaphore"  # TPU semaphores (int32 counters on the CPU), see dma.py
+  HOST = "host"            # host memory (`pl.HOST`)
+  CMEM = "cmem"            # TPU common memory
+  VMEM_SHARED = "vmem_shared"  # TPU vector memory shared by a chip's cores
 
-  def __call__(self, shape: Sequence[int], dtype: Any) -> "ScratchShape":
+  def __call__(self, shape: Sequence[int], dtype: Any) -> "MemoryRef":
     """`pltpu.VMEM((8, 128), jnp.float32)` describes a scratch buffer."""
-    return ScratchShape(tuple(shape), dtype, self)
+    return MemoryRef(shape=tuple(shape), dtype=dtype, memory_space=self)
+
+  def from_type(self, aval: Any) -> "MemoryRef":
+    """A buffer of type `aval` (a `jax.core.ShapedArray`) in this memory space."""
+    return MemoryRef(aval, self)
+
+  def like(self, x: Any) -> "MemoryRef":
+    """A buffer shaped like `x` (an array, ShapeDtypeStruct or aval) in this memory space."""
+    return MemoryRef(shape=tuple(x.shape), dtype=x.dtype, memory_space=self)
 
 
 ANY = MemorySpace.ANY
+HOST = MemorySpace.HOST
+# `pl.semaphore`: in JAX the semaphore dtype; pallet semaphores are int32 refs in
+# this memory space (see dma.py), so the name stands for the memory space.
+semaphore = MemorySpace.SEMAPHORE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +52,33 @@ class ScratchShape:
   shape: tuple[int, ...]
   dtype: Any
   memory_space: MemorySpace | None = None
+
+
+class MemoryRef(ScratchShape):
+  """`pl.MemoryRef(aval, memory_space)`: like `jax.ShapeDtypeStruct`, with a memory space.
+
+  What memory spaces return when called; usable in `scratch_shapes` and `run_scoped`.
+  Also constructible as `MemoryRef(shape=..., dtype=..., memory_space=...)`.
+  """
+
+  def __init__(self, inner_aval: Any = None, memory_space: Any = None, *,
+               shape: Sequence[int] | None = None, dtype: Any = None):
+    if inner_aval is not None:
+      shape, dtype = inner_aval.shape, inner_aval.dtype
+    if shape is None or dtype is None:
+      raise TypeError("pl.MemoryRef needs an aval (e.g. jax.core.ShapedArray(shape, dtype)) "
+                      "or shape= and dtype=")
+    super().__init__(tuple(shape), dtype, memory_space)
+
+  @property
+  def inner_aval(self) -> Any:
+    return jax.core.ShapedArray(self.shape, self.dtype)
+
+  def get_array_aval(self) -> Any:
+    return self.inner_aval
+
+  def get_ref_aval(self) -> Any:
+    return jax.ref.AbstractRef(self.inner_aval)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +107,17 @@ class Blocked:
   block_size: int
 
 
-BlockDim = int | None | Squeezed | Element | Blocked
+@dataclasses.dataclass(frozen=True)
+class Indirect:
+  """A block dimension indexed by an array of indices (a gather for inputs, a scatter
+  for outputs). Not supported by pallet's backends: a BlockSpec using it is an error."""
+  block_size: int
+
+  def __repr__(self) -> str:
+    return f"Indirect({self.block_size})"
+
+
+BlockDim = int | None | Squeezed | Element | Blocked | Indirect
 
 
 class _NoBlockSpec:
@@ -97,10 +151,21 @@ class BlockSpec:
       object.__setattr__(self, "index_map", index_map)
 
 
+class RevisitMode(enum.Enum):
+  """When a TPU pipeline may revisit an output block (`Buffered(revisit=...)`):
+  IMMEDIATE only on the next step, ANY at any step. Accepted; pallet does not
+  pipeline blocks, so it changes nothing."""
+  IMMEDIATE = "immediate"
+  ANY = "any"
+
+
 @dataclasses.dataclass(frozen=True)
 class Buffered:
   """Pipeline hint (number of buffers); accepted for compatibility, unused on the CPU."""
-  buffer_count: int = 2
+  buffer_count: int | tuple[int, int] = 2
+  use_lookahead: bool = False
+  revisit: RevisitMode | None = None
+  prefetched_count: int = 0
 
 
 @dataclasses.dataclass

@@ -10,6 +10,13 @@ from pallet.dma import (AsyncCopyDescriptor, SemaphoreType, async_copy, make_asy
                         make_async_remote_copy, semaphore_read, semaphore_signal,
                         semaphore_wait, sync_copy)
 from pallet.pipeline import emit_pipeline, emit_pipeline_with_allocations
+from pallet.bits import join_bits, pack_elementwise, split_bits, unpack_elementwise
+from pallet.tpu_conv import conv
+from pallet.memory_spaces import AccMemorySpace as ACC
+from pallet.memory_spaces import has_memory_space
+from pallet.tpu_load_store import load, store
+from pallet.lowering_errors import LoweringException
+from pallet import tpu_core as core
 
 VMEM = MemorySpace.VMEM
 SMEM = MemorySpace.SMEM
