@@ -26,8 +26,11 @@ from pallet.specs import ScratchShape
 Slice = internals.Slice
 
 
-def ds(start: Any, size: int | None = None, stride: int = 1) -> Slice:
-  """A dynamic slice `start : start + size*stride : stride` for indexing refs."""
+def ds(start: Any, size: int | None = None, stride: int = 1) -> Slice | slice:
+  """A dynamic slice `start : start + size*stride : stride` for indexing refs
+  (`ds(None)` is `:`, as in JAX)."""
+  if start is None and size is None:
+    return slice(None)
   if size is None:
     start, size = 0, start
   return internals.Slice(start, size, stride)
