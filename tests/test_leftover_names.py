@@ -223,13 +223,15 @@ def test_has_memory_space_answers_as_for_an_operand_in_hbm():
     in_vmem = pltpu.has_memory_space(x_ref, pltpu.VMEM)
     in_hbm = pltpu.has_memory_space(x_ref, pltpu.HBM)
 
+    # A real kernel would copy with a DMA from HBM and read VMEM directly; here the
+    # branches differ so that the test sees which one ran.
     @pl.when(in_vmem)
     def _():
-      o_ref[...] = x_ref[...]
+      o_ref[...] = jnp.full_like(o_ref, jnp.nan)
 
     @pl.when(in_hbm)
     def _():
-      pltpu.sync_copy(x_ref, o_ref)
+      o_ref[...] = x_ref[...]
 
   x = random_array((8, 16))
   out = pallas_call(kernel, out_shape=sds(x),
@@ -368,6 +370,8 @@ def _signed(v: np.ndarray, width: int) -> np.ndarray:
   return np.where(v >= 1 << (width - 1), v - (1 << width), v)
 
 
+@pytest.mark.skipif(current_test_backend() != "xla",
+                    reason="int4 / int2 values (split_bits' results) have no Triton type")
 def test_split_and_join_bits_in_a_kernel():
   x = random_array((8, 32), jnp.int8, low=-128, high=127)
 

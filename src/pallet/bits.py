@@ -37,11 +37,25 @@ def _packing_factor(unpacked_dtype: Any, packed_dtype: Any, api: str) -> int:
   return wide // narrow
 
 
+def _bfloat16_bits(x: jax.Array) -> jax.Array:
+  """The bfloat16 encoding (rounded to nearest even) of float32 `x`, as uint32.
+
+  Computed on the float32 bits, so that no bfloat16 value is needed (backends
+  that hold bfloat16 in float32 registers cannot bitcast it)."""
+  bits = lax.bitcast_convert_type(x, jnp.uint32)
+  odd = lax.shift_right_logical(bits, jnp.uint32(16)) & jnp.uint32(1)
+  rounded = lax.shift_right_logical(bits + jnp.uint32(0x7FFF) + odd, jnp.uint32(16))
+  sign = lax.shift_right_logical(bits, jnp.uint32(16)) & jnp.uint32(0x8000)
+  return jnp.where(jnp.isnan(x), sign | jnp.uint32(0x7FC0), rounded)
+
+
 def _low_bits(x: jax.Array, packed_dtype: Any, word: Any) -> jax.Array:
   """The `packed_dtype` encoding of x (converted: rounded for floats, truncated for
   integers) in the low bits of an unsigned `word`."""
   narrow = _bits(packed_dtype)
   if jnp.issubdtype(packed_dtype, jnp.floating):
+    if x.dtype == jnp.float32 and packed_dtype == jnp.bfloat16:
+      return _bfloat16_bits(x).astype(word)
     encoded = lax.bitcast_convert_type(x.astype(packed_dtype), _uint(narrow))
     return encoded.astype(word)
   mask = (1 << narrow) - 1
@@ -102,6 +116,10 @@ def unpack_elementwise(x: jax.Array, *, index: int, packed_dtype: Any,
   bits = lax.bitcast_convert_type(x, word) if x.dtype != word else x
   if jnp.issubdtype(packed_dtype, jnp.floating):
     field = lax.shift_right_logical(bits, jnp.asarray(index * narrow, word))
+    if packed_dtype == jnp.bfloat16 and unpacked_dtype == jnp.float32:
+      # A bfloat16 is the top half of the float32 of the same value.
+      top_half = lax.shift_left(field, jnp.uint32(16))
+      return lax.bitcast_convert_type(top_half, jnp.float32)
     value = lax.bitcast_convert_type(field.astype(_uint(narrow)), packed_dtype)
     return value.astype(unpacked_dtype)
   # Move the field to the top of the word, then shift it back down: arithmetically
