@@ -148,8 +148,9 @@ def test_element_dims_overlapping_windows():
 
 def test_element_dims_with_padding_read_outside_the_array():
   # A 3-tap stencil: each window starts one element before its output position;
-  # padding (1, 1) lets the first and last windows hang off the edges. The values
-  # read there are unspecified, so the kernel masks them with the position.
+  # padding (1, 1) lets the first and last windows hang off the edges. As in Pallas,
+  # Element offsets count in the padded array (offset i*4 is element i*4 - 1). The
+  # values read in the padding are unspecified, so the kernel masks them.
   n = 16
 
   def kernel(x_ref, o_ref):
@@ -162,7 +163,7 @@ def test_element_dims_with_padding_read_outside_the_array():
   x = random_array((n,))
   out = pallas_call(
       kernel, out_shape=sds(x), grid=(n // 4,),
-      in_specs=[pl.BlockSpec((pl.Element(6, padding=(1, 1)),), lambda i: (i * 4 - 1,))],
+      in_specs=[pl.BlockSpec((pl.Element(6, padding=(1, 1)),), lambda i: (i * 4,))],
       out_specs=pl.BlockSpec((4,), lambda i: (i,)))(x)
   xp = jnp.pad(x, 1)
   assert_close(out, xp[:-2] + xp[1:-1] + xp[2:], rtol=1e-5, atol=1e-5)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallet import specs as specs_lib
-from pallet._internals import AbstractRef
+from pallet._internals import AbstractRef, is_tracer
 
 
 class PalletError(ValueError):
@@ -65,7 +65,7 @@ class BlockMapping:
 @dataclasses.dataclass(frozen=True, eq=False)
 class GridMapping:
   """The grid and every operand's block mapping: what a backend needs to schedule."""
-  grid: tuple[int, ...]
+  grid: tuple[int | None, ...]   # None: a traced size (see dynamic_axes)
   inputs: tuple[BlockMapping, ...]
   outputs: tuple[BlockMapping, ...]
   scratch_avals: tuple[jax.core.ShapedArray, ...]
@@ -76,29 +76,44 @@ class GridMapping:
   def num_steps(self) -> int:
     return int(np.prod(self.grid, dtype=np.int64)) if self.grid else 1
 
+  @property
+  def dynamic_axes(self) -> tuple[int, ...]:
+    """Axes whose size is a traced value (None in `grid`): the sizes are the first
+    operands of `pallas_call_p` and follow the grid indices in the kernel jaxpr."""
+    return tuple(g for g, n in enumerate(self.grid) if n is None)
+
   def replace(self, **changes) -> "GridMapping":
     return dataclasses.replace(self, **changes)
 
 
 # ----------------------------------------------------------------------------------
-def normalize_grid(grid: Any, kernel_name: str) -> tuple[int, ...]:
+def normalize_grid(grid: Any, kernel_name: str) -> tuple[tuple[int | None, ...], tuple[Any, ...]]:
+  """The static grid, None where a size is a traced value, and those traced sizes."""
   if grid is None:
-    return ()
-  if isinstance(grid, (numbers.Integral, np.integer)):
+    return (), ()
+  if isinstance(grid, (numbers.Integral, np.integer)) or is_tracer(grid):
     grid = (grid,)
   try:
     grid = tuple(grid)
   except TypeError:
     raise PalletError(f"pallas_call of kernel '{kernel_name}': grid must be an int or a "
                       f"tuple of ints, got {grid!r}") from None
+  static, dynamic = [], []
   for g in grid:
+    if is_tracer(g) and g.shape == () and jnp.issubdtype(g.dtype, jnp.integer):
+      static.append(None)
+      dynamic.append(g)
+      continue
+    if isinstance(g, jax.Array) and g.shape == () and jnp.issubdtype(g.dtype, jnp.integer):
+      g = int(g)
     if not isinstance(g, (numbers.Integral, np.integer)) or isinstance(g, bool):
-      raise PalletError(f"pallas_call of kernel '{kernel_name}': grid must be static "
-                        f"integers, got {grid!r}")
+      raise PalletError(f"pallas_call of kernel '{kernel_name}': grid entries must be "
+                        f"integers or traced integer scalars, got {grid!r}")
     if g < 0:
       raise PalletError(f"pallas_call of kernel '{kernel_name}': grid sizes must be >= 0, "
                         f"got {grid!r}")
-  return tuple(int(g) for g in grid)
+    static.append(int(g))
+  return tuple(static), tuple(dynamic)
 
 
 def _block_dimension(d: Any, where: str) -> BlockDimension:
@@ -122,6 +137,25 @@ def _static_int(x: Any, where: str) -> int:
   return int(x)
 
 
+def split_grid_names(grid: Any, kernel_name: str) -> tuple[Any, tuple[Any, ...] | None]:
+  """`grid=(("i", 2), ("j", 4))` (a named grid, as in Pallas) -> ((2, 4), ("i", "j")).
+
+  Any other grid comes back unchanged, with names None."""
+  if not isinstance(grid, (tuple, list)) or not grid:
+    return grid, None
+  named = [isinstance(g, tuple) and len(g) == 2 and isinstance(g[0], str) for g in grid]
+  if not any(named):
+    return grid, None
+  if not all(named):
+    raise PalletError(f"pallas_call of kernel '{kernel_name}': a named grid names every "
+                      f"axis, as in grid=((\"i\", 2), (\"j\", 4)); got {grid!r}")
+  names = tuple(g[0] for g in grid)
+  if len(set(names)) != len(names):
+    raise PalletError(f"pallas_call of kernel '{kernel_name}': grid axis names must be "
+                      f"distinct, got {names}")
+  return tuple(g[1] for g in grid), names
+
+
 def positional_arity(fn: Callable) -> int | None:
   """Number of positional parameters fn takes, or None when it takes *args."""
   try:
@@ -137,31 +171,55 @@ def positional_arity(fn: Callable) -> int | None:
   return n
 
 
+def positional_arity_range(fn: Callable) -> tuple[int, int | None] | None:
+  """(required, total) positional parameters of fn (total None with *args), or None
+  when fn has no inspectable signature. Parameters with defaults are optional refs."""
+  try:
+    sig = inspect.signature(fn)
+  except (TypeError, ValueError):
+    return None
+  required, total = 0, 0
+  for p in sig.parameters.values():
+    if p.kind == p.VAR_POSITIONAL:
+      return required, None
+    if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+      total += 1
+      required += p.default is p.empty
+  return required, total
+
+
 def kernel_parameter_names(kernel: Callable) -> list[str] | None:
-  """Names of the kernel's required positional parameters (for messages)."""
+  """Names of the kernel's positional parameters (for messages)."""
   try:
     sig = inspect.signature(kernel)
   except (TypeError, ValueError):
     return None
   return [p.name for p in sig.parameters.values()
-          if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
+          if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
-def trace_index_map(index_map: Callable | None, grid: tuple[int, ...],
+def trace_index_map(index_map: Callable | None, grid: tuple[int | None, ...],
                     prefetch_avals: Sequence[jax.core.ShapedArray],
-                    ndim: int, where: str) -> Any:
-  """Traces an index map to a jaxpr returning `ndim` int32 scalars."""
-  n_args = len(grid) + len(prefetch_avals)
+                    ndim: int, where: str, prefetch_tree: Any = None) -> Any:
+  """Traces an index map to a jaxpr returning `ndim` int32 scalars.
+
+  The jaxpr takes the flat prefetch refs; `prefetch_tree` re-nests them as the
+  scalar-prefetch operands were passed (e.g. a tuple of arrays as one operand)."""
+  if prefetch_tree is None:
+    prefetch_tree = jax.tree_util.tree_structure((0,) * len(prefetch_avals))
+  n_prefetch = len(prefetch_tree.children())   # scalar-prefetch operands, as passed
+  n_args = len(grid) + n_prefetch
   if index_map is None:
     index_map = lambda *_: (0,) * ndim
   arity = positional_arity(index_map)
   if arity is not None and arity != n_args:
-    extra = f" plus {len(prefetch_avals)} scalar-prefetch refs" if prefetch_avals else ""
+    extra = f" plus {n_prefetch} scalar-prefetch refs" if n_prefetch else ""
     raise PalletError(f"{where}: index_map takes {arity} positional arguments but the grid "
                       f"{grid} has {len(grid)} axes{extra}; it must take {n_args}")
 
   def flat_index_map(*args):
-    out = index_map(*args)
+    ids, refs = args[:len(grid)], args[len(grid):]
+    out = index_map(*ids, *jax.tree_util.tree_unflatten(prefetch_tree, refs))
     if not isinstance(out, (tuple, list)):
       out = (out,)
     if len(out) != ndim:
@@ -182,8 +240,8 @@ def trace_index_map(index_map: Callable | None, grid: tuple[int, ...],
 
 
 def block_mapping(spec: Any, aval: jax.core.ShapedArray, origin: str,
-                  grid: tuple[int, ...], prefetch_avals: Sequence[jax.core.ShapedArray],
-                  where: str) -> BlockMapping:
+                  grid: tuple[int | None, ...], prefetch_avals: Sequence[jax.core.ShapedArray],
+                  where: str, prefetch_tree: Any = None) -> BlockMapping:
   """Resolves one operand's spec against its shape."""
   shape = tuple(aval.shape)
   if spec is None or spec is specs_lib.no_block_spec:
@@ -208,7 +266,8 @@ def block_mapping(spec: Any, aval: jax.core.ShapedArray, origin: str,
                         f"{len(block_shape)} but the array has shape {shape} "
                         f"(rank {len(shape)})")
     dims = tuple(_block_dimension(d, where) for d in block_shape)
-  jaxpr = trace_index_map(spec.index_map, grid, prefetch_avals, len(shape), where)
+  jaxpr = trace_index_map(spec.index_map, grid, prefetch_avals, len(shape), where,
+                          prefetch_tree)
   return BlockMapping(origin=origin, array_shape=shape, dtype=aval.dtype, dims=dims,
                       index_map=jaxpr, memory_space=memory_space, whole=whole)
 
@@ -227,6 +286,30 @@ def _lists_to_tuples(x: Any, is_leaf: Callable[[Any], bool]) -> Any:
   return x
 
 
+def _mark_none_operands(specs: Any, operands: Any) -> tuple[Any, Any]:
+  """(specs, operands) with every `None` operand, and the spec standing for it,
+  replaced by `_EMPTY` (a pytree node without leaves), matching positions in
+  lists/tuples and dict keys. Other mismatches are left for the caller to report."""
+  if operands is None:
+    return _EMPTY, _EMPTY
+  if (isinstance(specs, (list, tuple)) and isinstance(operands, (list, tuple))
+      and len(specs) == len(operands)):
+    pairs = [_mark_none_operands(s, o) for s, o in zip(specs, operands)]
+    return tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)
+  if isinstance(specs, dict) and isinstance(operands, dict) and specs.keys() == operands.keys():
+    pairs = {k: _mark_none_operands(specs[k], operands[k]) for k in specs}
+    return {k: p[0] for k, p in pairs.items()}, {k: p[1] for k, p in pairs.items()}
+  return specs, operands
+
+
+class _Empty:
+  """Stands for the spec of a `None` operand: a pytree node without leaves."""
+
+
+_EMPTY = _Empty()
+jax.tree_util.register_pytree_node(_Empty, lambda _: ((), None), lambda *_: _EMPTY)
+
+
 def match_specs(specs: Any, operands: Any, what: str, kernel_name: str) -> list:
   """Pairs a pytree of specs with the flattened operands (a pytree) it describes.
 
@@ -238,6 +321,9 @@ def match_specs(specs: Any, operands: Any, what: str, kernel_name: str) -> list:
     return [specs_lib.no_block_spec] * n_leaves
   if isinstance(specs, specs_lib.BlockSpec) and n_leaves == 1:
     return [specs]
+  # A `None` operand is an empty pytree (as in Pallas): its spec, which Pallas
+  # code writes as None, describes nothing.
+  specs, operands = _mark_none_operands(specs, operands)
   spec_leaves, spec_tree = jax.tree_util.tree_flatten(
       _lists_to_tuples(specs, _is_spec_leaf), is_leaf=_is_spec_leaf)
   operand_tree = jax.tree_util.tree_structure(

@@ -13,16 +13,22 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from pallet import backends
+from pallet import checks
 from pallet import grid_mapping as gm_lib
 from pallet import specs as specs_lib
+from pallet import trace_cache
 from pallet import tracing
 from pallet.grid_mapping import BlockDimension, GridMapping, PalletError
 
-_DIMENSION_SEMANTICS = ("parallel", "arbitrary", "sequential")
+_DIMENSION_SEMANTICS = ("parallel", "arbitrary", "sequential", "core_parallel",
+                        "subcore_parallel")
+# Splitting an axis across (sub)cores means its steps run in any order: parallel.
+_PARALLEL_SEMANTICS = ("parallel", "core_parallel", "subcore_parallel")
 
 
 def pallas_call(kernel: Callable[..., None], out_shape: Any, *,
@@ -33,14 +39,16 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *,
                 input_output_aliases: dict[int, int] | None = None,
                 debug: bool = False, interpret: bool = False, name: str | None = None,
                 compiler_params: Any = None, cost_estimate: Any = None,
-                backend: str | None = None) -> Callable[..., Any]:
+                backend: str | None = None,
+                metadata: dict[str, str] | None = None) -> Callable[..., Any]:
   """Returns a function that runs `kernel` over `grid` on its arguments.
 
   Same signature and meaning as `jax.experimental.pallas.pallas_call`; see
   docs/semantics.md. `backend` picks a backend by name ("xla", "triton"); the
   default is "triton" where a GPU is present and "xla" otherwise. `interpret=True`
   runs on the CPU backend (or, with backend="triton", the generated Triton code
-  under Triton's interpreter).
+  under Triton's interpreter). `metadata` is accepted and kept with the kernel
+  (Pallas serialises it into the HLO for tools; pallet has no such consumer).
   """
   name = name or tracing.kernel_name(kernel)
   num_scalar_prefetch = 0
@@ -48,20 +56,23 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *,
     grid, in_specs, out_specs = grid_spec.grid, grid_spec.in_specs, grid_spec.out_specs
     scratch_shapes = grid_spec.scratch_shapes
     num_scalar_prefetch = grid_spec.num_scalar_prefetch
-  grid = gm_lib.normalize_grid(grid, name)
+  grid, grid_names = gm_lib.split_grid_names(grid, name)
+  grid, dynamic_sizes = gm_lib.normalize_grid(grid, name)
   # Alias keys count every operand of the call, scalar-prefetch ones included (as in Pallas).
   aliases = tuple(sorted((int(k), int(v)) for k, v in (input_output_aliases or {}).items()))
-  try:
-    backend_name = backends.resolve(backend, interpret)
-  except ValueError as e:
-    raise PalletError(f"pallas_call of kernel '{name}': {e}") from None
   dimension_semantics = _dimension_semantics(compiler_params, grid, name)
 
   @functools.wraps(kernel)
   def launch(*args):
-    return _launch(kernel, name, args, out_shape, grid, in_specs, out_specs,
+    # Resolved per call: a `pallet.default_backend(...)` block around the call counts.
+    try:
+      backend_name, run_interpret = backends.resolve(backend, interpret), interpret
+    except ValueError as e:
+      raise PalletError(f"pallas_call of kernel '{name}': {e}") from None
+    return _launch(kernel, name, args, out_shape, grid, dynamic_sizes, in_specs, out_specs,
                    tuple(scratch_shapes), num_scalar_prefetch, aliases, debug,
-                   backend_name, interpret, compiler_params, dimension_semantics)
+                   backend_name, run_interpret, compiler_params, dimension_semantics,
+                   grid_names, metadata)
   return launch
 
 
@@ -73,7 +84,7 @@ def _dimension_semantics(params: Any, grid: tuple[int, ...], name: str):
   if len(semantics) != len(grid) or any(s not in _DIMENSION_SEMANTICS for s in semantics):
     raise PalletError(f"pallas_call of kernel '{name}': dimension_semantics {semantics} "
                       f"must give one of {_DIMENSION_SEMANTICS} per grid axis {grid}")
-  return tuple("parallel" if s == "parallel" else "arbitrary" for s in semantics)
+  return tuple("parallel" if s in _PARALLEL_SEMANTICS else "arbitrary" for s in semantics)
 
 
 def _as_aval(x: Any, what: str, name: str) -> jax.core.ShapedArray:
@@ -83,21 +94,79 @@ def _as_aval(x: Any, what: str, name: str) -> jax.core.ShapedArray:
   return jax.core.ShapedArray(tuple(x.shape), jnp.dtype(x.dtype))
 
 
-def _launch(kernel, name, args, out_shape, grid, in_specs, out_specs, scratch_shapes,
+def _as_operand(x: Any) -> Any:
+  """Python and NumPy scalars become (weakly typed) 0-d arrays, as in Pallas."""
+  if isinstance(x, (bool, int, float, complex, np.generic)):
+    return jnp.asarray(x)
+  return x
+
+
+def _launch(kernel, name, args, out_shape, grid, dynamic_sizes, in_specs, out_specs, scratch_shapes,
             num_scalar_prefetch, aliases, debug, backend_name, interpret,
-            compiler_params, dimension_semantics):
+            compiler_params, dimension_semantics, grid_names, metadata):
+  args = jax.tree_util.tree_map(_as_operand, tuple(args))
+  if len(args) < num_scalar_prefetch:
+    raise PalletError(f"pallas_call of kernel '{name}' expects {num_scalar_prefetch} "
+                      f"scalar-prefetch operands first, but was called with {len(args)} "
+                      f"operands")
   prefetch_args, args = args[:num_scalar_prefetch], args[num_scalar_prefetch:]
   flat_args, _ = jax.tree_util.tree_flatten(args)
   in_avals = [_as_aval(a, f"input {i}", name) for i, a in enumerate(flat_args)]
+  # A scalar-prefetch operand may be a pytree of arrays (megablox's group metadata).
+  flat_prefetch, prefetch_tree = jax.tree_util.tree_flatten(tuple(prefetch_args))
   prefetch_avals = tuple(_as_aval(a, f"scalar prefetch operand {i}", name)
-                         for i, a in enumerate(prefetch_args))
+                         for i, a in enumerate(flat_prefetch))
+  if dynamic_sizes and backend_name != "xla":
+    raise PalletError(f"pallas_call of kernel '{name}': grid {grid} has sizes computed at "
+                      f"run time (traced values, shown as None); the {backend_name} backend "
+                      f"needs static grid sizes (the default XLA backend runs such grids)")
   flat_out_shapes, out_tree = jax.tree_util.tree_flatten(out_shape)
   out_avals = [_as_aval(o, f"out_shape[{i}]", name) for i, o in enumerate(flat_out_shapes)]
   scratch_avals = tuple(_as_aval(s, f"scratch_shapes[{i}]", name)
                         for i, s in enumerate(scratch_shapes))
 
+  # The kernel sees (*prefetch refs, *input refs, *output refs, *scratch refs), with
+  # pytree inputs and outputs handed over as pytrees of refs.
+  outs_for_kernel = tuple(out_shape) if isinstance(out_shape, (tuple, list)) else (out_shape,)
+  kernel_args = (*prefetch_args, *args, *outs_for_kernel, *scratch_shapes)
+  kernel_args_tree = jax.tree_util.tree_structure(
+      kernel_args, is_leaf=lambda x: isinstance(x, specs_lib.ScratchShape))
+
+  def build():
+    _check_kernel_arity(kernel, name, len(kernel_args), len(prefetch_args), len(args),
+                        len(outs_for_kernel), len(scratch_shapes))
+    mapping = _grid_mapping(kernel, name, args, out_shape, grid, in_specs, out_specs,
+                            in_avals, out_avals, scratch_avals, prefetch_avals,
+                            prefetch_tree, num_scalar_prefetch, dimension_semantics)
+    return tracing.trace_kernel(
+        kernel, name, mapping, kernel_args_tree, source=tracing.kernel_source(kernel),
+        input_output_aliases=_check_aliases(aliases, len(prefetch_avals), in_avals,
+                                            out_avals, name),
+        compiler_params=compiler_params, debug=debug, grid_names=grid_names,
+        metadata=metadata, poison_buffers=checks.poison_buffers_enabled())
+
+  # Everything the traced description depends on; the kernel's own Python code is
+  # keyed by identity (partials by their function and arguments).
+  key = (name, grid, grid_names, kernel_args_tree, tuple(in_avals), tuple(out_avals),
+         scratch_avals, prefetch_avals, in_specs, out_specs, aliases, compiler_params,
+         dimension_semantics, debug, metadata, checks.debug_checks_enabled(),
+         checks.poison_buffers_enabled(), bool(jax.config.jax_enable_x64))
+  description = trace_cache.lookup(kernel, key, build)
+  if debug:
+    print(f"--- pallet kernel '{name}' ({description.source}), grid {grid} ---")
+    print(description.jaxpr)
+  flat_prefetch = [jnp.asarray(p) for p in flat_prefetch]
+  sizes = [jnp.asarray(d, jnp.int32) for d in dynamic_sizes]
+  results = pallas_call_p.bind(*sizes, *flat_prefetch, *flat_args, kernel=description,
+                               name=name, backend=backend_name, interpret=interpret)
+  return jax.tree_util.tree_unflatten(out_tree, results)
+
+
+def _grid_mapping(kernel, name, args, out_shape, grid, in_specs, out_specs, in_avals,
+                  out_avals, scratch_avals, prefetch_avals, prefetch_tree, n_pre,
+                  dimension_semantics) -> GridMapping:
+  """Resolves the specs against the operands (all spec validation happens here)."""
   param_names = gm_lib.kernel_parameter_names(kernel) or []
-  n_pre = num_scalar_prefetch
 
   def origin(kind, i, offset):
     pname = param_names[offset + i] if offset + i < len(param_names) else None
@@ -110,36 +179,17 @@ def _launch(kernel, name, args, out_shape, grid, in_specs, out_specs, scratch_sh
   out_spec_list = gm_lib.match_specs(out_specs, out_shape, "out_specs", name)
   inputs = tuple(
       gm_lib.block_mapping(s, a, origin("input", i, n_pre), grid, prefetch_avals,
-                           where("input", i, n_pre, f"in_specs[{i}]"))
+                           where("input", i, n_pre, f"in_specs[{i}]"), prefetch_tree)
       for i, (s, a) in enumerate(zip(in_spec_list, in_avals)))
   outputs = tuple(
       gm_lib.block_mapping(s, a, origin("output", i, n_pre + len(in_avals)), grid,
                            prefetch_avals,
-                           where("output", i, n_pre + len(in_avals), f"out_specs[{i}]"))
+                           where("output", i, n_pre + len(in_avals), f"out_specs[{i}]"),
+                           prefetch_tree)
       for i, (s, a) in enumerate(zip(out_spec_list, out_avals)))
-  mapping = GridMapping(grid=grid, inputs=inputs, outputs=outputs,
-                        scratch_avals=scratch_avals, prefetch_avals=prefetch_avals,
-                        dimension_semantics=dimension_semantics)
-  aliases = _check_aliases(aliases, len(prefetch_avals), in_avals, out_avals, name)
-
-  # The kernel sees (*prefetch refs, *input refs, *output refs, *scratch refs), with
-  # pytree inputs and outputs handed over as pytrees of refs.
-  outs_for_kernel = tuple(out_shape) if isinstance(out_shape, (tuple, list)) else (out_shape,)
-  kernel_args = (*prefetch_args, *args, *outs_for_kernel, *scratch_shapes)
-  kernel_args_tree = jax.tree_util.tree_structure(
-      kernel_args, is_leaf=lambda x: isinstance(x, specs_lib.ScratchShape))
-  _check_kernel_arity(kernel, name, len(kernel_args), len(prefetch_args), len(args),
-                      len(outs_for_kernel), len(scratch_shapes))
-  description = tracing.trace_kernel(
-      kernel, name, mapping, kernel_args_tree, source=tracing.kernel_source(kernel),
-      input_output_aliases=aliases, compiler_params=compiler_params, debug=debug)
-  if debug:
-    print(f"--- pallet kernel '{name}' ({description.source}), grid {grid} ---")
-    print(description.jaxpr)
-  flat_prefetch = [jnp.asarray(p) for p in prefetch_args]
-  results = pallas_call_p.bind(*flat_prefetch, *flat_args, kernel=description,
-                               name=name, backend=backend_name, interpret=interpret)
-  return jax.tree_util.tree_unflatten(out_tree, results)
+  return GridMapping(grid=grid, inputs=inputs, outputs=outputs,
+                     scratch_avals=scratch_avals, prefetch_avals=prefetch_avals,
+                     dimension_semantics=dimension_semantics)
 
 
 def _check_aliases(aliases, n_prefetch, in_avals, out_avals, name):
@@ -162,9 +212,14 @@ def _check_aliases(aliases, n_prefetch, in_avals, out_avals, name):
 
 def _check_kernel_arity(kernel, name, n_refs, n_prefetch, n_in, n_out, n_scratch):
   params = gm_lib.kernel_parameter_names(kernel)
-  arity = gm_lib.positional_arity(kernel)
-  if arity is None or arity == n_refs:
+  arity_range = gm_lib.positional_arity_range(kernel)
+  if arity_range is None:
     return
+  required, total = arity_range
+  if required <= n_refs and (total is None or n_refs <= total):
+    return
+  arity = str(required) if required == total else (
+      f"{required} to {total}" if total is not None else f"at least {required}")
   parts = [f"{n_in} inputs", f"{n_out} outputs"]
   if n_prefetch:
     parts.insert(0, f"{n_prefetch} scalar-prefetch operands")
@@ -188,8 +243,11 @@ pallas_call_p.def_abstract_eval(_pallas_call_abstract_eval)
 
 
 def _pallas_call_impl(*args, **params):
-  return _compiled_call(params["kernel"], params["name"], params["backend"],
-                        params["interpret"])(*args)
+  # Under `jax.disable_jit()` the jit below would call straight back into this
+  # rule; a kernel always runs compiled, so jit is re-enabled for the call itself.
+  with jax.disable_jit(False):
+    return _compiled_call(params["kernel"], params["name"], params["backend"],
+                          params["interpret"])(*args)
 
 
 @functools.lru_cache(maxsize=256)
@@ -214,7 +272,8 @@ _NOT_MAPPED = None  # how JAX's batching rules mark an unbatched operand
 def _pallas_call_batching(args, dims, *, kernel, name, backend, interpret):
   """vmap adds a leading parallel grid axis; batched operands get a squeezed block dim."""
   gm = kernel.grid_mapping
-  n_pre = len(gm.prefetch_avals)
+  # leading operands: traced grid sizes, then scalar prefetch; batched ones need a loop
+  n_pre = len(gm.dynamic_axes) + len(gm.prefetch_avals)
   if any(d is not _NOT_MAPPED for d in dims[:n_pre]):
     return _batch_by_loop(args, dims, kernel=kernel, name=name, backend=backend,
                           interpret=interpret)
@@ -228,9 +287,9 @@ def _pallas_call_batching(args, dims, *, kernel, name, backend, interpret):
       a = jnp.moveaxis(a, d, 0)
     new_args.append(a)
     batched.append(d is not _NOT_MAPPED)
-  new_inputs = tuple(_batched_block(b, size, is_batched, n_pre)
+  new_inputs = tuple(_batched_block(b, size, is_batched)
                      for b, is_batched in zip(gm.inputs, batched))
-  new_outputs = tuple(_batched_block(b, size, True, n_pre) for b in gm.outputs)
+  new_outputs = tuple(_batched_block(b, size, True) for b in gm.outputs)
   semantics = None if gm.dimension_semantics is None else ("parallel", *gm.dimension_semantics)
   new_gm = gm.replace(grid=(size, *gm.grid), inputs=new_inputs, outputs=new_outputs,
                       dimension_semantics=semantics)
@@ -247,7 +306,7 @@ def _with_leading_index(closed_jaxpr: Any) -> Any:
   return jax.make_jaxpr(body)(jax.core.ShapedArray((), jnp.int32), *closed_jaxpr.in_avals)
 
 
-def _batched_block(block, size, is_batched, n_pre):
+def _batched_block(block, size, is_batched):
   im = block.index_map
 
   def index_map(b, *rest):

@@ -4,6 +4,7 @@ The description is the contract between the front end and every backend: a
 jaxpr over refs whose inputs are, in order,
 
     *grid_indices (int32 scalars, one per grid axis),
+    *dynamic grid sizes (int32 scalars, one per axis whose size is traced),
     *scalar_prefetch refs, *input block refs, *output block refs, *scratch refs
 
 and that returns nothing, plus the `GridMapping` that says which block of which
@@ -34,6 +35,9 @@ class KernelDescription:
   input_output_aliases: tuple[tuple[int, int], ...]
   compiler_params: Any
   debug: bool
+  grid_names: tuple[Any, ...] | None = None    # a named grid: lax.axis_index(name) works
+  metadata: Any = None                         # pallas_call(metadata=...), kept as given
+  poison_buffers: bool = False                 # pl.enable_poison_buffers when traced
 
   def __repr__(self) -> str:
     # Shown inside jaxprs as the `kernel=` parameter of pallas_call: keep it short.
@@ -81,11 +85,13 @@ def trace_kernel(kernel: Callable, name: str, grid_mapping: GridMapping,
                + [internals.AbstractRef(b.kernel_aval) for b in gm.inputs]
                + [internals.AbstractRef(b.kernel_aval) for b in gm.outputs]
                + [internals.AbstractRef(a) for a in gm.scratch_avals])
-  id_avals = [jax.core.ShapedArray((), jnp.int32)] * len(gm.grid)
+  n_ids = len(gm.grid) + len(gm.dynamic_axes)
+  id_avals = [jax.core.ShapedArray((), jnp.int32)] * n_ids
 
   def stateful_body(*args):
-    ids, refs = args[:len(gm.grid)], args[len(gm.grid):]
-    with primitives.grid_context(ids, gm.grid):
+    ids, sizes, refs = args[:len(gm.grid)], list(args[len(gm.grid):n_ids]), args[n_ids:]
+    grid = tuple(sizes.pop(0) if n is None else n for n in gm.grid)
+    with primitives.grid_context(ids, grid, name, description_fields.get("grid_names")):
       result = kernel(*jax.tree_util.tree_unflatten(kernel_args_tree, refs))
     if result is not None:
       raise PalletError(f"kernel '{name}' returned a value ({type(result).__name__}); "

@@ -1,0 +1,96 @@
+"""The cache of traced kernels: a second `pallas_call` with the same kernel,
+shapes and specs reuses the `KernelDescription` instead of re-tracing the user's
+Python function (and, since the description is the same object, the compiled
+executable too).
+
+Correctness over hits: a key is built only from values whose equality implies
+the same trace (types are part of the key, so `1`, `1.0` and `True` differ);
+anything that cannot be frozen that way (arrays, mutable objects that define
+equality but no hash) disables caching for that call.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import functools
+import types
+from typing import Any, Callable
+
+import numpy as np
+
+from pallet import _internals as internals
+
+_MAX_ENTRIES = 512
+_cache: collections.OrderedDict = collections.OrderedDict()
+
+
+class _Unhashable(Exception):
+  pass
+
+
+def freeze(x: Any) -> Any:
+  """A hashable value equal for equal inputs and different for different types."""
+  if x is None or isinstance(x, (str, bytes, bool, int, float, complex, enum.Enum)):
+    return (type(x), x)
+  if isinstance(x, np.generic):
+    return (type(x), x.item())
+  if isinstance(x, (list, tuple)):
+    return (tuple, tuple(freeze(v) for v in x))
+  if isinstance(x, dict):
+    try:
+      items = sorted(x.items())
+    except TypeError:
+      raise _Unhashable from None
+    return (dict, tuple((freeze(k), freeze(v)) for k, v in items))
+  if isinstance(x, functools.partial):
+    return (functools.partial, freeze_callable(x.func), freeze(x.args),
+            freeze(dict(x.keywords)))
+  if isinstance(x, (types.FunctionType, types.BuiltinFunctionType, types.MethodType, type)):
+    return freeze_callable(x)
+  if dataclasses.is_dataclass(x) and not isinstance(x, type):
+    return (type(x), tuple(freeze(getattr(x, f.name)) for f in dataclasses.fields(x)))
+  if isinstance(x, np.ndarray) or internals.is_tracer(x) or hasattr(x, "__array__"):
+    raise _Unhashable
+  try:
+    hash(x)
+  except TypeError:
+    raise _Unhashable from None
+  return (type(x), x)
+
+
+def freeze_callable(fn: Any) -> Any:
+  """Functions are keyed by identity: the same object traces the same way."""
+  if isinstance(fn, functools.partial):
+    return freeze(fn)
+  return ("callable", id(fn), fn)
+
+
+def lookup(kernel: Callable, key: Any, build: Callable[[], Any]) -> Any:
+  """The cached result for (kernel, key), else `build()` (cached when it is safe)."""
+  try:
+    full_key = (freeze_callable(kernel), freeze(key))
+    hash(full_key)
+  except (_Unhashable, TypeError):
+    return build()
+  hit = _cache.get(full_key)
+  if hit is not None:
+    _cache.move_to_end(full_key)
+    return hit
+  description = build()
+  if _has_tracer_consts(description):
+    return description          # index maps closed over values of an outer trace
+  _cache[full_key] = description
+  if len(_cache) > _MAX_ENTRIES:
+    _cache.popitem(last=False)
+  return description
+
+
+def _has_tracer_consts(description: Any) -> bool:
+  gm = description.grid_mapping
+  jaxprs = [description.jaxpr] + [b.index_map for b in (*gm.inputs, *gm.outputs)]
+  return any(internals.is_tracer(c) for j in jaxprs for c in j.consts)
+
+
+def clear() -> None:
+  _cache.clear()

@@ -1,0 +1,227 @@
+"""pallas_call as real Pallas code calls it: metadata=, named grids with lax.axis_index,
+Python scalar and None operands, optional kernel parameters, jax.disable_jit, the
+trace cache and Element padding."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import pallet as pl
+import pallet.tpu as pltpu
+from pallet import trace_cache
+from helpers import assert_close, pallas_call, random_array, sds
+
+f32 = jnp.float32
+
+
+def _rows(i, j):
+  return (i, j)
+
+
+def test_metadata_is_accepted():
+  x = random_array((8,))
+  out = pallas_call(lambda x_ref, o_ref: o_ref.__setitem__(..., x_ref[...] * 2),
+                    out_shape=sds(x), metadata={"origin": "test"})(x)
+  assert_close(out, x * 2)
+
+
+# ------------------------------------------------------------------ named grids
+def test_named_grid_axis_index_is_program_id():
+  def kernel(x_ref, o_ref):
+    i, j = lax.axis_index("i"), lax.axis_index("j")
+    assert lax.axis_size("j") == 4
+    base = x_ref[...] + (10 * i + j).astype(f32)
+
+    @pl.when(lax.axis_index("j") % 2 == 1)       # inside a cond
+    def _():
+      o_ref[...] = base + 100 * (pl.program_id(1) == lax.axis_index("j")).astype(f32)
+
+    @pl.when(j % 2 == 0)
+    def _():
+      o_ref[...] = lax.fori_loop(                # inside a loop body
+          0, 2, lambda k, acc: acc + lax.axis_index("i").astype(f32), base)
+
+  x = random_array((4, 8))
+  spec = pl.BlockSpec((2, 2), _rows)
+  out = pallas_call(kernel, out_shape=sds(x), grid=(("i", 2), ("j", 4)),
+                    in_specs=[spec], out_specs=spec)(x)
+  i = jnp.arange(4)[:, None] // 2
+  j = jnp.arange(8)[None, :] // 2
+  base = x + (10 * i + j)
+  expected = jnp.where(j % 2 == 1, base + 100, base + 2 * i)
+  assert_close(out, expected.astype(f32))
+
+
+def test_named_grid_under_vmap_and_jit():
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * (lax.axis_index("row") + 1).astype(f32)
+
+  spec = pl.BlockSpec((1, 8), lambda r: (r, 0))
+  call = pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((3, 8), f32),
+                     grid=(("row", 3),), in_specs=[spec], out_specs=spec)
+  xs = random_array((2, 3, 8))
+  assert_close(jax.jit(jax.vmap(call))(xs), xs * jnp.arange(1, 4, dtype=f32)[:, None])
+
+
+def test_partly_named_grid_is_an_error():
+  with pytest.raises(pl.PalletError, match="kernel '<lambda>'.*names every axis"):
+    pallas_call(lambda x_ref, o_ref: None, out_shape=sds(random_array((4,))),
+                grid=(("i", 2), 3))(random_array((4,)))
+
+
+def test_unknown_axis_name_is_still_an_error():
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] + lax.axis_index("k")
+
+  with pytest.raises(Exception, match="k"):
+    pallas_call(kernel, out_shape=sds(random_array((4,))), grid=(("i", 1),))(
+        random_array((4,)))
+
+
+# ------------------------------------------------------------------ operands
+def test_python_scalars_as_operands():
+  def kernel(x_ref, scale_ref, shift_ref, o_ref):
+    o_ref[...] = x_ref[...] * scale_ref[...] + shift_ref[...]
+
+  x = random_array((16,))
+  out = pallas_call(kernel, out_shape=sds(x))(x, 2.5, 3)
+  assert out.dtype == f32
+  assert_close(out, x * 2.5 + 3)
+
+
+def test_none_operands_and_specs_are_empty():
+  def kernel(x_ref, bias_ref, y_ref, o_ref):
+    assert bias_ref is None
+    o_ref[...] = x_ref[...] + y_ref[...]
+
+  x, y = random_array((16,)), random_array((16,))
+  spec = pl.BlockSpec((4,), lambda i: (i,))
+  out = pallas_call(kernel, out_shape=sds(x), grid=(4,),
+                    in_specs=[spec, None, spec], out_specs=spec)(x, None, y)
+  assert_close(out, x + y)
+
+
+def test_none_and_pytree_scalar_prefetch_operands():
+  # As megablox's gmm: a tuple of prefetch arrays, an optional one that is None.
+  def index_map(i, meta, offset):
+    assert offset is None
+    starts, _ = meta
+    return (starts[i],)
+
+  def kernel(meta, offset_ref, x_ref, o_ref):
+    assert offset_ref is None
+    _, scales = meta
+    o_ref[...] = x_ref[...] * scales[pl.program_id(0)]
+
+  x = random_array((16,))
+  starts = jnp.array([3, 0, 2, 1], jnp.int32)
+  scales = random_array((4,))
+  spec = pl.BlockSpec((4,), index_map)
+  out = pallas_call(kernel, out_shape=sds(x),
+                    grid_spec=pltpu.PrefetchScalarGridSpec(
+                        num_scalar_prefetch=2, grid=(4,), in_specs=[spec],
+                        out_specs=pl.BlockSpec((4,), lambda i, meta, offset: (i,))))(
+                            (starts, scales), None, x)
+  blocks = x.reshape(4, 4)[starts] * scales[:, None]
+  assert_close(out, blocks.reshape(-1))
+
+
+# ------------------------------------------------------------------ optional parameters
+def _norm_kernel(x_ref, o_ref, mean_ref=None):
+  x = x_ref[...]
+  o_ref[...] = x - jnp.mean(x, axis=1, keepdims=True)
+  if mean_ref is not None:
+    mean_ref[...] = jnp.mean(x, axis=1)
+
+
+def test_kernel_parameters_with_defaults_are_optional_refs():
+  x = random_array((8, 16))
+  centred = x - x.mean(1, keepdims=True)
+  assert_close(pallas_call(_norm_kernel, out_shape=sds(x))(x), centred)
+  out, mean = pallas_call(_norm_kernel,
+                          out_shape=(sds(x), jax.ShapeDtypeStruct((8,), f32)))(x)
+  assert_close((out, mean), (centred, x.mean(1)))
+
+
+def test_arity_error_reports_the_range():
+  x = random_array((8, 16))
+  with pytest.raises(pl.PalletError, match="_norm_kernel' takes 2 to 3 positional.*4 refs"):
+    pallas_call(_norm_kernel, out_shape=(sds(x), sds(x), sds(x)))(x)
+
+
+# ------------------------------------------------------------------ disable_jit
+def test_call_under_disable_jit():
+  x = random_array((16,))
+  call = pallas_call(lambda x_ref, o_ref: o_ref.__setitem__(..., jnp.exp(x_ref[...])),
+                     out_shape=sds(x), grid=(2,),
+                     in_specs=[pl.BlockSpec((8,), lambda i: (i,))],
+                     out_specs=pl.BlockSpec((8,), lambda i: (i,)))
+  with jax.disable_jit():
+    out = call(x)
+  assert_close(out, jnp.exp(x))
+
+
+# ------------------------------------------------------------------ trace cache
+def test_second_call_with_same_shapes_does_not_retrace():
+  traces = []
+
+  def kernel(x_ref, o_ref, *, scale):
+    traces.append(scale)
+    o_ref[...] = x_ref[...] * scale
+
+  x, y = random_array((16,)), random_array((16,))
+  for scale in (2, 2, 2.0):
+    call = pallas_call(functools.partial(kernel, scale=scale), out_shape=sds(x))
+    assert_close(call(x), x * scale)
+    assert_close(call(y), y * scale)
+  assert traces == [2, 2.0]          # 2 and 2.0 are different keys; repeats hit
+  z = random_array((8,))
+  assert_close(pallas_call(functools.partial(kernel, scale=2), out_shape=sds(z))(z), z * 2)
+  assert len(traces) == 3            # a new shape traces again
+
+
+def test_unhashable_partial_arguments_trace_every_time():
+  traces = []
+
+  def kernel(x_ref, o_ref, *, table):
+    traces.append(1)
+    o_ref[...] = x_ref[...] + jnp.asarray(table)
+
+  x = random_array((4,))
+  for t in (np.arange(4.0), np.arange(4.0) * 3):
+    out = pallas_call(functools.partial(kernel, table=t), out_shape=sds(x))(x)
+    assert_close(out, x + jnp.asarray(t, f32))
+  assert len(traces) == 2
+
+
+def test_cache_freezes_types():
+  assert trace_cache.freeze(1) != trace_cache.freeze(1.0) != trace_cache.freeze(True)
+  assert trace_cache.freeze([1, (2, "a")]) == trace_cache.freeze((1, [2, "a"]))
+  with pytest.raises(Exception):
+    trace_cache.freeze(np.zeros(3))
+
+
+# ------------------------------------------------------------------ Element padding
+def test_element_padding_offsets_count_in_the_padded_array():
+  # Rows padded by 2 in front and 1 behind; window r starts at padded row 3*r, i.e.
+  # array row 3*r - 2. The kernel masks rows that fall in the padding.
+  x = random_array((9, 4))
+
+  def kernel(x_ref, o_ref):
+    r = pl.program_id(0)
+    rows = 3 * r - 2 + lax.broadcasted_iota(jnp.int32, (5, 4), 0)
+    w = jnp.where((rows >= 0) & (rows < 9), x_ref[...], 0.0)
+    o_ref[...] = jnp.sum(w, axis=0, keepdims=True)
+
+  out = pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((4, 4), f32), grid=(4,),
+                    in_specs=[pl.BlockSpec((pl.Element(5, padding=(2, 1)), 4),
+                                           lambda r: (3 * r, 0))],
+                    out_specs=pl.BlockSpec((1, 4), lambda r: (r, 0)))(x)
+  xp = jnp.pad(x, ((2, 3), (0, 0)))
+  expected = jnp.stack([xp[3 * r:3 * r + 5].sum(0) for r in range(4)])
+  assert_close(out, expected, rtol=1e-5, atol=1e-5)
