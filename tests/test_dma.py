@@ -137,6 +137,22 @@ def test_semaphores_in_run_scoped():
   assert_close(out, x + 1.0)
 
 
+@pytest.mark.parametrize("dtype", [pltpu.dma_semaphore, pl.semaphore])
+def test_semaphore_memory_space_scratch(dtype):
+  """`pltpu.SEMAPHORE(shape, dtype)` is another way to ask for semaphores."""
+  x = random_array((2, 8))
+
+  def kernel(x_hbm, o_hbm, sems):
+    pltpu.make_async_copy(x_hbm.at[0], o_hbm.at[1], sems.at[1]).start()
+    pltpu.make_async_copy(x_hbm.at[1], o_hbm.at[0], sems.at[0]).start()
+    pltpu.make_async_copy(x_hbm.at[0], o_hbm.at[1], sems.at[1]).wait()
+    pltpu.make_async_copy(x_hbm.at[1], o_hbm.at[0], sems.at[0]).wait()
+
+  out = pallas_call(kernel, sds(x), in_specs=[ANY], out_specs=ANY,
+                    scratch_shapes=[pltpu.SEMAPHORE((2,), dtype)])(x)
+  assert_close(out, x[::-1])
+
+
 def test_dma_kernel_under_jit_and_vmap():
   x = random_array((3, 16, 8))
 

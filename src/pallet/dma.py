@@ -52,6 +52,11 @@ class SemaphoreType:
   BARRIER = SemaphoreScratch((), jnp.int32, MemorySpace.SEMAPHORE, "barrier")
 
 
+class dma_semaphore:
+  """`pltpu.dma_semaphore`, the DMA semaphore dtype: `pltpu.SEMAPHORE((2,), dma_semaphore)`
+  requests two DMA semaphores (int32 counters on the CPU, like every semaphore here)."""
+
+
 # ------------------------------------------------------------------ helpers
 def kernel_site() -> str:
   """"kernel 'name' at file:line" for the user code being traced now."""

@@ -68,6 +68,8 @@ class MemoryRef(ScratchShape):
     if shape is None or dtype is None:
       raise TypeError("pl.MemoryRef needs an aval (e.g. jax.core.ShapedArray(shape, dtype)) "
                       "or shape= and dtype=")
+    if memory_space is MemorySpace.SEMAPHORE:
+      dtype = jax.numpy.int32   # any semaphore dtype: pallet semaphores are int32 counters
     super().__init__(tuple(shape), dtype, memory_space)
 
   @property

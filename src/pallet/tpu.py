@@ -6,9 +6,9 @@ from typing import Any, Sequence
 
 from pallet.specs import CompilerParams as _BaseCompilerParams
 from pallet.specs import GridSpec, MemorySpace, no_block_spec
-from pallet.dma import (AsyncCopyDescriptor, SemaphoreType, async_copy, make_async_copy,
-                        make_async_remote_copy, semaphore_read, semaphore_signal,
-                        semaphore_wait, sync_copy)
+from pallet.dma import (AsyncCopyDescriptor, SemaphoreType, async_copy, dma_semaphore,
+                        make_async_copy, make_async_remote_copy, semaphore_read,
+                        semaphore_signal, semaphore_wait, sync_copy)
 from pallet.pipeline import emit_pipeline, emit_pipeline_with_allocations
 from pallet.bits import join_bits, pack_elementwise, split_bits, unpack_elementwise
 from pallet.tpu_conv import conv
