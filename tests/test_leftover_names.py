@@ -156,6 +156,23 @@ def test_select_ref_reads_and_writes_the_chosen_ref():
   assert_close(outs, [jnp.asarray(e) for e in expected])
 
 
+def test_select_ref_over_ref_views():
+  # Candidates may be views (ref.at[...]): the selection reads and writes through them.
+  def kernel(k_ref, x_ref, o_ref):
+    o_ref[...] = x_ref[...]
+    sel = pl.select_ref(k_ref[0], o_ref.at[0:2], o_ref.at[pl.ds(4, 2)], o_ref.at[6:8])
+    sel[...] = sel[...] * 10 + x_ref[2:4]
+
+  x = random_array((8, 16))
+  for k in (0, 1, 2, 5):   # 5 is clamped to the last candidate
+    gs = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, grid=(1,))
+    out = pallas_call(kernel, out_shape=sds(x), grid_spec=gs)(jnp.array([k], i32), x)
+    start = (0, 4, 6)[min(k, 2)]
+    expected = np.array(x)
+    expected[start:start + 2] = expected[start:start + 2] * 10 + np.asarray(x)[2:4]
+    assert_close(out, jnp.asarray(expected))
+
+
 def test_select_ref_with_a_static_index_is_the_ref_itself_and_checks_its_inputs():
   refs = [jax.new_ref(jnp.zeros((4,), f32)), jax.new_ref(jnp.ones((4,), f32))]
   assert pl.select_ref(1, *refs) is refs[1]
