@@ -242,3 +242,13 @@ def test_enable_debug_checks_as_context_and_setter():
       assert not pl.enable_debug_checks.value
     assert pl.enable_debug_checks.value
   assert not pl.enable_debug_checks.value
+
+
+@pytest.mark.skipif(not ON_XLA, reason="the check's Triton rule belongs to the Triton backend")
+def test_debug_checks_setting_retraces_jitted_callers():
+  f = jax.jit(_checked_call())
+  bad = -random_array((16,)) ** 2 - 1
+  assert bool(jnp.all(jnp.isnan(f(bad))))          # traced with checks off
+  with pl.enable_debug_checks(True):
+    with pytest.raises(Exception, match=_CHECK_FAILED):
+      jax.block_until_ready(f(bad))

@@ -121,3 +121,20 @@ def register_axis_index_substitution(lookup: Callable[[Any], Any]) -> None:
     return trace.default_process_primitive(_parallel.axis_index_p, tracers,
                                            dict(axis_name=axis_name, **params), source_info)
   _pe.custom_staging_rules[_parallel.axis_index_p] = rule
+
+# --- pallet's on/off settings (debug checks, poison buffers) ---------------------
+# Read while kernels are traced, so they must be part of JAX's jit cache key: a
+# function jitted with checks off is traced again when checks are switched on.
+from jax._src import config as _jax_config
+
+
+def bool_trace_setting(name: str, help: str) -> Any:
+  """A JAX boolean state named `name` (default from the environment variable
+  `name.upper()`), part of the jit key and trace context."""
+  return _jax_config.bool_state(name, False, help, include_in_jit_key=True,
+                                include_in_trace_context=True)
+
+
+def set_setting(state: Any, value: Any) -> None:
+  """Sets a state's process-wide value (what `jax.config.update` does by name)."""
+  state._set(value)

@@ -32,17 +32,22 @@ from pallet import primitives
 
 
 class _Switch:
-  """A process-wide on/off setting, used like JAX's config states:
-  `pl.enable_debug_checks(True)` turns it on; `with pl.enable_debug_checks(True):`
-  turns it on for the block and restores the previous value afterwards.
-  The setting is read when a kernel is traced."""
+  """An on/off setting used like JAX's config states: `pl.enable_debug_checks(True)`
+  turns it on; `with pl.enable_debug_checks(True):` turns it on for the block and
+  restores the previous value afterwards. Kernels read it when they are traced; it
+  is part of JAX's jit key, so jitted callers are traced again when it changes."""
 
-  def __init__(self, name: str, env_var: str):
+  def __init__(self, name: str, env_var: str, help: str):
     self._name = name
-    self.value = os.environ.get(env_var, "").strip().lower() in ("1", "true", "yes", "on")
+    self._state = internals.bool_trace_setting(env_var.lower(), help)
+
+  @property
+  def value(self) -> bool:
+    return bool(self._state.value)
 
   def __call__(self, enabled: bool = True) -> contextlib.AbstractContextManager:
-    previous, self.value = self.value, bool(enabled)
+    previous = self.value
+    internals.set_setting(self._state, bool(enabled))
     return self._restore_on_exit(previous)
 
   @contextlib.contextmanager
@@ -50,7 +55,7 @@ class _Switch:
     try:
       yield
     finally:
-      self.value = previous
+      internals.set_setting(self._state, previous)
 
   def __bool__(self) -> bool:
     return self.value
@@ -59,8 +64,10 @@ class _Switch:
     return f"pl.{self._name}(currently {self.value})"
 
 
-enable_debug_checks = _Switch("enable_debug_checks", "PALLET_DEBUG_CHECKS")
-enable_poison_buffers = _Switch("enable_poison_buffers", "PALLET_POISON_BUFFERS")
+enable_debug_checks = _Switch("enable_debug_checks", "PALLET_DEBUG_CHECKS",
+                              "pl.debug_check raises at run time (pallet)")
+enable_poison_buffers = _Switch("enable_poison_buffers", "PALLET_POISON_BUFFERS",
+                                "uninitialised kernel memory is filled with NaN/int-min (pallet)")
 
 
 def debug_checks_enabled() -> bool:
