@@ -88,6 +88,21 @@ def test_dma_semaphore_counts_elements_of_every_copy():
   assert_close(out, x[pages])
 
 
+def test_none_scratch_entries_reach_the_kernel_as_none():
+  """paged_attention passes None for the scale buffers of unquantized pages."""
+  x = random_array((8, 8))
+
+  def kernel(x_hbm, o_ref, buf, scales, sem):
+    assert scales is None
+    pltpu.sync_copy(x_hbm, buf)
+    o_ref[...] = buf[...] - 1.0
+
+  out = pallas_call(kernel, sds(x), in_specs=[ANY],
+                    scratch_shapes=[pltpu.VMEM((8, 8), x.dtype), None,
+                                    pltpu.SemaphoreType.DMA])(x)
+  assert_close(out, x - 1.0)
+
+
 def test_double_buffering_across_grid_steps():
   """Step i waits for the block step i-1 started (slot i % 2) and prefetches block i+1."""
   n, block = 6, 8

@@ -122,8 +122,11 @@ def _launch(kernel, name, args, out_shape, grid, dynamic_sizes, in_specs, out_sp
                       f"needs static grid sizes (the default XLA backend runs such grids)")
   flat_out_shapes, out_tree = jax.tree_util.tree_flatten(out_shape)
   out_avals = [_as_aval(o, f"out_shape[{i}]", name) for i, o in enumerate(flat_out_shapes)]
+  # Scratch shapes may be pytrees; None entries are empty (the kernel gets None there).
+  flat_scratch = jax.tree_util.tree_leaves(
+      tuple(scratch_shapes), is_leaf=lambda x: isinstance(x, specs_lib.ScratchShape))
   scratch_avals = tuple(_as_aval(s, f"scratch_shapes[{i}]", name)
-                        for i, s in enumerate(scratch_shapes))
+                        for i, s in enumerate(flat_scratch))
 
   # The kernel sees (*prefetch refs, *input refs, *output refs, *scratch refs), with
   # pytree inputs and outputs handed over as pytrees of refs.
