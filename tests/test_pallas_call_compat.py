@@ -225,3 +225,37 @@ def test_element_padding_offsets_count_in_the_padded_array():
   xp = jnp.pad(x, ((2, 3), (0, 0)))
   expected = jnp.stack([xp[3 * r:3 * r + 5].sum(0) for r in range(4)])
   assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------ BoundedSlice
+def test_bounded_slice_blocks_start_at_the_slice_start():
+  # Ragged rows: program g reads rows starts[g] : starts[g] + sizes[g] (sizes <= 4)
+  # through a BoundedSlice(4) window and sums the valid ones.
+  x = random_array((12, 8))
+  starts = jnp.array([0, 3, 5, 8], jnp.int32)
+  sizes = jnp.array([3, 2, 3, 4], jnp.int32)
+
+  def kernel(starts_ref, sizes_ref, x_ref, o_ref):
+    g = pl.program_id(0)
+    valid = lax.broadcasted_iota(jnp.int32, (4, 8), 0) < sizes_ref[g]
+    o_ref[...] = jnp.sum(jnp.where(valid, x_ref[...], 0.0), axis=0, keepdims=True)
+
+  spec = pl.BlockSpec((pl.BoundedSlice(4), 8),
+                      lambda g, st, sz: (pl.ds(st[g], sz[g]), 0))
+  out = pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((4, 8), f32),
+                    grid_spec=pltpu.PrefetchScalarGridSpec(
+                        num_scalar_prefetch=2, grid=(4,), in_specs=[spec],
+                        out_specs=pl.BlockSpec((1, 8), lambda g, st, sz: (g, 0))))(
+                            starts, sizes, x)
+  expected = jnp.stack([x[s:s + n].sum(0) for s, n in zip([0, 3, 5, 8], [3, 2, 3, 4])])
+  assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_bounded_slice_errors():
+  x = random_array((8,))
+  with pytest.raises(pl.PalletError, match="in_specs\\[0\\].*BoundedSlice dimension takes pl.ds"):
+    pallas_call(lambda x_ref, o_ref: None, out_shape=sds(x), grid=(2,),
+                in_specs=[pl.BlockSpec((pl.BoundedSlice(4),), lambda i: (i,))])(x)
+  with pytest.raises(pl.PalletError, match="out_specs\\[0\\].*inputs only"):
+    pallas_call(lambda x_ref, o_ref: None, out_shape=sds(x), grid=(2,),
+                out_specs=pl.BlockSpec((pl.BoundedSlice(4),), lambda i: (pl.ds(i, 4),)))(x)

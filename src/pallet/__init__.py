@@ -5,7 +5,7 @@
 from pallet.specs import (ANY, BlockSpec, Blocked, Buffered, CompilerParams, CostEstimate,
                           Element, GridSpec, MemorySpace, ScratchShape, Squeezed,
                           no_block_spec, squeezed)
-from pallet.specs import HOST, BlockDim, Indirect, MemoryRef, RevisitMode, semaphore
+from pallet.specs import HOST, BlockDim, BoundedSlice, Indirect, MemoryRef, RevisitMode, semaphore
 from pallet.grid_mapping import PalletError
 from pallet.primitives import (Slice, atomic_add, atomic_and, atomic_cas, atomic_max,
                                atomic_min, atomic_or, atomic_xchg, atomic_xor,

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallet import specs as specs_lib
-from pallet._internals import AbstractRef, is_tracer
+from pallet._internals import AbstractRef, Slice, is_tracer
 
 
 class PalletError(ValueError):
@@ -124,13 +124,18 @@ def _block_dimension(d: Any, where: str) -> BlockDimension:
                           tuple(int(p) for p in d.padding))
   if isinstance(d, specs_lib.Blocked):
     return BlockDimension("blocked", _static_int(d.block_size, where))
+  if isinstance(d, specs_lib.BoundedSlice):
+    # The index map's pl.ds(start, size) gives the element offset `start` (see
+    # trace_index_map); elements past `size` are unspecified, as Element overhang is.
+    return BlockDimension("element", _static_int(d.block_size, where))
   return BlockDimension("blocked", _static_int(d, where))
 
 
 def _static_int(x: Any, where: str) -> int:
   if isinstance(x, bool) or not isinstance(x, (numbers.Integral, np.integer)):
     raise PalletError(f"{where}: block_shape entries must be static ints, None, "
-                      f"pl.Squeezed(), pl.Element(n) or pl.Blocked(n); got {x!r} "
+                      f"pl.Squeezed(), pl.Element(n), pl.Blocked(n) or "
+                      f"pl.BoundedSlice(n); got {x!r} "
                       f"of type {type(x).__name__}")
   if x <= 0:
     raise PalletError(f"{where}: block sizes must be positive, got {x}")
@@ -200,11 +205,14 @@ def kernel_parameter_names(kernel: Callable) -> list[str] | None:
 
 def trace_index_map(index_map: Callable | None, grid: tuple[int | None, ...],
                     prefetch_avals: Sequence[jax.core.ShapedArray],
-                    ndim: int, where: str, prefetch_tree: Any = None) -> Any:
+                    ndim: int, where: str, prefetch_tree: Any = None,
+                    slice_dims: frozenset[int] = frozenset()) -> Any:
   """Traces an index map to a jaxpr returning `ndim` int32 scalars.
 
   The jaxpr takes the flat prefetch refs; `prefetch_tree` re-nests them as the
-  scalar-prefetch operands were passed (e.g. a tuple of arrays as one operand)."""
+  scalar-prefetch operands were passed (e.g. a tuple of arrays as one operand).
+  For `slice_dims` (pl.BoundedSlice) the index map returns `pl.ds(start, size)`;
+  the jaxpr returns `start`."""
   if prefetch_tree is None:
     prefetch_tree = jax.tree_util.tree_structure((0,) * len(prefetch_avals))
   n_prefetch = len(prefetch_tree.children())   # scalar-prefetch operands, as passed
@@ -227,6 +235,12 @@ def trace_index_map(index_map: Callable | None, grid: tuple[int | None, ...],
                         f"but the array has rank {ndim}")
     result = []
     for i, o in enumerate(out):
+      if (i in slice_dims) != isinstance(o, Slice):
+        raise PalletError(f"{where}: index_map result {i} is {o!r}; a pl.BoundedSlice "
+                          f"dimension takes pl.ds(start, size) and only such a dimension "
+                          f"does")
+      if isinstance(o, Slice):
+        o = o.start
       o = jnp.asarray(o)
       if o.shape != () or not jnp.issubdtype(o.dtype, jnp.integer):
         raise PalletError(f"{where}: index_map result {i} must be an integer scalar, got "
@@ -241,7 +255,7 @@ def trace_index_map(index_map: Callable | None, grid: tuple[int | None, ...],
 
 def block_mapping(spec: Any, aval: jax.core.ShapedArray, origin: str,
                   grid: tuple[int | None, ...], prefetch_avals: Sequence[jax.core.ShapedArray],
-                  where: str, prefetch_tree: Any = None) -> BlockMapping:
+                  where: str, prefetch_tree: Any = None, output: bool = False) -> BlockMapping:
   """Resolves one operand's spec against its shape."""
   shape = tuple(aval.shape)
   if spec is None or spec is specs_lib.no_block_spec:
@@ -266,8 +280,14 @@ def block_mapping(spec: Any, aval: jax.core.ShapedArray, origin: str,
                         f"{len(block_shape)} but the array has shape {shape} "
                         f"(rank {len(shape)})")
     dims = tuple(_block_dimension(d, where) for d in block_shape)
+  slice_dims = frozenset(d for d, b in enumerate(() if whole else block_shape)
+                         if isinstance(b, specs_lib.BoundedSlice))
+  if slice_dims and output:
+    raise PalletError(f"{where}: pl.BoundedSlice is supported for inputs only (an output "
+                      f"block would write back its unspecified tail); use pl.Element and "
+                      f"a masked store instead")
   jaxpr = trace_index_map(spec.index_map, grid, prefetch_avals, len(shape), where,
-                          prefetch_tree)
+                          prefetch_tree, slice_dims)
   return BlockMapping(origin=origin, array_shape=shape, dtype=aval.dtype, dims=dims,
                       index_map=jaxpr, memory_space=memory_space, whole=whole)
 

@@ -188,7 +188,7 @@ def _grid_mapping(kernel, name, args, out_shape, grid, in_specs, out_specs, in_a
       gm_lib.block_mapping(s, a, origin("output", i, n_pre + len(in_avals)), grid,
                            prefetch_avals,
                            where("output", i, n_pre + len(in_avals), f"out_specs[{i}]"),
-                           prefetch_tree)
+                           prefetch_tree, output=True)
       for i, (s, a) in enumerate(zip(out_spec_list, out_avals)))
   return GridMapping(grid=grid, inputs=inputs, outputs=outputs,
                      scratch_avals=scratch_avals, prefetch_avals=prefetch_avals,

@@ -119,7 +119,18 @@ class Indirect:
     return f"Indirect({self.block_size})"
 
 
-BlockDim = int | None | Squeezed | Element | Blocked | Indirect
+@dataclasses.dataclass(frozen=True)
+class BoundedSlice:
+  """A block dimension of `block_size` whose index_map entry is `pl.ds(start, size)`
+  with `size <= block_size` (both may be traced): the block starts at element `start`;
+  elements from `size` on are unspecified. Inputs only in pallet."""
+  block_size: int
+
+  def __repr__(self) -> str:
+    return f"BoundedSlice({self.block_size})"
+
+
+BlockDim = int | None | Squeezed | Element | Blocked | Indirect | BoundedSlice
 
 
 class _NoBlockSpec:
