@@ -6,6 +6,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax import lax
 
@@ -475,3 +476,103 @@ def test_element_blocks_that_tile_are_sliced_not_gathered():
   plan = _plan(fn, x)
   assert plan.vectorized == [0] and not plan.inputs[0].gathered
   assert_close(fn(x), x - 1.0)
+
+
+# ------------------------------------------------------------------ element padding
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_element_padding_offsets_count_in_the_padded_array(prefetch):
+  # Windows of 6 around each 4-element output block, offsets counted in x padded by
+  # (2, 0): offset 4*i of the padded array is element 4*i - 2 of x. The padding is
+  # unspecified, so the kernel masks positions outside x.
+  n = 32
+  def kernel(*refs):
+    x_ref, o_ref = refs[-2:]
+    pos = pl.program_id(0) * 4 - 2 + jnp.arange(6)
+    w = jnp.where(pos >= 0, x_ref[...], 0.0)
+    o_ref[...] = w[:4] + w[2:]
+  x = random_array((n,))
+  dims = (pl.Element(6, padding=(2, 0)),)
+  out_spec = pl.BlockSpec((4,), lambda i, *_: (i,))
+  if prefetch:
+    fn = lambda x: pl.pallas_call(
+        kernel, out_shape=sds(x),
+        grid_spec=pl.GridSpec(grid=(n // 4,), num_scalar_prefetch=1, out_specs=out_spec,
+                              in_specs=[pl.BlockSpec(dims, lambda i, s: (s[0] * i,))]))(
+                                  jnp.array([4], jnp.int32), x)
+  else:
+    fn = lambda x: pl.pallas_call(kernel, out_shape=sds(x), grid=(n // 4,), out_specs=out_spec,
+                                  in_specs=[pl.BlockSpec(dims, lambda i: (4 * i,))])(x)
+  xp = jnp.pad(x, (2, 0))
+  assert_close(fn(x), xp[:n] + xp[2:n + 2])
+
+
+# ------------------------------------------------------------------ bodies vmap cannot batch
+def test_threefry_kernel_loops_instead_of_failing_under_vmap():
+  from jax._src.random import threefry2x32 as threefry  # the primitive the TPU kernels bind
+  def kernel(key_ref, o_ref):
+    i, j = pl.program_id(0), pl.program_id(1)
+    counts = ((i * 8 + lax.broadcasted_iota(jnp.uint32, (8, 128), 0)) * 256
+              + j * 128 + lax.broadcasted_iota(jnp.uint32, (8, 128), 1)).astype(jnp.uint32)
+    k1 = jnp.reshape(key_ref[0, 0], (1, 1))
+    k2 = jnp.reshape(key_ref[0, 1], (1, 1))
+    a, b = threefry.threefry2x32_p.bind(k1, k2, jnp.zeros_like(counts), counts)
+    o_ref[...] = a ^ b
+  key = jnp.array([[5, 11]], jnp.uint32)
+  fn = lambda key: pl.pallas_call(
+      kernel, out_shape=jax.ShapeDtypeStruct((16, 256), jnp.uint32), grid=(2, 2),
+      in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+      out_specs=pl.BlockSpec((8, 128), lambda i, j: (i, j)))(key)
+  plan = _plan(fn, key)
+  assert plan.vectorized == [] and plan.outer == [0, 1]
+  assert "threefry2x32" in plan.describe() and "vmap" in plan.describe()
+  counts = jnp.arange(16 * 256, dtype=jnp.uint32).reshape(16, 256)
+  a, b = threefry.threefry2x32_p.bind(jnp.full(counts.shape, 5, jnp.uint32),
+                                      jnp.full(counts.shape, 11, jnp.uint32),
+                                      jnp.zeros_like(counts), counts)
+  np.testing.assert_array_equal(np.asarray(fn(key)), np.asarray(a ^ b))
+
+
+def _unbatchable_primitive():
+  """A primitive with an implementation and a lowering but no batching rule."""
+  from jax.extend.core import Primitive
+  from jax.interpreters import mlir
+  p = Primitive("pallet_test_no_batching")
+  p.def_impl(lambda x: x * 3.0)
+  p.def_abstract_eval(lambda x: jax.core.ShapedArray(x.shape, x.dtype))
+  mlir.register_lowering(p, mlir.lower_fun(lambda x: x * 3.0, multiple_results=False))
+  return p
+
+
+def test_primitive_without_batching_rule_makes_the_plan_loop(capsys):
+  p = _unbatchable_primitive()
+  def kernel(x_ref, o_ref):
+    o_ref[...] = p.bind(x_ref[...]) + 1.0
+  x = random_array((32, 16))
+  spec = pl.BlockSpec((8, 16), lambda i: (i, 0))
+  fn = lambda x: pl.pallas_call(kernel, out_shape=sds(x), grid=(4,), in_specs=[spec],
+                                out_specs=spec, debug=True)(x)
+  plan = _plan(fn, x)
+  assert plan.vectorized == [] and plan.outer == [0]
+  assert "does not run under vmap" in capsys.readouterr().out
+  assert_close(fn(x), x * 3.0 + 1.0)
+
+
+# ------------------------------------------------------------------ DMAs and semaphores
+def test_kernels_with_dmas_run_in_grid_order():
+  from pallet import tpu as pltpu
+  def kernel(x_hbm, o_ref, buf, sem):
+    i = pl.program_id(0)
+    copy = pltpu.make_async_copy(x_hbm.at[pl.ds(i * 8, 8)], buf, sem)
+    copy.start()
+    copy.wait()
+    o_ref[...] = buf[...] * 2.0
+  x = random_array((32, 16))
+  fn = lambda x: pl.pallas_call(
+      kernel, out_shape=sds(x), grid=(4,),
+      in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+      out_specs=pl.BlockSpec((8, 16), lambda i: (i, 0)),
+      scratch_shapes=[pltpu.VMEM((8, 16), f32), pltpu.SemaphoreType.DMA],
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)))(x)
+  plan = _plan(fn, x)
+  assert plan.vectorized == [] and "DMA" in plan.describe()
+  assert_close(fn(x), x * 2.0)

@@ -19,14 +19,15 @@ import numpy as np
 from jax import lax
 
 from pallet import _internals as internals
-from pallet.backends.xla.plan import ExecutionPlan, OperandPlan, make_plan
+from pallet.backends.xla.plan import ExecutionPlan, OperandPlan, element_scale, make_plan
 from pallet.tracing import KernelDescription
 
 Body = Callable[..., tuple[list[Any], list[Any]]]
 
 
 def discharged_body(kernel: KernelDescription) -> Body:
-  """`body(ids, prefetch, ins, outs, scratch) -> (outs, scratch)`, a pure function."""
+  """`body(ids, prefetch, ins, outs, scratch) -> (outs, scratch)`, a pure function;
+  `ids` holds the grid indices, then the traced grid sizes if any."""
   gm = kernel.grid_mapping
   n_pre, n_in, n_out = len(gm.prefetch_avals), len(gm.inputs), len(gm.outputs)
   pure = internals.discharge_state(kernel.jaxpr)
@@ -140,7 +141,11 @@ class _Slab:
 class _Starts:
   """Element offsets of an operand's slab for each (outer, inner) loop step."""
 
-  def __init__(self, op: OperandPlan, plan: ExecutionPlan, runtime_table: Any = None):
+  def __init__(self, op: OperandPlan, plan: ExecutionPlan, runtime_table: Any = None,
+               per_step: Callable | None = None):
+    self.per_step = per_step
+    if per_step is not None:   # traced grid sizes: index maps run at every step
+      return
     self.n_outer = math.prod(plan.loop_size(g) for g in plan.outer)
     self.n_inner = math.prod(plan.loop_size(g) for g in plan.inner)
     if runtime_table is not None:
@@ -162,7 +167,9 @@ class _Starts:
     self.static = tuple(int(v) for v in flat[0]) if len(flat) and np.all(flat == flat[0]) else None
     self.table = jnp.asarray(t, jnp.int32)
 
-  def at(self, s: Any, r: Any) -> Any:
+  def at(self, s: Any, r: Any, ids: Sequence[Any] = ()) -> Any:
+    if self.per_step is not None:
+      return self.per_step(*ids)
     if self.static is not None:
       return self.static
     row = self.table[s, r]
@@ -197,22 +204,27 @@ def _unravel(flat: Any, axes: Sequence[int], sizes: Sequence[int]) -> dict[int, 
   return ids
 
 
+def _start_fn(op: OperandPlan, prefetch: Sequence[Any]) -> Callable:
+  """`ids -> (ndim,) int32` element starts in the padded array, index map run on data."""
+  m = op.mapping
+  pure = internals.discharge_state(m.index_map)
+  ndim = len(m.array_shape)
+  factor, shift = element_scale(m)
+  offset = np.array([lo for lo, _ in op.pad], np.int64) - shift
+
+  def starts(*ids):
+    if not ndim:
+      return jnp.zeros((0,), jnp.int32)
+    idx = jnp.stack(jax.core.eval_jaxpr(pure.jaxpr, pure.consts, *ids, *prefetch)[:ndim])
+    return idx * jnp.asarray(factor, jnp.int32) + jnp.asarray(offset, jnp.int32)
+  return starts
+
+
 def _runtime_tables(plan: ExecutionPlan, prefetch: Sequence[Any]) -> list[Any]:
   """Index maps evaluated on data (scalar prefetch): one (steps, ndim) table each."""
   coords = np.indices(plan.grid).reshape(len(plan.grid), math.prod(plan.grid)).astype(np.int32)
-  tables = []
-  for op in (*plan.inputs, *plan.outputs):
-    m = op.mapping
-    pure = internals.discharge_state(m.index_map)
-    ndim = len(m.array_shape)
-    fn = lambda *ids: jnp.stack(
-        jax.core.eval_jaxpr(pure.jaxpr, pure.consts, *ids, *prefetch)[:ndim]) \
-        if ndim else jnp.zeros((0,), jnp.int32)
-    idx = jax.vmap(fn)(*[jnp.asarray(c) for c in coords])
-    sizes = jnp.array([1 if d.kind == "element" else d.size for d in m.dims], jnp.int32)
-    pads = jnp.array([lo for lo, _ in op.pad], jnp.int32)
-    tables.append(idx * sizes + pads)
-  return tables
+  return [jax.vmap(_start_fn(op, prefetch))(*[jnp.asarray(c) for c in coords])
+          for op in (*plan.inputs, *plan.outputs)]
 
 
 # ------------------------------------------------------------------ vectorized body
@@ -228,7 +240,7 @@ def _vectorized_body(body: Body, plan: ExecutionPlan, in_slabs: list[_Slab],
 
   def point(vids, base, prefetch, ins, outs, scratch):
     ids = [base[g] + vids[V.index(g)] if g in V else base[g] for g in range(G)]
-    return body(ids, prefetch, ins, outs, scratch)
+    return body(ids + list(base[G:]), prefetch, ins, outs, scratch)
 
   fn = point
   for level in reversed(range(len(V))):
@@ -256,30 +268,39 @@ def build(kernel: KernelDescription, plan: ExecutionPlan | None = None) -> Calla
   gm = kernel.grid_mapping
   body = discharged_body(kernel)
   grid = plan.grid
-  n_pre = len(gm.prefetch_avals)
+  n_dyn, n_pre = len(gm.dynamic_axes), len(gm.prefetch_avals)
   aliases = dict((o, i) for i, o in kernel.input_output_aliases)
   in_slabs = [_Slab(op, plan) for op in plan.inputs]
   out_slabs = [_Slab(op, plan) for op in plan.outputs]
   vbody = _vectorized_body(body, plan, in_slabs, len(plan.outputs), len(gm.scratch_avals))
   parallel_chunks = tuple(plan.chunk[g] for g in plan.vectorized if g not in plan.summed)
-  outer_sizes = [plan.loop_size(g) for g in plan.outer]
-  inner_sizes = [plan.loop_size(g) for g in plan.inner]
-  n_outer, n_inner = math.prod(outer_sizes), math.prod(inner_sizes)
+  out_shapes = [tuple(plan.chunk[g] for g in plan.summed) + sl.batch_first_shape(plan)
+                for sl in out_slabs]
 
   def run(*args):
+    sizes, args = list(args[:n_dyn]), args[n_dyn:]
     prefetch, inputs = list(args[:n_pre]), list(args[n_pre:])
+    # traced sizes: plans for them loop every axis (chunk 1), in the order of `inner`
+    loop_size = lambda g: sizes[gm.dynamic_axes.index(g)] if grid[g] is None else plan.loop_size(g)
+    outer_sizes = [loop_size(g) for g in plan.outer]
+    inner_sizes = [loop_size(g) for g in plan.inner]
+    n_outer, n_inner = math.prod(outer_sizes), math.prod(inner_sizes)
     bufs = []
     for o, op in enumerate(plan.outputs):
       m = op.mapping
       init = inputs[aliases[o]] if o in aliases else jnp.zeros(m.array_shape, m.dtype)
       bufs.append(_pad(init, op))
-    if math.prod(grid) == 0:
+    if 0 in grid:
       return _unpad(bufs, plan)
-    runtime = _runtime_tables(plan, prefetch) if n_pre else None
-    in_starts = [_Starts(op, plan, runtime[i] if runtime else None)
-                 for i, op in enumerate(plan.inputs)]
-    out_starts = [_Starts(op, plan, runtime[len(inputs) + i] if runtime else None)
-                  for i, op in enumerate(plan.outputs)]
+    if n_dyn:
+      in_starts = [_Starts(op, plan, per_step=_start_fn(op, prefetch)) for op in plan.inputs]
+      out_starts = [_Starts(op, plan, per_step=_start_fn(op, prefetch)) for op in plan.outputs]
+    else:
+      runtime = _runtime_tables(plan, prefetch) if n_pre else None
+      in_starts = [_Starts(op, plan, runtime[i] if runtime else None)
+                   for i, op in enumerate(plan.inputs)]
+      out_starts = [_Starts(op, plan, runtime[len(inputs) + i] if runtime else None)
+                    for i, op in enumerate(plan.outputs)]
     padded_in = [_pad(x, op) for x, op in zip(inputs, plan.inputs)]
     scratch = [jnp.zeros(parallel_chunks + a.shape, a.dtype) for a in gm.scratch_avals]
 
@@ -288,15 +309,22 @@ def build(kernel: KernelDescription, plan: ExecutionPlan | None = None) -> Calla
       return [loop[g] * plan.chunk.get(g, 1) if g in loop else 0 for g in range(len(grid))]
 
     def step(s, r, outs, scratch):
-      ins = [sl.cut(x, st.at(s, r)) for x, sl, st in zip(padded_in, in_slabs, in_starts)]
-      return vbody(base_ids(s, r), prefetch, ins, outs, scratch)
+      ids = base_ids(s, r)
+      ins = [sl.cut(x, st.at(s, r, ids)) for x, sl, st in zip(padded_in, in_slabs, in_starts)]
+      results, scratch = vbody(ids + sizes, prefetch, ins, outs, scratch)
+      for x, shape in zip(results, out_shapes):
+        if x.shape != shape:   # a batching rule gave wrong shapes: the plan must loop
+          raise TypeError(f"vectorized body gave a block of shape {x.shape}, expected {shape}")
+      return results, scratch
 
     def load(bufs, s, r):
-      return [sl.batch_first(sl.cut(b, st.at(s, r)))
+      ids = base_ids(s, r) if n_dyn else ()
+      return [sl.batch_first(sl.cut(b, st.at(s, r, ids)))
               for b, sl, st in zip(bufs, out_slabs, out_starts)]
 
     def store(bufs, slabs, s, r):
-      return [sl.merge(b, x, st.at(s, r))
+      ids = base_ids(s, r) if n_dyn else ()
+      return [sl.merge(b, x, st.at(s, r, ids))
               for b, x, sl, st in zip(bufs, slabs, out_slabs, out_starts)]
 
     def outer_step(s, carry):
@@ -334,9 +362,10 @@ def _pad(x: jax.Array, op: OperandPlan) -> jax.Array:
   return jnp.pad(x, op.pad) if any(p != (0, 0) for p in op.pad) else x
 
 
-def _loop(n: int, step: Callable, carry: Any) -> Any:
+def _loop(n: Any, step: Callable, carry: Any) -> Any:
+  """`step` over range(n); n may be traced (a grid size computed at run time)."""
   as_tuple = lambda c: tuple(c) if isinstance(c, (list, tuple)) else c
-  if n == 1:
+  if isinstance(n, int) and n == 1:
     return as_tuple(step(jnp.int32(0), carry))
   return lax.fori_loop(0, n, lambda i, c: as_tuple(step(i, c)), as_tuple(carry))
 

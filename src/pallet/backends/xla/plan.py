@@ -25,7 +25,11 @@ a table of block positions. From the tables and `body_analysis`:
   not move along it;
 * chunks: when vectorizing a whole axis would create intermediates far larger
   than the kernel's operands, only a divisor of it is vectorized and the rest
-  looped, so memory stays a small multiple of the operands' size.
+  looped, so memory stays a small multiple of the operands' size;
+* everything looped: grid sizes computed at run time (one loop with a traced
+  trip count, index maps run per step), scalar prefetch, DMAs/semaphores (exact
+  grid order), and bodies that do not run under vmap (a primitive without a
+  working batching rule, found by a trial, or known to mis-batch).
 """
 from __future__ import annotations
 
@@ -46,6 +50,11 @@ from pallet.grid_mapping import BlockMapping, GridMapping
 from pallet.tracing import KernelDescription
 
 _SIDE_EFFECT_PRIMITIVES = ("atomic_rmw", "atomic_cas")
+# Primitives whose batching rule is known to give wrong shapes for the operands
+# kernels give them (found only when lowering, too late to re-plan): their kernels
+# never run under vmap. threefry2x32's broadcasting rule mis-shapes its result when
+# unbatched (1, 1) keys meet a batched block of counts.
+KNOWN_UNBATCHABLE = ("threefry2x32",)
 # Vectorized programs may together create at most this many times the bytes of
 # the kernel's operands (but always this floor), before axes are chunked.
 MEMORY_MULTIPLE = 4
@@ -78,9 +87,9 @@ class ExecutionPlan:
   keep_initial: list[bool]   # summed plans: output starts from its initial value (no reset)
   reasons: list[str]
 
-  def loop_size(self, g: int) -> int:
-    """Iterations axis `g` contributes to the loop it belongs to."""
-    return self.grid[g] // self.chunk.get(g, 1)
+  def loop_size(self, g: int) -> int | None:
+    """Iterations axis `g` contributes to the loop it belongs to (None: traced)."""
+    return None if self.grid[g] is None else self.grid[g] // self.chunk.get(g, 1)
 
   def describe(self) -> str:
     chunked = {g: b for g, b in self.chunk.items() if b != self.grid[g]}
@@ -111,9 +120,18 @@ def _index_table(mapping: BlockMapping, grid: tuple[int, ...]) -> np.ndarray:
   return np.stack(outs, -1).reshape(*grid, ndim)
 
 
+def element_scale(mapping: BlockMapping) -> tuple[np.ndarray, np.ndarray]:
+  """(factor, shift) turning index-map results into element offsets of the unpadded
+  array: block index * block size, or an Element offset, which counts in the array
+  padded by `Element(n, padding=(lo, hi))` (as in Pallas), minus lo."""
+  factor = np.array([1 if d.kind == "element" else d.size for d in mapping.dims], np.int64)
+  shift = np.array([d.padding[0] if d.kind == "element" else 0 for d in mapping.dims], np.int64)
+  return factor, shift
+
+
 def _element_starts(mapping: BlockMapping, table: np.ndarray) -> np.ndarray:
-  sizes = np.array([1 if d.kind == "element" else d.size for d in mapping.dims], np.int64)
-  return table * sizes
+  factor, shift = element_scale(mapping)
+  return table * factor - shift
 
 
 def _padding(mapping: BlockMapping, starts: np.ndarray | None) -> tuple[tuple[int, int], ...]:
@@ -121,7 +139,8 @@ def _padding(mapping: BlockMapping, starts: np.ndarray | None) -> tuple[tuple[in
   pads = []
   for d, (n, dim) in enumerate(zip(mapping.array_shape, mapping.dims)):
     if starts is None or starts.size == 0:
-      # Data-dependent block positions: allow a last partial block and Element padding.
+      # Data-dependent block positions: allow a last partial block and Element padding
+      # (an offset in [0, n + lo + hi - size] of the padded array starts at offset - lo).
       lo = dim.padding[0] if dim.kind == "element" else 0
       hi = (-n) % dim.size if dim.kind != "element" else max(dim.padding[1], dim.size)
       pads.append((lo, hi))
@@ -191,11 +210,14 @@ def _uses_primitive(jaxpr: Any, names: tuple[str, ...]) -> bool:
 
 
 # ------------------------------------------------------------------ the planner
-def make_plan(kernel: KernelDescription) -> ExecutionPlan:
-  """Decides, per grid axis, how the kernel runs on XLA (see the module docstring)."""
+def make_plan(kernel: KernelDescription, unbatchable: str | None = None) -> ExecutionPlan:
+  """Decides, per grid axis, how the kernel runs on XLA (see the module docstring).
+
+  `unbatchable` says why the body cannot run under vmap (found by a trial, see
+  `vectorization_failure`): then no axis is vectorized, summed or merged."""
   gm: GridMapping = kernel.grid_mapping
   grid, G = gm.grid, len(gm.grid)
-  dynamic = bool(gm.prefetch_avals)
+  dynamic = bool(gm.prefetch_avals) or bool(gm.dynamic_axes)
   reasons: list[str] = []
 
   def operand(mapping: BlockMapping) -> OperandPlan:
@@ -212,6 +234,10 @@ def make_plan(kernel: KernelDescription) -> ExecutionPlan:
     return ExecutionPlan(grid, [], {}, [], [], [], order, inputs, outputs, resident,
                          [True] * len(outputs), reasons)
 
+  if gm.dynamic_axes:
+    reasons.append(f"axes {list(gm.dynamic_axes)} have sizes computed at run time: the grid "
+                   f"runs as one loop with a traced trip count, index maps evaluated per step")
+    return looped(list(range(G)), resident=False)
   if dynamic:
     reasons.append("index maps read scalar-prefetch operands: block positions are data, "
                    "every axis runs as a loop")
@@ -236,6 +262,15 @@ def make_plan(kernel: KernelDescription) -> ExecutionPlan:
     reasons.append("kernel has scratch or atomics and a sequential axis precedes a "
                    "parallel one: running the grid in exact row-major order")
     return looped(list(range(G)), _resident(outputs, list(range(G))))
+
+  known = [p for p in KNOWN_UNBATCHABLE if _uses_primitive(kernel.jaxpr.jaxpr, (p,))]
+  if unbatchable is None and known and G:
+    unbatchable = (f"the kernel uses {', '.join(known)}, whose batching rule gives wrong "
+                   f"shapes for kernel operands, so the body never runs under vmap")
+  if unbatchable is not None:
+    reasons.append(f"axes {parallel} looped: {unbatchable}")
+    return ExecutionPlan(grid, [], {}, [], [], parallel, sequential, inputs, outputs,
+                         _resident(outputs, sequential), [True] * len(outputs), reasons)
 
   facts = analyse_body(kernel)
   vectorized = []
@@ -271,6 +306,13 @@ def make_plan(kernel: KernelDescription) -> ExecutionPlan:
   inner = [g for g in sequential if g not in summed + merged or chunk[g] < grid[g]]
   return ExecutionPlan(grid, summed + vectorized, chunk, summed, merged, outer, inner, inputs,
                        outputs, _resident(outputs, inner), keep_initial, reasons)
+
+
+def vectorization_failure(error: Exception) -> str:
+  """Why the body failed under vmap, for the plan description."""
+  first_line = (str(error).strip().splitlines() or [""])[0][:200]
+  return (f"the kernel body does not run under vmap (a primitive in it has no working "
+          f"batching rule; {type(error).__name__}: {first_line})")
 
 
 def _record_tiling(ops: list[OperandPlan], g: int, tiled: dict[int, int]) -> None:
