@@ -70,6 +70,23 @@ def test_loop_with_traced_bounds_and_carry():
   assert_close(out, jnp.full((4,), jnp.sum(x[:11])), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("lower, upper, step", [(0, 8, 3), (7, -1, -2), (5, 2, 1)])
+def test_loop_with_traced_bounds_and_steps(lower, upper, step):
+  def kernel(b_ref, x_ref, o_ref):
+    o_ref[...] = jnp.zeros_like(o_ref)
+
+    @pl.loop(b_ref[0], b_ref[1], step=b_ref[2])
+    def _(i):
+      o_ref[i] = x_ref[i] + 1
+
+  x = random_array((8,))
+  expected = np.zeros(8, np.float32)
+  for i in range(lower, upper, step):
+    expected[i] = np.asarray(x)[i] + 1
+  bounds = jnp.array([lower, upper, step], jnp.int32)
+  assert_close(pallas_call(kernel, out_shape=sds(x))(bounds, x), jnp.asarray(expected))
+
+
 def test_loop_rejects_zero_step():
   with pytest.raises(ValueError, match="step"):
     pl.loop(0, 4, step=0)

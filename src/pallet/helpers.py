@@ -109,7 +109,8 @@ def loop(lower: Any, upper: Any, *, init_carry: Any = None, step: Any = 1,
     lower, upper, step = (lax.convert_element_type(v, index_type)
                           for v in (lower, upper, step))
     zero = jnp.zeros((), index_type)
-    trip_count = lax.max(zero, primitives.cdiv(upper - lower, step))
+    # ceil((upper - lower) / step) for either sign of step, with floor division
+    trip_count = lax.max(zero, -((lower - upper) // step))
 
   def decorator(body: Callable[..., Any]) -> Any:
     if init_carry is None:
