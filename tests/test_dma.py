@@ -50,6 +50,26 @@ def test_copies_into_an_any_output_and_add():
   assert_close(out, jnp.concatenate([y[8:], x[8:] + y[:8]]))
 
 
+def test_source_semaphore_counts_the_read():
+  x = random_array((8, 8))
+
+  def kernel(x_hbm, o_hbm, seen, sems):
+    copy = pltpu.make_async_copy(x_hbm, o_hbm, sems.at[0], src_sem=sems.at[1])
+    copy.start()
+    seen[0] = pl.semaphore_read(sems.at[1])
+    copy.wait_send()
+    seen[1] = pl.semaphore_read(sems.at[1])
+    copy.wait_recv()
+    pltpu.make_async_copy(x_hbm, o_hbm).start()   # no semaphore: nothing to wait on
+
+  out, seen = pallas_call(
+      kernel, (sds(x), jax.ShapeDtypeStruct((2,), jnp.int32)), in_specs=[ANY],
+      out_specs=(ANY, pl.BlockSpec(memory_space=pltpu.SMEM)),
+      scratch_shapes=[pltpu.SemaphoreType.DMA((2,))])(x)
+  assert_close(out, x)
+  np.testing.assert_array_equal(seen, [64, 0])
+
+
 def test_semaphores_count():
   inc = random_array((3,), jnp.int32, low=1, high=9)
 
@@ -219,6 +239,15 @@ def test_unsatisfiable_semaphore_wait_is_an_error():
 
   _run_expecting_error(over_waits, [pltpu.SemaphoreType.REGULAR],
                        ["semaphore_wait", "over_waits", "never finish"])
+
+
+def test_waiting_on_a_copy_without_semaphore_is_a_clear_error():
+  def no_sem(x_hbm, o_hbm):
+    pltpu.make_async_copy(x_hbm, o_hbm).wait()
+
+  with pytest.raises(pl.PalletError, match=r"wait_recv\(\) in kernel 'no_sem'.*no semaphore"):
+    pallas_call(no_sem, jax.ShapeDtypeStruct((8, 8), jnp.float32), in_specs=[ANY],
+                out_specs=ANY)(random_array((8, 8)))
 
 
 def test_copy_shape_mismatch_is_a_clear_error():

@@ -78,8 +78,12 @@ def _view_aval(ref_aval: Any, transforms: Any) -> Any:
 
 
 def _is_ref(x: Any) -> bool:
-  return isinstance(getattr(x, "aval", jax.typeof(x) if internals.is_tracer(x) else None),
-                    internals.AbstractRef) or isinstance(x, internals.TransformedRef)
+  if isinstance(x, internals.TransformedRef):
+    return True
+  try:
+    return isinstance(jax.typeof(x), internals.AbstractRef)
+  except TypeError:
+    return False
 
 
 def _check_ref(x: Any, api: str, what: str) -> None:
@@ -98,12 +102,6 @@ def _semaphore_view(sem: Any, api: str) -> tuple[Any, tuple[Any, ...]]:
                       f"(e.g. sems.at[i] of a SemaphoreType.DMA((n,)) array), got a "
                       f"{aval.dtype}{list(aval.shape)} ref")
   return base, transforms
-
-
-def _ref_positions(tree: Any, n: int, ref_slots: tuple[int, ...]) -> list[int]:
-  """Flat operand positions of the refs in slots `ref_slots` of the flattened tuple."""
-  parts = jax.tree_util.tree_unflatten(tree, list(range(n)))
-  return [parts[s] for s in ref_slots if parts[s] is not None]
 
 
 def _replace(new_values: dict[int, Any], n: int) -> tuple[Any, ...]:
@@ -125,14 +123,13 @@ dma_start_p.multiple_results = True
 _SRC, _SRC_T, _DST, _DST_T, _SEM, _SEM_T, _SRC_SEM, _SRC_SEM_T = range(8)
 
 
-def _dma_start_abstract_eval(*avals, tree, add):
+def _dma_start_abstract_eval(*avals, tree, add, shared_sem):
   parts = jax.tree_util.tree_unflatten(tree, list(range(len(avals))))
-  effects = {internals.ReadEffect(parts[_SRC]), internals.WriteEffect(parts[_DST]),
-             internals.WriteEffect(parts[_SEM])}
+  effects = {internals.ReadEffect(parts[_SRC]), internals.WriteEffect(parts[_DST])}
   if add:
     effects.add(internals.ReadEffect(parts[_DST]))
-  if parts[_SRC_SEM] is not None:
-    effects.add(internals.WriteEffect(parts[_SRC_SEM]))
+  effects.update(internals.WriteEffect(parts[s]) for s in (_SEM, _SRC_SEM)
+                 if parts[s] is not None)
   return [], effects
 
 
@@ -140,7 +137,9 @@ dma_start_p.def_effectful_abstract_eval(_dma_start_abstract_eval)
 
 
 @internals.register_discharge_rule(dma_start_p)
-def _dma_start_discharge(in_avals, out_avals, *args, tree, add):
+def _dma_start_discharge(in_avals, out_avals, *args, tree, add, shared_sem):
+  """`shared_sem`: the source semaphore is in the same semaphore array as the destination
+  one (passed once, as `sem`, with both views applied to it)."""
   src, src_t, dst, dst_t, sem, sem_t, src_sem, src_sem_t = jax.tree_util.tree_unflatten(
       tree, args)
   pos = jax.tree_util.tree_unflatten(tree, list(range(len(args))))
@@ -148,9 +147,12 @@ def _dma_start_discharge(in_avals, out_avals, *args, tree, add):
   if add:
     data = internals.transform_array(dst, dst_t) + data
   _, new_dst = internals.transform_swap_array(dst, dst_t, data.astype(dst.dtype))
-  new = {pos[_DST]: new_dst, pos[_SEM]: _sem_add(sem, sem_t, data.size)}
-  if src_sem is not None:
-    new[pos[_SRC_SEM]] = _sem_add(src_sem, src_sem_t, data.size)
+  new = {pos[_DST]: new_dst}
+  if shared_sem:
+    sem = _sem_add(sem, src_sem_t, data.size)
+  for slot, value, transforms in ((_SEM, sem, sem_t), (_SRC_SEM, src_sem, src_sem_t)):
+    if value is not None:
+      new[pos[slot]] = _sem_add(value, transforms, data.size)
   return _replace(new, len(args)), []
 
 
@@ -181,7 +183,7 @@ def _dma_wait_discharge(in_avals, out_avals, *args, tree, message):
 # ------------------------------------------------------------------ the descriptor
 @dataclasses.dataclass
 class AsyncCopyDescriptor:
-  """A DMA from `src_ref` to `dst_ref` signalling `dst_sem` (and `src_sem`, if given)."""
+  """A DMA from `src_ref` to `dst_ref` signalling `dst_sem` and `src_sem` (where given)."""
   src_ref: Any
   dst_ref: Any
   dst_sem: Any
@@ -192,9 +194,11 @@ class AsyncCopyDescriptor:
     del priority
     src, src_t = _ref_and_transforms(self.src_ref)
     dst, dst_t = _ref_and_transforms(self.dst_ref)
-    sem, sem_t = _semaphore_view(self.dst_sem, "make_async_copy(...).start()")
-    src_sem, src_sem_t = (None, ()) if self.src_sem is None else _semaphore_view(
-        self.src_sem, "make_async_copy(...).start()")
+    sem, sem_t = self._semaphore(self.dst_sem)
+    src_sem, src_sem_t = self._semaphore(self.src_sem)
+    shared_sem = src_sem is not None and src_sem is sem
+    if shared_sem:
+      src_sem = None
     src_aval = _view_aval(jax.typeof(src), src_t)
     dst_aval = _view_aval(jax.typeof(dst), dst_t)
     if src_aval.shape != dst_aval.shape or src_aval.dtype != dst_aval.dtype:
@@ -203,9 +207,18 @@ class AsyncCopyDescriptor:
                         f"dtype")
     flat, tree = jax.tree_util.tree_flatten(
         (src, src_t, dst, dst_t, sem, sem_t, src_sem, src_sem_t))
-    dma_start_p.bind(*flat, tree=tree, add=add)
+    dma_start_p.bind(*flat, tree=tree, add=add, shared_sem=shared_sem)
 
-  def _wait_on(self, ref: Any, sem: Any) -> None:
+  @staticmethod
+  def _semaphore(sem: Any) -> tuple[Any, tuple[Any, ...]]:
+    if sem is None:
+      return None, ()
+    return _semaphore_view(sem, "make_async_copy(...).start()")
+
+  def _wait_on(self, ref: Any, sem: Any, which: str) -> None:
+    if sem is None:
+      raise PalletError(f"make_async_copy(...).{which}() in {kernel_site()}: this copy has no "
+                        f"semaphore to wait on (pass one to make_async_copy)")
     base, transforms = _ref_and_transforms(ref)
     sem, sem_t = _semaphore_view(sem, "make_async_copy(...).wait()")
     size = _view_aval(jax.typeof(base), transforms).size
@@ -223,16 +236,13 @@ class AsyncCopyDescriptor:
 
   def wait_recv(self) -> None:
     """Waits for the copy's data to arrive in `dst_ref`."""
-    self._wait_on(self.dst_ref, self.dst_sem)
+    self._wait_on(self.dst_ref, self.dst_sem, "wait_recv")
 
   wait_write = wait_recv
 
   def wait_send(self) -> None:
-    """Waits for the copy to have read `src_ref` (needs a source semaphore)."""
-    if self.src_sem is None:
-      raise PalletError(f"make_async_copy(...).wait_send() in {kernel_site()}: this copy has "
-                        f"no source semaphore (pass src_sem=...); use .wait()")
-    self._wait_on(self.src_ref, self.src_sem)
+    """Waits for the copy to have read `src_ref` (needs `src_sem`)."""
+    self._wait_on(self.src_ref, self.src_sem, "wait_send")
 
   wait_read = wait_send
 
@@ -242,9 +252,6 @@ def make_async_copy(src_ref: Any, dst_ref: Any, sem: Any = None, *,
   """Describes a copy `src_ref -> dst_ref` whose arrival `sem` counts; start it with `.start()`."""
   for what, r in (("src_ref", src_ref), ("dst_ref", dst_ref)):
     _check_ref(r, "make_async_copy", what)
-  if sem is None:
-    raise PalletError(f"make_async_copy in {kernel_site()}: a semaphore is needed (e.g. "
-                      f"scratch pltpu.SemaphoreType.DMA)")
   return AsyncCopyDescriptor(src_ref, dst_ref, sem, src_sem)
 
 
