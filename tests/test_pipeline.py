@@ -51,10 +51,10 @@ def test_emit_pipeline_with_allocations_reused():
                   pl.BlockSpec((16, 16), lambda i, j, kk: (kk, j))],
         out_specs=[pl.BlockSpec((16, 16), lambda i, j, kk: (i, j))])
 
-    def run(*allocations):
+    def run(allocations):
       pipeline(x_hbm, y_hbm, o_hbm, allocations=allocations)
       pipeline(y_hbm, x_hbm, o2_hbm, allocations=allocations)
-    pl.run_scoped(run, *make_allocations(x_hbm, y_hbm, o_hbm))
+    pl.run_scoped(run, make_allocations(x_hbm, y_hbm, o_hbm))
 
   out = pallas_call(kernel, (sds(x), sds(x)), in_specs=[ANY, ANY], out_specs=(ANY, ANY))(x, y)
   assert_close(out, (x @ y, y @ x), matmul=True)
