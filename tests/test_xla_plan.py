@@ -576,3 +576,18 @@ def test_kernels_with_dmas_run_in_grid_order():
   plan = _plan(fn, x)
   assert plan.vectorized == [] and "DMA" in plan.describe()
   assert_close(fn(x), x * 2.0)
+
+
+@pytest.mark.parametrize("grid_size", ["static", "traced"])
+def test_poison_buffers_fill_unwritten_output_blocks(grid_size):
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] + 1.0
+  x = random_array((32, 8))
+  spec = pl.BlockSpec((8, 8), lambda i: (i, 0))
+  fn = lambda x, n: pl.pallas_call(kernel, out_shape=sds(x), grid=(n,), in_specs=[spec],
+                                   out_specs=spec)(x)
+  with pl.enable_poison_buffers(True):
+    out = jax.jit(fn)(x, jnp.int32(2)) if grid_size == "traced" else fn(x, 2)
+  assert_close(out[:16], x[:16] + 1.0)
+  assert bool(jnp.all(jnp.isnan(out[16:])))
+  assert_close(fn(x, 2)[16:], jnp.zeros((16, 8), f32))   # poisoning off: zeros

@@ -19,6 +19,7 @@ import numpy as np
 from jax import lax
 
 from pallet import _internals as internals
+from pallet import checks
 from pallet.backends.xla.plan import ExecutionPlan, OperandPlan, element_scale, make_plan
 from pallet.tracing import KernelDescription
 
@@ -288,7 +289,8 @@ def build(kernel: KernelDescription, plan: ExecutionPlan | None = None) -> Calla
     bufs = []
     for o, op in enumerate(plan.outputs):
       m = op.mapping
-      init = inputs[aliases[o]] if o in aliases else jnp.zeros(m.array_shape, m.dtype)
+      init = inputs[aliases[o]] if o in aliases else checks.uninitialized(
+          m.array_shape, m.dtype, poison=kernel.poison_buffers)
       bufs.append(_pad(init, op))
     if 0 in grid:
       return _unpad(bufs, plan)
