@@ -40,6 +40,21 @@ def test_emit_pipeline_matmul(m, k, n):
   assert_close(out, x @ y, matmul=True)
 
 
+def test_overhanging_blocks_of_different_sizes():
+  """Edge blocks read unspecified values outside the array and write only inside it."""
+  x = random_array((20, 40))
+
+  def body(x_blk, o_blk):
+    o_blk[...] = x_blk[...] + 1.0
+
+  def kernel(x_hbm, o_hbm):
+    spec = pl.BlockSpec((8, 16), lambda i, j: (i, j))
+    pltpu.emit_pipeline(body, grid=(3, 3), in_specs=[spec], out_specs=[spec])(x_hbm, o_hbm)
+
+  out = pallas_call(kernel, sds(x), in_specs=[ANY], out_specs=ANY)(x)
+  assert_close(out, x + 1.0)
+
+
 def test_emit_pipeline_with_allocations_reused():
   m = k = n = 32
   x, y = random_array((m, k)), random_array((k, n))

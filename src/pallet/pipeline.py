@@ -73,25 +73,20 @@ class _Window:
 
   def view(self, starts: Sequence[Any]) -> tuple[tuple[Any, ...], Any]:
     """(index into the array for the block, mask of its in-bounds elements or None)."""
-    idx, in_bounds = [], []
-    kernel_dims = [k != "squeezed" for k, _ in self.dims]
+    idx, masks = [], []
     for s, (kind, n), size in zip(starts, self.dims, self.shape):
       if kind == "squeezed":
         idx.append(s)
         continue
       idx.append(primitives.ds(s, n))
-      if kind == "element" or size % n:
-        in_bounds.append((len(in_bounds), (s + lax.iota(jnp.int32, n) >= 0)
-                          & (s + lax.iota(jnp.int32, n) < size)))
-      else:
-        in_bounds.append((len(in_bounds), None))
-    rank = sum(kernel_dims)
+      overhangs = kind == "element" or size % n
+      positions = s + lax.iota(jnp.int32, n)
+      masks.append(((positions >= 0) & (positions < size)) if overhangs else None)
     mask = None
-    for d, m in in_bounds:
-      if m is None:
-        continue
-      m = m.reshape([n if i == d else 1 for i in range(rank)])
-      mask = m if mask is None else mask & m
+    for d, m in enumerate(masks):
+      if m is not None:
+        m = m.reshape([n if i == d else 1 for i, n in enumerate(self.buffer.shape)])
+        mask = m if mask is None else mask & m
     if mask is not None:
       mask = jnp.broadcast_to(mask, self.buffer.shape)
     return tuple(idx), mask
