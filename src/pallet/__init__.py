@@ -13,6 +13,7 @@ from pallet.primitives import (Slice, atomic_add, atomic_and, atomic_cas, atomic
                                max_contiguous, multiple_of, num_programs, program_id,
                                run_scoped, store, swap, when)
 from pallet.pallas_call import pallas_call, pallas_call_p
+from pallet.backends import default_backend
 from pallet.helpers import (align_to, empty, empty_like, empty_ref_like, estimate_cost, loop,
                             next_power_of_2, reciprocal, run_state, strides_from_shape,
                             with_scoped)

@@ -94,6 +94,17 @@ def scan_layout(params: dict) -> tuple[Any, tuple, int, int]:
 # every trace (linearize) in jax 0.12, this evaluates with the eager trace.
 eval_context = _core.eval_context
 
+# --- settings that jitted functions must see: part of JAX's trace context --------
+from jax._src import config as _config
+
+
+def trace_context_state(name: str, help: str) -> Any:
+  """A thread-local setting (`state.value`; `with state(v):`) that JAX keys its jit
+  caches on, so a function jitted under one value is traced again under another.
+  Its default is the environment variable `name.upper()` (a string), else None."""
+  return _config.string_or_object_state(name, None, help, include_in_jit_key=True,
+                                        include_in_trace_context=True)
+
 # --- named grids: `lax.axis_index(name)` of a grid axis is that axis's program id ----
 # The kernel is traced with the grid names in JAX's axis environment (so
 # `lax.axis_size` answers) and a staging rule for axis_index_p that asks pallet

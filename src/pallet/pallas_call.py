@@ -66,7 +66,7 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *,
   def launch(*args):
     # Resolved per call: a `pallet.default_backend(...)` block around the call counts.
     try:
-      backend_name, run_interpret = backends.resolve(backend, interpret), interpret
+      backend_name, run_interpret = backends.resolve(backend, interpret, compiler_params)
     except ValueError as e:
       raise PalletError(f"pallas_call of kernel '{name}': {e}") from None
     return _launch(kernel, name, args, out_shape, grid, dynamic_sizes, in_specs, out_specs,

@@ -665,3 +665,56 @@ def _print(interpret):
     pl.debug_print("first value {}", x_ref[0])
     o_ref[...] = x_ref[...]
   return call(kernel, sds(x), interpret), (x,), x
+
+
+# ------------------------------------------------------------------ JAX 0.12 primitives
+@case("stack_and_unstack_of_padded_pieces")
+def _stack(interpret):
+  x = random_array((3, 6))
+  def kernel(x_ref, o_ref, u_ref):
+    v = x_ref[...]
+    o_ref[...] = jnp.stack([v, v * 2, -v], axis=1)
+    a, b, c = lax.unstack(v, axis=0)
+    u_ref[...] = a + b * 10 + c * 100
+  f = call(kernel, (jax.ShapeDtypeStruct((3, 3, 6), jnp.float32),
+                    jax.ShapeDtypeStruct((6,), jnp.float32)), interpret)
+  return f, (x,), (jnp.stack([x, x * 2, -x], axis=1), x[0] + x[1] * 10 + x[2] * 100)
+
+
+@case("tile_power_of_two_and_padded")
+def _tile(interpret):
+  x, y = random_array((4, 8)), random_array((3, 5))
+  def kernel(x_ref, y_ref, o_ref, p_ref):
+    o_ref[...] = jnp.tile(x_ref[...], (2, 4))
+    p_ref[...] = jnp.tile(y_ref[...], (3, 2))
+  f = call(kernel, (jax.ShapeDtypeStruct((8, 32), jnp.float32),
+                    jax.ShapeDtypeStruct((9, 10), jnp.float32)), interpret)
+  return f, (x, y), (jnp.tile(x, (2, 4)), jnp.tile(y, (3, 2)))
+
+
+@case("threefry2x32_random_bits")
+def _threefry(interpret):
+  from jax.extend.random import threefry2x32_p
+  key = jnp.array([0xDEADBEEF, 7], jnp.uint32)
+  counts = jnp.arange(2 * 5 * 24, dtype=jnp.uint32).reshape(2, 5, 24) * jnp.uint32(2654435761)
+  def kernel(k_ref, c_ref, hi_ref, lo_ref):
+    hi_ref[...], lo_ref[...] = threefry2x32_p.bind(
+        jnp.full((1, 24), k_ref[0]), jnp.full((5, 1), k_ref[1]), c_ref[0], c_ref[1])
+  out = jax.ShapeDtypeStruct((5, 24), jnp.uint32)
+  expected = threefry2x32_p.bind(key[0], key[1], counts[0], counts[1])
+  return call(kernel, (out, out), interpret), (key, counts), tuple(expected)
+
+
+@case("debug_barrier_and_a_check_that_holds")
+def _barrier(interpret):
+  x = random_array((16, 32))
+  def kernel(x_ref, o_ref, s_ref):
+    s_ref[...] = x_ref[...] + 1
+    plt.debug_barrier()
+    with pl.enable_debug_checks(True):
+      pl.debug_check(jnp.all(s_ref[...] > x_ref[...]), "scratch holds x + 1")
+    o_ref[:8, :] = s_ref[8:, :]
+    o_ref[8:, :] = s_ref[:8, :]
+  import pallet.tpu as pltpu
+  f = call(kernel, sds(x), interpret, scratch_shapes=[pltpu.VMEM((16, 32), jnp.float32)])
+  return f, (x,), jnp.concatenate([x[8:], x[:8]]) + 1

@@ -246,3 +246,35 @@ def test_interpreter_source_differs_only_in_holding_bf16_as_float32():
   gpu, interpreted = generated(kernel).source, generated_for_interpreter(kernel).source
   assert ".to(tl.bfloat16)" in gpu and "bfloat16" not in interpreted
   assert gpu.replace("tl.bfloat16", "tl.float32") == interpreted
+
+
+# ------------------------------------------------------------------ JAX 0.12 names
+_NEW_PRIMITIVE_CASES = ("stack_and_unstack_of_padded_pieces", "tile_power_of_two_and_padded",
+                        "threefry2x32_random_bits", "debug_barrier_and_a_check_that_holds")
+
+
+@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("name", _NEW_PRIMITIVE_CASES)
+def test_new_primitive_rules_compile(name, target):
+  assert compile_for(_kernel(name), target).asm["ttir"]
+
+
+def test_checks_and_barriers_reach_the_gpu_code():
+  fn, args, _ = CASES["debug_barrier_and_a_check_that_holds"].make(False)
+  (kernel,) = kernels_of(fn, *args)
+  src = plt.source(fn, *args)
+  assert "tl.debug_barrier()" in src and "tl.store(checks_ptr + 0, 1)" in src
+  assert "bar.sync" in compile_for(kernel, "sm80").asm["ptx"]
+
+
+def test_inline_assembly_is_passed_to_triton():
+  x = random_array((64,))
+
+  def asm_kernel(x_ref, o_ref):
+    (o_ref[...],) = plt.elementwise_inline_asm(
+        "tanh.approx.f32 $0, $1;", args=[x_ref[...]], constraints="=f,f", pack=1,
+        result_shape_dtypes=[sds(x)])
+
+  f = call(asm_kernel, sds(x), False)
+  assert "tl.inline_asm_elementwise('tanh.approx.f32 $0, $1;', '=f,f'" in plt.source(f, x)
+  assert "tanh.approx.f32" in compile_for(kernels_of(f, x)[0], "sm80").asm["ptx"]

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 
 import pallet as pl
 import pallet.triton as plt
@@ -85,3 +86,33 @@ def test_out_of_bounds_stores_are_caught():
 
   with pytest.raises(Exception, match="wrote outside output 0"):
     jax.block_until_ready(call(kernel, sds(x), True)(x, idx))
+
+
+def test_failing_debug_check_raises_with_kernel_name_and_line():
+  x = jnp.array([1.0, -2.0, 3.0, 4.0], jnp.float32)
+
+  def checked_kernel(x_ref, o_ref):
+    def body(i, acc):
+      pl.debug_check(x_ref[i] > 0, "inputs must be positive")
+      return acc + x_ref[i]
+    o_ref[...] = jnp.full((4,), lax.fori_loop(0, 4, body, 0.0))
+
+  with pl.enable_debug_checks(True):
+    f = call(checked_kernel, sds(x), True)
+    assert_close(f(jnp.abs(x)), jnp.full((4,), 10.0))
+    with pytest.raises(Exception, match=r"kernel 'checked_kernel' at .*test_interpret\.py:\d+: "
+                                        r"inputs must be positive"):
+      jax.block_until_ready(f(x))
+
+
+def test_inline_assembly_is_a_clear_error_under_the_interpreter():
+  x = random_array((32,))
+
+  def asm_kernel(x_ref, o_ref):
+    (o_ref[...],) = plt.elementwise_inline_asm(
+        "tanh.approx.f32 $0, $1;", args=[x_ref[...]], constraints="=f,f", pack=1,
+        result_shape_dtypes=[sds(x)])
+
+  with pytest.raises(Exception, match=r"asm_kernel.*inline GPU assembly under Triton's "
+                                      r"interpreter"):
+    jax.block_until_ready(call(asm_kernel, sds(x), True)(x))

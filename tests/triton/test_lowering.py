@@ -88,6 +88,7 @@ def test_vmap_and_aliases_lower():
 # One case per launch feature: workspace output, prefetch and constant operands,
 # aliases, atomics, several outputs.
 _LOWERING_CASES = ("scratch_indexed_in_memory_and_run_scoped", "scalar_prefetch_selects_blocks",
+                   "threefry2x32_random_bits",
                    "closed_over_constant_array", "input_output_aliases_add_in_place",
                    "atomic_add_float_from_parallel_programs", "atomic_cas_scalar",
                    "squeezed_and_element_dims")
@@ -111,3 +112,13 @@ def test_lowering_without_a_gpu_or_compute_capability_is_a_clear_error():
   f = pl.pallas_call(kernel, sds(x), backend="triton")
   with pytest.raises(TritonLoweringError, match="compute_capability=80"):
     jax.jit(f).trace(x).lower(lowering_platforms=("cuda",))
+
+
+def test_checks_cannot_be_lowered_for_a_gpu_from_a_cpu_process(monkeypatch):
+  # Failed checks are raised by a host callback after the launch, and JAX lowers
+  # callbacks only for the platform the process runs on: say so, never drop them.
+  monkeypatch.setenv("PALLET_TRITON_COMPUTE_CAPABILITY", "80")
+  fn, args, _ = CASES["debug_barrier_and_a_check_that_holds"].make(False)
+  with pytest.raises(TritonLoweringError, match=r"kernel 'kernel'.*pl.debug_check.*host "
+                                                r"callback"):
+    jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))

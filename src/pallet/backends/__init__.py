@@ -3,17 +3,42 @@
 A backend is a module with `NAME` and
 `lower(ctx, *args, kernel: KernelDescription, interpret: bool) -> list`,
 the MLIR lowering of one `pallas_call`. Backends never import each other.
+
+Which backend runs a call (first rule that applies):
+
+1. `pallas_call(..., backend=...)`;
+2. the global override: the innermost `pallet.default_backend(name)` block, else the
+   environment variable `PALLET_BACKEND` ("xla" or "triton");
+3. `interpret=True`: the XLA backend (the CPU meaning of Pallas' interpret mode);
+4. where a GPU is present, `triton` for kernels launched with `pallet.triton`'s
+   compiler params, the neutral `pl.CompilerParams` or none (as JAX >= 0.9.1 picks
+   its GPU lowering from the params), and `xla` for kernels written for another
+   target (TPU params: DMAs and semaphores run on the XLA backend only);
+   without a GPU, `xla`.
+
+With the override set to "triton" and no GPU, calls run the generated Triton code
+under Triton's interpreter. The override is part of JAX's trace context, so a
+function jitted outside a `default_backend` block is traced again inside it.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 from types import ModuleType
+from typing import Any, Iterator
 
 import jax
+
+from pallet import _internals as internals
 
 _MODULES = {"xla": "pallet.backends.xla", "triton": "pallet.backends.triton"}
 _ALIASES = {"cpu": "xla", "interpret": "xla", "xla": "xla", "triton": "triton",
             "gpu": "triton"}
+ENV_VAR = "PALLET_BACKEND"
+
+# (backend name, interpret or None), or the raw string of $PALLET_BACKEND, or None.
+_override = internals.trace_context_state(
+    ENV_VAR.lower(), "pallet's global backend override (see pallet.default_backend)")
 
 
 def available() -> list[str]:
@@ -27,17 +52,71 @@ def gpu_present() -> bool:
     return False
 
 
-def resolve(name: str | None, interpret: bool) -> str:
-  """The backend to use for a call: explicit name, else triton on a GPU, else xla."""
-  if name is None:
-    if interpret:
-      return "xla"
-    return "triton" if gpu_present() else "xla"
-  key = str(name).lower()
+def canonical(name: str) -> str:
+  """The backend a name or alias stands for ("gpu" -> "triton")."""
+  key = str(name).strip().lower()
   if key not in _ALIASES:
     raise ValueError(f"unknown pallet backend {name!r}; available: {available()} "
                      f"(aliases: {sorted(_ALIASES)})")
   return _ALIASES[key]
+
+
+def override() -> tuple[str, bool | None] | None:
+  """The global override in force: (backend, interpret or None), or None."""
+  value = _override.value
+  if value is None or value == "":
+    return None
+  if isinstance(value, str):       # from the environment
+    try:
+      return canonical(value), None
+    except ValueError as e:
+      raise ValueError(f"environment variable {ENV_VAR}={value!r}: {e}") from None
+  return value
+
+
+@contextlib.contextmanager
+def default_backend(name: str | None, interpret: bool | None = None) -> Iterator[None]:
+  """Runs every `pallas_call` made inside the block on backend `name` ("xla",
+  "triton"), unless the call names its own `backend=`.
+
+  `interpret` (Triton only): None runs compiled kernels where a GPU is present and
+  Triton's interpreter elsewhere; True always interprets. `name=None` lifts an
+  outer override (or $PALLET_BACKEND) inside the block.
+  """
+  value = None if name is None else (canonical(name), interpret)
+  if interpret is not None and not isinstance(interpret, bool):
+    raise TypeError(f"pallet.default_backend: interpret must be None, True or False, "
+                    f"got {interpret!r}")
+  with _override(value):
+    yield
+
+
+def _gpu_params(params: Any) -> bool:
+  """Whether a kernel's compiler params are ones a GPU kernel is launched with."""
+  from pallet.gpu_target import CompilerParams as TritonParams
+  from pallet.specs import CompilerParams as NeutralParams
+  return (params is None or isinstance(params, (TritonParams, dict))
+          or type(params) is NeutralParams)
+
+
+def resolve(name: str | None, interpret: bool,
+            compiler_params: Any = None) -> tuple[str, bool]:
+  """(backend, interpret) for a call; see the module docstring for the rules."""
+  if name is not None:
+    return canonical(name), interpret
+  forced = override()
+  if forced is not None:
+    backend, forced_interpret = forced
+    if backend == "triton":
+      if forced_interpret is None:
+        forced_interpret = bool(interpret) or not gpu_present()
+      return backend, forced_interpret
+    return backend, interpret
+  if interpret:
+    return "xla", interpret
+  if gpu_present() and _gpu_params(compiler_params):
+    return "triton", False
+  return "xla", False
 
 
 def get(name: str) -> ModuleType:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -20,7 +20,7 @@ from jax.interpreters import mlir
 
 from pallet.backends.triton import compiler
 from pallet.backends.triton.codegen import GeneratedKernel, generate
-from pallet.backends.triton.values import TritonLoweringError, bf16_as_float32
+from pallet.backends.triton.values import TritonLoweringError, for_interpreter
 from pallet.tracing import KernelDescription
 
 NAME = "triton"
@@ -43,7 +43,7 @@ def generated(kernel: KernelDescription) -> GeneratedKernel:
 def generated_for_interpreter(kernel: KernelDescription) -> GeneratedKernel:
   """The kernel as generated for Triton's interpreter: the same program, except
   that bf16 values are held in float32 (the interpreter's bf16 is broken)."""
-  with bf16_as_float32():
+  with for_interpreter():
     result = generate(kernel)
   if kernel.debug:
     print(f"--- pallet Triton source for '{kernel.name}' (interpreter) ---\n{result.source}")
@@ -80,3 +80,29 @@ def _lower_interpreted(ctx: Any, *args: Any, kernel: KernelDescription) -> list:
     return jax.pure_callback(host, out_shapes, *arrays)
 
   return mlir.lower_fun(run, multiple_results=True)(ctx, *args)
+
+
+def source(kernel_call: Callable[..., Any], *args: Any) -> str:
+  """The Triton source generated for `kernel_call(*args)`, a `pallas_call(...)` result
+  (or any function that launches some).
+
+  Works on any machine (nothing is compiled or run). With several pallas_calls
+  inside `kernel_call`, their sources are concatenated in call order.
+  """
+  from jax.extend.core import jaxprs_in_params
+  from pallet.pallas_call import pallas_call_p
+
+  kernels = []
+
+  def collect(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive is pallas_call_p:
+        kernels.append(eqn.params["kernel"])
+        continue
+      for sub in jaxprs_in_params(eqn.params):
+        collect(sub.jaxpr if hasattr(sub, "jaxpr") else sub)
+
+  collect(jax.make_jaxpr(kernel_call)(*args).jaxpr)
+  if not kernels:
+    raise ValueError("pallet.triton.source: the function launches no pallas_call")
+  return "\n\n".join(generated(k).source for k in kernels)

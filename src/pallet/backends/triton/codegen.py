@@ -1,7 +1,9 @@
 """Kernel description -> the Python source of one `@triton.jit` function.
 
 The generated function takes one pointer per scalar-prefetch operand, input
-and output (and a workspace pointer when scratch must live in memory). Its body:
+and output (and a workspace pointer when scratch must live in memory, and a
+pointer to one int32 flag per run-time check, `pl.debug_check`, which a
+failing check sets for the launcher to report). Its body:
 
   1. decodes the program id into the parallel grid indices (`schedule.py`),
   2. loads resident output blocks kept in registers (`refs.RegisterRef`),
@@ -53,6 +55,7 @@ class GeneratedKernel:
   written_inputs: tuple[int, ...]     # inputs the kernel stores to, not aliased to an output:
                                       # launchers pass copies (and once more, last)
   workspace_bytes: int                # per program; 0 when there is no workspace
+  check_messages: tuple[str, ...]     # one int32 flag each, zeroed before the launch
   schedule: Schedule
   kernel: KernelDescription
   default_num_warps: int              # when the compiler params give none
@@ -140,6 +143,7 @@ class KernelGenerator:
     self.largest_tensor = 1
     self.input_pointers: dict[str, int] = {}
     self.written_inputs: set[int] = set()
+    self.check_messages: list[str] = []
 
   # -- emission ---------------------------------------------------------------
   def line(self, text: str) -> None:
@@ -251,7 +255,7 @@ class KernelGenerator:
     if name in _REF_PRIMITIVES:
       return getattr(self, f"_ref_{name}")(eqn, ins, used)
     if name in ("cond", "while", "scan", "new_ref", "multiple_of", "max_contiguous",
-                "debug_print"):
+                "debug_print", "debug_barrier", "pallet_check"):
       return getattr(self, f"_{name}")(eqn, ins)
     if name in _CALL_PRIMITIVES:
       jaxpr, consts = _sub_jaxpr(eqn.params)
@@ -429,6 +433,31 @@ class KernelGenerator:
     self.line(f"tl.device_print({prefix!r}{args})")
     return []
 
+  def _debug_barrier(self, eqn, ins):
+    self.line("tl.debug_barrier()")
+    return []
+
+  def _pallet_check(self, eqn, ins):
+    """A run-time check: where `ok` is False anywhere, set this check's flag (the
+    launcher raises with its message after the kernel ran)."""
+    (ok,) = ins
+    if ok.is_constant and ok.constant:
+      return []
+    k = len(self.check_messages)
+    self.check_messages.append(eqn.params["message"])
+    if ok.is_constant:
+      self.line(f"tl.store(checks_ptr + {k}, 1)")
+      return []
+    flag = ok
+    if ok.shape:
+      ok = self.mask_padding(ok, range(len(ok.shape)), "True")
+      flat = math.prod(ok.tensor_shape)
+      flag = self.let("check_ok", f"tl.min(tl.reshape({ok.typed}.to(tl.int32), [{flat}]), "
+                      f"axis=0)", (), np.int32)
+    with self.block(f"if {flag.typed} == 0:"):
+      self.line(f"tl.store(checks_ptr + {k}, 1)")
+    return []
+
   # -- control flow ----------------------------------------------------------------
   def _bind_outputs(self, names: list[str], values: list[Any]) -> None:
     for n, v in zip(names, values):
@@ -598,7 +627,7 @@ def _param_names(kernel: KernelDescription) -> list[str]:
   unique = []
   for n in names:
     n = _identifier(n)
-    if n in seen or n in ("pid", "workspace_ptr", "tl", "triton", "libdevice"):
+    if n in seen or n in ("pid", "workspace", "checks", "tl", "triton", "libdevice"):
       seen[n] = seen.get(n, 0) + 1
       n = f"{n}_{seen[n]}"
     seen.setdefault(n, 0)
@@ -765,7 +794,7 @@ def generate(kernel: KernelDescription) -> GeneratedKernel:
   # Assemble the module.
   fn_name = _identifier(kernel.name)
   # Operands first, then results, as XLA hands buffers to the custom call:
-  # prefetch, inputs, closed-over constants, outputs, workspace.
+  # prefetch, inputs, closed-over constants, outputs, workspace, check flags.
   const_ptrs = [f"const{k}_ptr" for k in range(len(gen.constants))]
   parameters = ptrs[:n_pre + n_in] + const_ptrs + ptrs[n_pre + n_in:]
   dtypes = dict(zip(ptrs, [*gm.prefetch_avals, *gm.inputs, *gm.outputs]))
@@ -774,6 +803,9 @@ def generate(kernel: KernelDescription) -> GeneratedKernel:
   if gen.workspace_bytes:
     parameters.append("workspace_ptr")
     signature["workspace_ptr"] = "*i8"
+  if gen.check_messages:
+    parameters.append("checks_ptr")
+    signature["checks_ptr"] = "*i32"
   aliased_inputs = {i for i, _ in kernel.input_output_aliases}
   for j in sorted(gen.written_inputs - aliased_inputs):
     # The launcher's private copy of an input the kernel writes to (the same
@@ -800,6 +832,7 @@ def generate(kernel: KernelDescription) -> GeneratedKernel:
   return GeneratedKernel(source, fn_name, tuple(parameters), signature,
                          tuple(gen.constants),
                          tuple(sorted(gen.written_inputs - aliased_inputs)), workspace,
+                         tuple(gen.check_messages),
                          schedule, kernel,
                          default_num_warps(gen.largest_tensor))
 

@@ -204,14 +204,20 @@ def run(generated: Any, operands: Sequence[np.ndarray],
   if generated.workspace_bytes:
     buffers.append(_GuardedBuffer(np.zeros(
         generated.workspace_bytes * generated.schedule.num_programs, np.int8)))
+  flags = np.zeros(len(generated.check_messages), np.int32)
   args = [HostTensor(a) for a in ins] + \
       [HostTensor(np.ascontiguousarray(_widen(c))) for c in generated.constants] + \
       [HostTensor(b.array) for b in buffers] + \
+      ([HostTensor(flags)] if flags.size else []) + \
       [HostTensor(ins[n_pre + j]) for j in generated.written_inputs]
   if generated.schedule.num_programs and all(gm.grid):
     fn[generated.launch_grid](*args)
   for b, what in zip(buffers, [o.origin for o in gm.outputs] + ["the workspace"]):
     b.check(generated.kernel, what)
+  failed = [m for m, f in zip(generated.check_messages, flags) if f]
+  if failed:
+    from pallet.checks import KernelCheckError
+    raise KernelCheckError(failed[0])
   return [b.array.astype(o.dtype) for b, o in zip(buffers, gm.outputs)]
 
 

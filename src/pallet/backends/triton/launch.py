@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import mlir
 
+from pallet import checks
 from pallet.backends.triton import compiler
 from pallet.backends.triton.values import TritonLoweringError
 from pallet.tracing import KernelDescription
@@ -82,21 +83,26 @@ def lower_gpu(ctx: Any, *args: Any, kernel: KernelDescription, platform: str) ->
   triton_kernel = library.TritonKernel(*kernel_args)
 
   n_operands = len(args) + len(gen.constants)
-  n_buffers = (n_operands + len(gm.outputs) + (1 if gen.workspace_bytes else 0)
-               + len(gen.written_inputs))
-  params = [library.create_array_parameter(0, 16) for _ in range(n_buffers)]
+  n_results = len(gm.outputs) + (1 if gen.workspace_bytes else 0)
+  params = [library.create_array_parameter(0, 16) for _ in range(n_operands + n_results)]
+  if gen.check_messages:   # the check flags start at zero (jaxlib clears them)
+    params.append(library.create_array_parameter(4 * len(gen.check_messages), 16))
+  params += [library.create_array_parameter(0, 16) for _ in gen.written_inputs]
   grid = gen.launch_grid
   call = library.TritonKernelCall(triton_kernel, grid[0], grid[1], grid[2], params)
   opaque = zlib.compress(call.to_proto(kernel.name, b""))
 
   # Operands: prefetch, inputs, closed-over constants; results: outputs, workspace,
-  # then one result aliased to each input the kernel writes into, so that XLA gives
-  # the kernel a buffer of its own (a copy where the input is still needed).
+  # check flags, then one result aliased to each input the kernel writes into, so
+  # that XLA gives the kernel a buffer of its own (a copy where the input is still
+  # needed).
   operands = list(args) + [mlir.ir_constant(np.asarray(c)) for c in gen.constants]
   out_avals = list(ctx.avals_out)
   if gen.workspace_bytes:
     out_avals.append(jax.core.ShapedArray(
         (gen.workspace_bytes * gen.schedule.num_programs,), jnp.int8))
+  if gen.check_messages:
+    out_avals.append(jax.core.ShapedArray((len(gen.check_messages),), jnp.int32))
   in_avals = list(ctx.avals_in) + [jax.core.ShapedArray(c.shape, c.dtype)
                                    for c in gen.constants]
   n_pre = len(gm.prefetch_avals)
@@ -107,8 +113,31 @@ def lower_gpu(ctx: Any, *args: Any, kernel: KernelDescription, platform: str) ->
   rule = jax.ffi.ffi_lowering(CUSTOM_CALL_TARGET, api_version=4,
                               operand_output_aliases=aliases, has_side_effect=False)
   sub_ctx = ctx.replace(avals_in=in_avals, avals_out=out_avals)
-  results = rule(sub_ctx, *operands, opaque=opaque)
-  return list(results)[:len(gm.outputs)]
+  results = list(rule(sub_ctx, *operands, opaque=opaque))
+  if gen.check_messages:
+    flags = results[len(gm.outputs) + (1 if gen.workspace_bytes else 0)]
+    _raise_failed_checks(ctx, flags, kernel, gen.check_messages)
+  return results[:len(gm.outputs)]
+
+
+def _raise_failed_checks(ctx: Any, flags: Any, kernel: KernelDescription,
+                         messages: tuple[str, ...]) -> None:
+  """After the kernel: each set flag fails the call with its check's message."""
+  def check_all(flags):
+    for k, message in enumerate(messages):
+      checks.check(flags[k] == 0, message)
+    return []
+
+  aval = jax.core.ShapedArray((len(messages),), jnp.int32)
+  try:
+    mlir.lower_fun(check_all, multiple_results=True)(
+        ctx.replace(avals_in=[aval], avals_out=[]), flags)
+  except ValueError as e:    # a host callback for a platform this process does not run
+    raise TritonLoweringError(
+        f"pallet Triton backend: kernel '{kernel.name}' ({kernel.source}) has run-time "
+        f"checks (pl.debug_check), which report failures through a host callback; JAX "
+        f"lowers those only for the platform this process runs on ({e}). Lower on the "
+        f"GPU machine, or trace the kernel with pl.enable_debug_checks(False)") from None
 
 
 def _hsaco_path(compiled: Any) -> str:

@@ -13,8 +13,8 @@ from typing import Any, Callable
 import numpy as np
 
 from pallet.backends.triton.values import (Value, bit_width, constant,
-                                           is_bool, is_float, is_signed,
-                                           next_pow2, python_literal, tl_dtype)
+                                           generating_for_interpreter, is_bool, is_float,
+                                           is_signed, next_pow2, python_literal, tl_dtype)
 
 Rule = Callable[..., list[Value]]
 RULES: dict[str, Rule] = {}
@@ -288,6 +288,27 @@ def _select_n(gen, eqn, pred, *cases):
   return [gen.let("select", expr, shape, dtype)]
 
 
+@rule("elementwise_inline_asm")
+def _inline_asm(gen, eqn, *args):
+  """pallet.triton.elementwise_inline_asm: the assembly, as Triton's inline asm."""
+  if generating_for_interpreter():
+    gen.fail("inline GPU assembly under Triton's interpreter (it runs only in kernels "
+             "compiled for a GPU)")
+  outs = [_out(eqn, i) for i in range(len(eqn.outvars))]
+  dtypes = [tl_dtype(d) for _, d in outs]
+  dtype = dtypes[0] if len(dtypes) == 1 else f"({', '.join(dtypes)},)"
+  p = eqn.params
+  expr = (f"tl.inline_asm_elementwise({p['asm']!r}, {p['constraints']!r}, "
+          f"[{', '.join(a.typed for a in args)}], dtype={dtype}, is_pure=True, "
+          f"pack={p['pack']})")
+  if len(outs) == 1:
+    return [gen.let("inline_asm", expr, *outs[0])]
+  results = gen.fresh("inline_asm")
+  gen.line(f"{results} = {expr}")
+  return [gen.let("inline_asm", f"{results}[{i}]", shape, dtype)
+          for i, (shape, dtype) in enumerate(outs)]
+
+
 @rule("copy", "copy_p", "optimization_barrier", "stop_gradient")
 def _copy(gen, eqn, *xs):
   return list(xs)
@@ -460,6 +481,94 @@ def _concatenate(gen, eqn, *xs):
              for a, b in zip(parts[::2], parts[1::2])]
     piece_shape = merged
   return [gen.let("concatenate", parts[0], shape, dtype)]
+
+
+@rule("stack")
+def _stack(gen, eqn, *xs):
+  """Pieces along a new axis: each piece broadcast along it, chosen by position."""
+  shape, dtype = _out(eqn)
+  axis = eqn.params["axis"]
+  tshape = list(Value("", shape, dtype).tensor_shape)
+  position = _expand_to_rank(f"tl.arange(0, {tshape[axis]})", len(shape), [axis])
+  dims = [d for d in range(len(shape)) if d != axis]
+  pieces = [f"tl.broadcast_to({_expand_to_rank(x.typed, len(shape), dims)}, {tshape})"
+            for x in xs]
+  expr = pieces[-1]
+  for i in range(len(xs) - 2, -1, -1):
+    expr = f"tl.where({position} == {i}, {pieces[i]}, {expr})"
+  return [gen.let("stack", expr, shape, dtype)]
+
+
+@rule("unstack")
+def _unstack(gen, eqn, x):
+  axis = eqn.params["axis"]
+  one = x.shape[:axis] + (1,) + x.shape[axis + 1:]
+  outs = []
+  for i, v in enumerate(eqn.outvars):
+    piece = _gather_along(gen, x, axis, f"tl.full([1], {i}, tl.int32)", one, "unstack")
+    outs.append(_reshape(gen, piece, tuple(v.aval.shape), "unstack"))
+  return outs
+
+
+@rule("tile")
+def _tile(gen, eqn, x):
+  shape, dtype = _out(eqn)
+  if x.is_constant:
+    return [constant(x.constant, dtype, shape)]
+  out = x
+  for axis, reps in enumerate(eqn.params["reps"]):
+    if reps == 1:
+      continue
+    n = out.shape[axis]
+    new_shape = out.shape[:axis] + (n * reps,) + out.shape[axis + 1:]
+    if next_pow2(n) == n and next_pow2(reps) == reps:
+      # Copies side by side: broadcast along a new axis in front, then merge the two.
+      tshape = list(out.tensor_shape)
+      wide = tshape[:axis] + [reps] + tshape[axis:]
+      expr = (f"tl.reshape(tl.broadcast_to(tl.expand_dims({out.typed}, {axis}), {wide}), "
+              f"{tshape[:axis] + [reps * n] + tshape[axis + 1:]})")
+      out = gen.let("tile", expr, new_shape, dtype)
+    else:
+      index = f"(tl.arange(0, {next_pow2(n * reps)}) % {n})"
+      out = _gather_along(gen, out, axis, index, new_shape, "tile")
+  return [out]
+
+
+# ------------------------------------------------------------------ random bits
+_THREEFRY_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+
+
+def _threefry_helper() -> str:
+  """Threefry-2x32 with 20 rounds (Salmon et al., SC'11), as JAX's threefry2x32
+  computes it: five groups of four rounds, a key injection after each."""
+  lines = ["@triton.jit", "def _threefry2x32(k0, k1, x0, x1):",
+           "    k2 = k0 ^ k1 ^ 0x1BD11BDA", "    x0 = x0 + k0", "    x1 = x1 + k1"]
+  keys = ("k0", "k1", "k2")
+  for group in range(5):
+    for r in _THREEFRY_ROTATIONS[group % 2]:
+      lines += ["    x0 = x0 + x1", f"    x1 = (x1 << {r}) | (x1 >> {32 - r})",
+                "    x1 = x1 ^ x0"]
+    lines += [f"    x0 = x0 + {keys[(group + 1) % 3]}",
+              f"    x1 = x1 + {keys[(group + 2) % 3]} + {group + 1}"]
+  lines.append("    return x0, x1")
+  return "\n".join(lines) + "\n"
+
+
+@rule("threefry2x32")
+def _threefry2x32(gen, eqn, *args):
+  shape, dtype = _out(eqn)
+  gen.require_helper("_threefry2x32")
+  tshape = list(Value("", shape, dtype).tensor_shape)
+  operands = []
+  for a in args:   # (uint32 operands of one rank, size-1 dims broadcast)
+    text = a.typed
+    if tuple(a.shape) != shape:
+      dims = list(range(len(shape) - len(a.shape), len(shape)))
+      text = f"tl.broadcast_to({_expand_to_rank(text, len(shape), dims)}, {tshape})"
+    operands.append(text)
+  pair = gen.fresh("threefry")
+  gen.line(f"{pair} = _threefry2x32({', '.join(operands)})")
+  return [gen.let("random_bits", f"{pair}[{i}]", shape, dtype) for i in range(2)]
 
 
 # ------------------------------------------------------------------ reductions
@@ -636,6 +745,7 @@ HELPERS = {
         "@triton.jit\ndef _cbrt(x):\n"
         "    r = libdevice.pow(tl.abs(x), 1.0 / 3.0)\n"
         "    return tl.where(x < 0, -r, r)\n"),
+    "_threefry2x32": _threefry_helper(),
     "_round_half_away": (
         "@triton.jit\ndef _round_half_away(x):\n"
         "    return tl.where(x >= 0, tl.floor(x + 0.5), tl.ceil(x - 0.5))\n"),

@@ -43,23 +43,29 @@ _SIGNATURE_NAMES = {
 }
 
 
-# Triton's interpreter computes bf16 wrongly (it keeps raw bits), so code generated
-# for it stores and computes bf16 values as float32.
-_bf16_as_f32 = contextvars.ContextVar("pallet_triton_bf16_as_f32", default=False)
+# Code generated for Triton's interpreter differs from the GPU program in two ways:
+# bf16 values are stored and computed as float32 (the interpreter keeps raw bf16 bits
+# and computes with them wrongly), and what only a GPU can run (inline assembly) is
+# refused at generation time.
+_for_interpreter = contextvars.ContextVar("pallet_triton_for_interpreter", default=False)
 
 
 @contextlib.contextmanager
-def bf16_as_float32() -> Iterator[None]:
-  token = _bf16_as_f32.set(True)
+def for_interpreter() -> Iterator[None]:
+  token = _for_interpreter.set(True)
   try:
     yield
   finally:
-    _bf16_as_f32.reset(token)
+    _for_interpreter.reset(token)
+
+
+def generating_for_interpreter() -> bool:
+  return _for_interpreter.get()
 
 
 def _name(dtype: Any) -> str:
   name = np.dtype(dtype).name
-  return "float32" if name == "bfloat16" and _bf16_as_f32.get() else name
+  return "float32" if name == "bfloat16" and _for_interpreter.get() else name
 
 
 def tl_dtype(dtype: Any) -> str:
