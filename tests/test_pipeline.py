@@ -95,6 +95,27 @@ def test_inner_pipeline_per_outer_step_sees_its_own_program_ids():
   assert_close(out, x * 2.0 + steps)
 
 
+def test_body_prologue_runs_before_every_step():
+  x = random_array((4, 8))
+
+  def kernel(x_hbm, o_hbm, count):
+    count[0] = 0
+
+    def prologue():
+      count[0] += pl.program_id(0) + 1
+
+    def body(x_blk, o_blk):
+      o_blk[...] = x_blk[...] * count[0].astype(jnp.float32)
+
+    spec = pl.BlockSpec((None, 8), lambda i: (i, 0))
+    pltpu.emit_pipeline(body, grid=(4,), in_specs=[spec], out_specs=[spec])(
+        x_hbm, o_hbm, body_prologue=prologue)
+
+  out = pallas_call(kernel, sds(x), in_specs=[ANY], out_specs=ANY,
+                    scratch_shapes=[pltpu.SMEM((1,), jnp.int32)])(x)
+  assert_close(out, x * jnp.array([1.0, 3.0, 6.0, 10.0])[:, None])
+
+
 def test_pipeline_input_blocks_are_copies():
   """Writing an input block changes the buffer, not the array (as in VMEM on a TPU)."""
   x = random_array((16, 8))

@@ -197,7 +197,8 @@ def emit_pipeline(body: Callable[..., None], *, grid: Sequence[Any], in_specs: A
   in_specs, out_specs = _normalize(in_specs), _normalize(out_specs)
 
   def pipeline(*refs: Any, scratches: Any = None, allocations: Any = None,
-               **unused_hints: Any) -> None:
+               body_prologue: Callable[[], None] | None = None) -> None:
+    """`body_prologue` (JAX 0.10) runs before the body at every step, in its grid."""
     site = kernel_site()
     steps_grid, n_steps = _grid_steps(grid, site)
     ins = _windows(in_specs, refs[:len(in_specs)], "input", site)
@@ -207,19 +208,20 @@ def emit_pipeline(body: Callable[..., None], *, grid: Sequence[Any], in_specs: A
     windows = [w for _, w in operands if w is not None]
     if allocations is None:
       return primitives.run_scoped(
-          lambda *bufs: _run(body, steps_grid, n_steps, ins, outs, scratch, list(bufs)),
+          lambda *bufs: _run(body, body_prologue, steps_grid, n_steps, ins, outs, scratch,
+                             list(bufs)),
           *[w.buffer for w in windows])
     bufs = jax.tree_util.tree_leaves(allocations, is_leaf=_is_ref_leaf)
     if len(bufs) != len(windows):
       raise PalletError(f"emit_pipeline in {site}: allocations hold {len(bufs)} buffers, "
                         f"the pipeline needs {len(windows)} (one per windowed operand); "
                         f"make them with emit_pipeline_with_allocations")
-    return _run(body, steps_grid, n_steps, ins, outs, scratch, bufs)
+    return _run(body, body_prologue, steps_grid, n_steps, ins, outs, scratch, bufs)
 
   return pipeline
 
 
-def _run(body, grid, n_steps, ins, outs, scratch, bufs) -> None:
+def _run(body, prologue, grid, n_steps, ins, outs, scratch, bufs) -> None:
   """The loop: per step, blocks in, body, blocks out."""
   n_in_leaves = sum(isinstance(p, tuple) for p in ins)
   operands = [p for p in ins + outs if isinstance(p, tuple)]
@@ -233,13 +235,15 @@ def _run(body, grid, n_steps, ins, outs, scratch, bufs) -> None:
     views = [(r, w, buf) + (w.view(w.starts(ids)) if w is not None else ((), None))
              for (r, w), buf in zip(operands, buf_of)]
     block_refs = []
-    for k, (r, w, buf, idx, mask) in enumerate(views):
+    for r, w, buf, idx, mask in views:
       if w is None:
         block_refs.append(r)
         continue
       buf[...] = primitives.load(r, idx, mask=mask)
       block_refs.append(buf)
     with primitives.grid_context(ids, grid, kernel_name=kernel_name):
+      if prologue is not None:
+        prologue()
       body(*_unflatten(ins, block_refs[:n_in_leaves]),
            *_unflatten(outs, block_refs[n_in_leaves:]), *scratch)
     for r, w, buf, idx, mask in views[n_in_leaves:]:
@@ -264,7 +268,7 @@ def emit_pipeline_with_allocations(body: Callable[..., None], *, grid: Sequence[
     site = kernel_site()
     pairs = (_windows(in_specs_, refs[:len(in_specs_)], "input", site)
              + _windows(out_specs_, refs[len(in_specs_):], "output", site))
-    return tuple(w.buffer for p in pairs if isinstance(p, tuple) for _, w in [p]
-                 if w is not None)
+    windows = [p[1] for p in pairs if isinstance(p, tuple)]
+    return tuple(w.buffer for w in windows if w is not None)
 
   return pipeline, make_allocations
