@@ -12,10 +12,21 @@ from jax import lax
 
 import pallet as pl
 from helpers import assert_close, poisoned, random_array, sds
+from pallet.backends import xla as xla_backend
 from pallet.backends.xla import body_analysis, plan as plan_lib, plan_of
 
 f32 = jnp.float32
 pytestmark = pytest.mark.cpu_only
+
+
+@pytest.fixture
+def small_memory_budget(monkeypatch):
+  """Shrinks the planner's memory budget; plans cached for kernels traced before
+  (the trace cache hands back the same description) are dropped."""
+  monkeypatch.setattr(plan_lib, "MEMORY_FLOOR_BYTES", 0)
+  xla_backend._planned.cache_clear()
+  yield monkeypatch
+  xla_backend._planned.cache_clear()
 
 
 def _description(fn, *args):
@@ -326,10 +337,9 @@ def test_inputs_that_do_not_tile_are_gathered_per_program():
 
 
 @pytest.mark.parametrize("chunked", [False, True])
-def test_gathered_blocks_on_a_2d_grid_with_chunks(chunked, monkeypatch):
+def test_gathered_blocks_on_a_2d_grid_with_chunks(chunked, request):
   if chunked:
-    monkeypatch.setattr(plan_lib, "MEMORY_FLOOR_BYTES", 0)
-    monkeypatch.setattr(plan_lib, "MEMORY_MULTIPLE", 0.5)
+    request.getfixturevalue("small_memory_budget").setattr(plan_lib, "MEMORY_MULTIPLE", 0.5)
   # Output block (i, j) reads input block ((3 i) mod 4, 2 - j): permuted and reversed.
   def kernel(x_ref, o_ref):
     o_ref[...] = jnp.sin(x_ref[...]) + pl.program_id(0).astype(f32)
@@ -380,9 +390,8 @@ def test_debug_prints_the_reasons(capsys):
 
 
 # ------------------------------------------------------------------ chunking
-def test_huge_vectorization_is_chunked(monkeypatch):
-  monkeypatch.setattr(plan_lib, "MEMORY_FLOOR_BYTES", 0)
-  monkeypatch.setattr(plan_lib, "MEMORY_MULTIPLE", 16)
+def test_huge_vectorization_is_chunked(small_memory_budget):
+  small_memory_budget.setattr(plan_lib, "MEMORY_MULTIPLE", 16)
 
   def kernel(x_ref, t_ref, o_ref):
     # each program builds a (table x block) outer product: 256x its block
@@ -402,9 +411,8 @@ def test_huge_vectorization_is_chunked(monkeypatch):
   assert_close(fn(x, t), jnp.sum(t) * x, rtol=1e-4, atol=1e-4)
 
 
-def test_summed_axis_is_chunked_into_the_inner_loop(monkeypatch):
-  monkeypatch.setattr(plan_lib, "MEMORY_FLOOR_BYTES", 0)
-  monkeypatch.setattr(plan_lib, "MEMORY_MULTIPLE", 0.25)
+def test_summed_axis_is_chunked_into_the_inner_loop(small_memory_budget):
+  small_memory_budget.setattr(plan_lib, "MEMORY_MULTIPLE", 0.25)
   x, y = random_array((16, 256)), random_array((256, 16))
   fn = lambda x, y: _matmul(x, y, _zero_then_add_scaled)
   plan = _plan(fn, x, y)
