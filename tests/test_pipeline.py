@@ -116,6 +116,28 @@ def test_body_prologue_runs_before_every_step():
   assert_close(out, x * jnp.array([1.0, 3.0, 6.0, 10.0])[:, None])
 
 
+def test_explicit_indices_give_the_body_a_pipeline_step():
+  x = random_array((4, 16))
+
+  def body(step, x_blk, o_blk):
+    i, j = step.index
+    o_blk[...] = x_blk[...] + (10 * i + j + 100 * step.local_index).astype(jnp.float32)
+
+  def kernel(x_hbm, o_hbm):
+    spec = pl.BlockSpec((None, 8), lambda i, j: (i, j))
+    pltpu.emit_pipeline(body, grid=(4, 2), in_specs=[spec], out_specs=[spec],
+                        _explicit_indices=True)(x_hbm, o_hbm)
+
+  out = pallas_call(kernel, sds(x), in_specs=[ANY], out_specs=ANY)(x)
+  i, j = jnp.meshgrid(jnp.arange(4), jnp.repeat(jnp.arange(2), 8), indexing="ij")
+  assert_close(out, x + (10 * i + j + 100 * (2 * i + j)).astype(x.dtype))
+
+
+def test_scheduler_internals_are_clear_errors():
+  with pytest.raises(pl.PalletError, match="pltpu.BufferType is not supported"):
+    pltpu.BufferType.INPUT
+
+
 def test_pipeline_input_blocks_are_copies():
   """Writing an input block changes the buffer, not the array (as in VMEM on a TPU)."""
   x = random_array((16, 8))

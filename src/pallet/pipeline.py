@@ -26,6 +26,25 @@ from pallet.dma import kernel_site
 from pallet.grid_mapping import PalletError
 from pallet.specs import (BlockSpec, Blocked, Element, MemorySpace, ScratchShape, Squeezed,
                           no_block_spec)
+from pallet.unsupported import Unsupported
+
+# The Mosaic scheduler's own buffers and its mesh-wide prefetching have no meaning
+# here: the pipeline is a plain loop of copies.
+_SCHEDULER_ONLY = ("the TPU pipeline scheduler's internals; pallet runs a pipeline as a "
+                   "sequential loop of block copies")
+BufferedRef = Unsupported("pltpu.BufferedRef", _SCHEDULER_ONLY, "use emit_pipeline")
+BufferType = Unsupported("pltpu.BufferType", _SCHEDULER_ONLY, "use emit_pipeline")
+emit_pipeline_with_async_prefetch = Unsupported(
+    "pltpu.emit_pipeline_with_async_prefetch", _SCHEDULER_ONLY,
+    "use emit_pipeline (inputs are copied in at every step)")
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineStep:
+  """What a body built with `_explicit_indices=True` gets first: the step's grid
+  indices and its linear position in the loop."""
+  index: tuple[Any, ...]
+  local_index: Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,16 +204,21 @@ def emit_pipeline(body: Callable[..., None], *, grid: Sequence[Any], in_specs: A
                   out_specs: Any = (), tiling: Any = None, core_axis: Any = None,
                   core_axis_name: Any = None, dimension_semantics: Any = None,
                   trace_scopes: bool = True, no_pipelining: bool = False,
-                  **unused: Any) -> Callable[..., None]:
+                  output_wait_read_only: bool = False,
+                  _explicit_indices: bool = False) -> Callable[..., None]:
   """Returns `pipeline(*in_refs, *out_refs, scratches=(), allocations=None)`, which runs
   `body(*in_blocks, *out_blocks, *scratches)` for every step of `grid`.
 
   Hints for the TPU's scheduler (tiling, dimension_semantics, core partitioning on a
-  single core, no_pipelining) do not change the result and are accepted as such.
+  single core, no_pipelining, output_wait_read_only) do not change the result and are
+  accepted as such. With `_explicit_indices`, the body gets a `PipelineStep` first.
   """
   del tiling, core_axis, core_axis_name, dimension_semantics, trace_scopes, no_pipelining
-  del unused
+  del output_wait_read_only
   in_specs, out_specs = _normalize(in_specs), _normalize(out_specs)
+
+  def step_body(step: PipelineStep, *refs: Any) -> None:
+    return body(step, *refs) if _explicit_indices else body(*refs)
 
   def pipeline(*refs: Any, scratches: Any = None, allocations: Any = None,
                body_prologue: Callable[[], None] | None = None) -> None:
@@ -208,15 +232,15 @@ def emit_pipeline(body: Callable[..., None], *, grid: Sequence[Any], in_specs: A
     windows = [w for _, w in operands if w is not None]
     if allocations is None:
       return primitives.run_scoped(
-          lambda *bufs: _run(body, body_prologue, steps_grid, n_steps, ins, outs, scratch,
-                             list(bufs)),
+          lambda *bufs: _run(step_body, body_prologue, steps_grid, n_steps, ins, outs,
+                             scratch, list(bufs)),
           *[w.buffer for w in windows])
     bufs = jax.tree_util.tree_leaves(allocations, is_leaf=_is_ref_leaf)
     if len(bufs) != len(windows):
       raise PalletError(f"emit_pipeline in {site}: allocations hold {len(bufs)} buffers, "
                         f"the pipeline needs {len(windows)} (one per windowed operand); "
                         f"make them with emit_pipeline_with_allocations")
-    return _run(body, body_prologue, steps_grid, n_steps, ins, outs, scratch, bufs)
+    return _run(step_body, body_prologue, steps_grid, n_steps, ins, outs, scratch, bufs)
 
   return pipeline
 
@@ -244,7 +268,7 @@ def _run(body, prologue, grid, n_steps, ins, outs, scratch, bufs) -> None:
     with primitives.grid_context(ids, grid, kernel_name=kernel_name):
       if prologue is not None:
         prologue()
-      body(*_unflatten(ins, block_refs[:n_in_leaves]),
+      body(PipelineStep(tuple(ids), i), *_unflatten(ins, block_refs[:n_in_leaves]),
            *_unflatten(outs, block_refs[n_in_leaves:]), *scratch)
     for r, w, buf, idx, mask in views[n_in_leaves:]:
       if w is not None:

@@ -9,7 +9,8 @@ from pallet.specs import GridSpec, MemorySpace, no_block_spec
 from pallet.dma import (AsyncCopyDescriptor, SemaphoreType, async_copy, dma_semaphore,
                         make_async_copy, make_async_remote_copy, semaphore_read,
                         semaphore_signal, semaphore_wait, sync_copy)
-from pallet.pipeline import emit_pipeline, emit_pipeline_with_allocations
+from pallet.pipeline import (BufferedRef, BufferType, PipelineStep, emit_pipeline,
+                             emit_pipeline_with_allocations, emit_pipeline_with_async_prefetch)
 from pallet.bits import join_bits, pack_elementwise, split_bits, unpack_elementwise
 from pallet.tpu_conv import conv
 from pallet.memory_spaces import AccMemorySpace as ACC
