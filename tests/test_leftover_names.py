@@ -282,6 +282,11 @@ def test_side_effect_type_is_accepted_in_compiler_params():
   assert_close(out, x)
 
 
+def test_buffered_ref_base_is_a_clear_error():
+  with pytest.raises(pl.PalletError, match=r"BufferedRef is not supported.*emit_pipeline"):
+    pltpu.BufferedRefBase()
+
+
 def test_lowering_exception_is_an_exception_class():
   assert issubclass(pltpu.LoweringException, Exception)
   with pytest.raises(pltpu.LoweringException):

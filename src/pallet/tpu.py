@@ -11,6 +11,7 @@ from pallet.dma import (AsyncCopyDescriptor, SemaphoreType, async_copy, dma_sema
                         semaphore_signal, semaphore_wait, sync_copy)
 from pallet.pipeline import (BufferedRef, BufferType, PipelineStep, emit_pipeline,
                              emit_pipeline_with_allocations, emit_pipeline_with_async_prefetch)
+from pallet.pipeline import BufferedRef as BufferedRefBase  # deprecated in JAX
 from pallet.bits import join_bits, pack_elementwise, split_bits, unpack_elementwise
 from pallet.tpu_conv import conv
 from pallet.memory_spaces import AccMemorySpace as ACC
