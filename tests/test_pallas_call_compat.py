@@ -167,8 +167,18 @@ def test_call_under_disable_jit():
 
 
 # ------------------------------------------------------------------ trace cache
+class _Log:
+  """Records traces; hashes by identity, so a kernel closing over it keeps its key."""
+
+  def __init__(self):
+    self.entries = []
+
+  def append(self, x):
+    self.entries.append(x)
+
+
 def test_second_call_with_same_shapes_does_not_retrace():
-  traces = []
+  traces = _Log()
 
   def kernel(x_ref, o_ref, *, scale):
     traces.append(scale)
@@ -179,10 +189,29 @@ def test_second_call_with_same_shapes_does_not_retrace():
     call = pallas_call(functools.partial(kernel, scale=scale), out_shape=sds(x))
     assert_close(call(x), x * scale)
     assert_close(call(y), y * scale)
-  assert traces == [2, 2.0]          # 2 and 2.0 are different keys; repeats hit
+  assert traces.entries == [2, 2.0]          # 2 and 2.0 are different keys; repeats hit
   z = random_array((8,))
   assert_close(pallas_call(functools.partial(kernel, scale=2), out_shape=sds(z))(z), z * 2)
-  assert len(traces) == 3            # a new shape traces again
+  assert len(traces.entries) == 3            # a new shape traces again
+
+
+def test_ops_that_build_fresh_kernels_and_index_maps_hit_the_cache():
+  # As JAX's ops do: every call defines the kernel and its index-map lambdas anew.
+  traces = _Log()
+
+  def op(x, scale, block):
+    def kernel(x_ref, o_ref):
+      traces.append(scale)
+      o_ref[...] = x_ref[...] * scale
+
+    spec = pl.BlockSpec((block,), lambda i: (i,))
+    return pallas_call(kernel, out_shape=sds(x), grid=(x.shape[0] // block,),
+                       in_specs=[spec], out_specs=spec)(x)
+
+  x = random_array((16,))
+  for scale, block in [(3, 4), (3, 4), (5, 4), (3, 8), (3, 4)]:
+    assert_close(op(x, scale, block), x * scale)
+  assert traces.entries == [3, 5, 3]        # closure values are part of the key
 
 
 def test_unhashable_partial_arguments_trace_every_time():

@@ -269,3 +269,16 @@ def test_debug_checks_setting_retraces_jitted_callers():
   with pl.enable_debug_checks(True):
     with pytest.raises(Exception, match=_CHECK_FAILED):
       jax.block_until_ready(f(bad))
+
+
+def test_poison_buffers_fill_scoped_refs():
+  def kernel(x_ref, o_ref):
+    def body(tmp):
+      o_ref[...] = jnp.where(jnp.arange(8) < 4, tmp[...], x_ref[...])  # half unwritten
+    pl.run_scoped(body, jax.ShapeDtypeStruct((8,), f32))
+
+  x = random_array((8,))
+  with pl.enable_poison_buffers(True):
+    out = pallas_call(kernel, out_shape=sds(x))(x)
+  assert bool(jnp.all(jnp.isnan(out[:4])))
+  assert_close(out[4:], x[4:])

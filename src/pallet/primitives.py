@@ -558,13 +558,14 @@ def when(condition: Any) -> Callable[[Callable[[], None]], None]:
 def run_scoped(body: Callable[..., Any], *types: Any, **kw_types: Any) -> Any:
   """Calls `body` with fresh scratch refs of the given shapes (or pytrees of them, e.g.
   the allocations of `pltpu.emit_pipeline_with_allocations`); returns its result."""
-  def fresh(t):
-    if isinstance(t, (ScratchShape, jax.ShapeDtypeStruct)):
-      return jax.new_ref(jnp.zeros(t.shape, t.dtype))
-    raise TypeError(f"pl.run_scoped: expected scratch shapes such as "
-                    f"pallet.tpu.VMEM((8, 128), jnp.float32), got {t!r}")
+  from pallet import checks   # checks builds on this module
 
   def fresh_tree(tree):
+    def fresh(t):
+      if isinstance(t, (ScratchShape, jax.ShapeDtypeStruct)):
+        return jax.new_ref(checks.uninitialized(tuple(t.shape), t.dtype))
+      raise TypeError(f"pl.run_scoped: expected scratch shapes such as "
+                      f"pallet.tpu.VMEM((8, 128), jnp.float32), got {tree!r}")
     return jax.tree_util.tree_map(fresh, tree, is_leaf=lambda t: isinstance(t, ScratchShape))
   refs = [fresh_tree(t) for t in types]
   kw_refs = {k: fresh_tree(t) for k, t in kw_types.items()}

@@ -6,7 +6,8 @@ executable too).
 Correctness over hits: a key is built only from values whose equality implies
 the same trace (types are part of the key, so `1`, `1.0` and `True` differ);
 anything that cannot be frozen that way (arrays, mutable objects that define
-equality but no hash) disables caching for that call.
+equality but no hash) disables caching for that call. Like `jax.jit`, the cache
+assumes that module globals a kernel reads do not change between calls.
 """
 from __future__ import annotations
 
@@ -29,27 +30,30 @@ class _Unhashable(Exception):
   pass
 
 
-def freeze(x: Any) -> Any:
+_MAX_DEPTH = 32
+
+
+def freeze(x: Any, depth: int = 0) -> Any:
   """A hashable value equal for equal inputs and different for different types."""
+  if depth > _MAX_DEPTH:
+    raise _Unhashable
+  depth += 1
   if x is None or isinstance(x, (str, bytes, bool, int, float, complex, enum.Enum)):
     return (type(x), x)
   if isinstance(x, np.generic):
     return (type(x), x.item())
   if isinstance(x, (list, tuple)):
-    return (tuple, tuple(freeze(v) for v in x))
+    return (tuple, tuple(freeze(v, depth) for v in x))
   if isinstance(x, dict):
     try:
       items = sorted(x.items())
     except TypeError:
       raise _Unhashable from None
-    return (dict, tuple((freeze(k), freeze(v)) for k, v in items))
-  if isinstance(x, functools.partial):
-    return (functools.partial, freeze_callable(x.func), freeze(x.args),
-            freeze(dict(x.keywords)))
-  if isinstance(x, (types.FunctionType, types.BuiltinFunctionType, types.MethodType, type)):
-    return freeze_callable(x)
+    return (dict, tuple((freeze(k, depth), freeze(v, depth)) for k, v in items))
+  if callable(x) and isinstance(x, (functools.partial, types.FunctionType)):
+    return freeze_callable(x, depth)
   if dataclasses.is_dataclass(x) and not isinstance(x, type):
-    return (type(x), tuple(freeze(getattr(x, f.name)) for f in dataclasses.fields(x)))
+    return (type(x), tuple(freeze(getattr(x, f.name), depth) for f in dataclasses.fields(x)))
   if isinstance(x, np.ndarray) or internals.is_tracer(x) or hasattr(x, "__array__"):
     raise _Unhashable
   try:
@@ -59,10 +63,27 @@ def freeze(x: Any) -> Any:
   return (type(x), x)
 
 
-def freeze_callable(fn: Any) -> Any:
-  """Functions are keyed by identity: the same object traces the same way."""
+_EMPTY_CELL = object()
+
+
+def freeze_callable(fn: Any, depth: int = 0) -> Any:
+  """Python functions are keyed by what decides their behaviour: their code, module
+  globals, defaults and the values they close over. So the fresh lambdas and nested
+  kernels that an op builds on every call still hit; other callables by identity."""
   if isinstance(fn, functools.partial):
-    return freeze(fn)
+    return (functools.partial, freeze_callable(fn.func, depth + 1), freeze(fn.args, depth),
+            freeze(dict(fn.keywords), depth))
+  if isinstance(fn, types.FunctionType):
+    cells = []
+    for cell in fn.__closure__ or ():
+      try:
+        cells.append(cell.cell_contents)
+      except ValueError:               # a cell not yet filled
+        cells.append(_EMPTY_CELL)
+    return (types.FunctionType, fn.__code__, id(fn.__globals__),
+            freeze(fn.__defaults__, depth), freeze(fn.__kwdefaults__, depth),
+            tuple(("empty",) if c is _EMPTY_CELL else freeze(c, depth) for c in cells),
+            freeze(getattr(fn, "__dict__", {}), depth))
   return ("callable", id(fn), fn)
 
 
