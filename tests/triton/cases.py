@@ -718,3 +718,19 @@ def _barrier(interpret):
   import pallet.tpu as pltpu
   f = call(kernel, sds(x), interpret, scratch_shapes=[pltpu.VMEM((16, 32), jnp.float32)])
   return f, (x,), jnp.concatenate([x[8:], x[:8]]) + 1
+
+
+@case("split_pad_and_dynamic_update_slice")
+def _split_pad(interpret):
+  x, u = random_array((5, 12)), random_array((2, 3))
+  i = jnp.array([3, 20], jnp.int32)        # the second start is clamped, as XLA does
+  def kernel(x_ref, u_ref, i_ref, a_ref, b_ref, p_ref, d_ref):
+    a, b = jnp.split(x_ref[...], [7], axis=1)
+    a_ref[...], b_ref[...] = a, b * 2
+    p_ref[...] = lax.pad(x_ref[...], -1.5, ((1, -2, 1), (3, 1, 0)))
+    d_ref[...] = lax.dynamic_update_slice(x_ref[...], u_ref[...], (i_ref[0], i_ref[1]))
+  shapes = (jax.ShapeDtypeStruct((5, 7), jnp.float32), jax.ShapeDtypeStruct((5, 5), jnp.float32),
+            jax.ShapeDtypeStruct((8, 16), jnp.float32), sds(x))
+  expected = (x[:, :7], x[:, 7:] * 2, lax.pad(x, -1.5, ((1, -2, 1), (3, 1, 0))),
+              lax.dynamic_update_slice(x, u, (3, 20)))
+  return call(kernel, shapes, interpret), (x, u, i), expected

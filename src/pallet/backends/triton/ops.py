@@ -448,6 +448,60 @@ def _dynamic_slice(gen, eqn, x, *starts):
   return [out]
 
 
+@rule("split")
+def _split(gen, eqn, x):
+  axis, start, outs = eqn.params["axis"], 0, []
+  for v in eqn.outvars:
+    shape = tuple(v.aval.shape)
+    size = shape[axis]
+    index = f"tl.minimum({start} + tl.arange(0, {next_pow2(size)}), {x.tensor_shape[axis] - 1})"
+    outs.append(_gather_along(gen, x, axis, index, shape, "split"))
+    start += size
+  return outs
+
+
+@rule("pad")
+def _pad(gen, eqn, x, value):
+  """Each output position reads the operand element it holds, or the padding value."""
+  shape, dtype = _out(eqn)
+  out = x
+  for axis, (lo, hi, interior) in enumerate(eqn.params["padding_config"]):
+    lo, hi, interior = int(lo), int(hi), int(interior)
+    if (lo, hi, interior) == (0, 0, 0):
+      continue
+    n, step = out.shape[axis], interior + 1
+    new_shape = out.shape[:axis] + (shape[axis],) + out.shape[axis + 1:]
+    rel = f"(tl.arange(0, {next_pow2(shape[axis])}) - {lo})"
+    index = f"tl.minimum(tl.maximum({rel} // {step}, 0), {n - 1})"
+    taken = _gather_along(gen, out, axis, index, new_shape, "pad_take")
+    here = _expand_to_rank(rel, len(shape), [axis])
+    inside = f"({here} >= 0) & ({here} < {(n - 1) * step + 1}) & ({here} % {step} == 0)"
+    out = gen.let("pad", f"tl.where({inside}, {taken.typed}, {value.typed})", new_shape, dtype)
+  return [out]
+
+
+@rule("dynamic_update_slice")
+def _dynamic_update_slice(gen, eqn, x, update, *starts):
+  """The update gathered into the operand's shape, selected inside its window."""
+  shape, dtype = _out(eqn)
+  rank = len(shape)
+  spread, inside = update, []
+  for axis, start in enumerate(starts):
+    n, u = shape[axis], update.shape[axis]
+    # XLA clamps the start so that the update lies inside the operand.
+    s = gen.let("dus_start", f"tl.minimum(tl.maximum({start.typed}, 0), {n - u})", (),
+                np.int32)
+    rel = f"(tl.arange(0, {next_pow2(n)}) - {s.expr})"
+    index = f"tl.minimum(tl.maximum({rel}, 0), {u - 1})"
+    new_shape = spread.shape[:axis] + (n,) + spread.shape[axis + 1:]
+    spread = _gather_along(gen, spread, axis, index, new_shape, "dus_take")
+    here = _expand_to_rank(rel, rank, [axis])
+    inside.append(f"({here} >= 0) & ({here} < {u})")
+  mask = " & ".join(inside) if inside else "True"
+  return [gen.let("dynamic_update_slice", f"tl.where({mask}, {spread.typed}, {x.typed})",
+                  shape, dtype)]
+
+
 @rule("rev")
 def _rev(gen, eqn, x):
   shape, dtype = _out(eqn)
