@@ -561,7 +561,7 @@ def test_primitive_without_batching_rule_makes_the_plan_loop(capsys):
                                 out_specs=spec, debug=True)(x)
   plan = _plan(fn, x)
   assert plan.vectorized == [] and plan.outer == [0]
-  assert "does not run under vmap" in capsys.readouterr().out
+  assert "has no batching rule" in capsys.readouterr().out
   assert_close(fn(x), x * 3.0 + 1.0)
 
 
@@ -599,3 +599,26 @@ def test_poison_buffers_fill_unwritten_output_blocks(grid_size):
   assert_close(out[:16], x[:16] + 1.0)
   assert bool(jnp.all(jnp.isnan(out[16:])))
   assert_close(fn(x, 2)[16:], jnp.zeros((16, 8), f32))   # poisoning off: zeros
+
+
+def test_batching_rule_that_fails_makes_the_plan_loop_when_traced(capsys):
+  from jax.extend.core import Primitive
+  from jax.interpreters import batching, mlir
+  p = Primitive("pallet_test_failing_batching")
+  p.def_impl(lambda x: x - 2.0)
+  p.def_abstract_eval(lambda x: jax.core.ShapedArray(x.shape, x.dtype))
+  mlir.register_lowering(p, mlir.lower_fun(lambda x: x - 2.0, multiple_results=False))
+  def refuse(args, dims):
+    raise NotImplementedError("this rule refuses every batch")
+  batching.primitive_batchers[p] = refuse
+  def kernel(x_ref, o_ref):
+    o_ref[...] = p.bind(x_ref[...]) * 2.0
+  x = random_array((32, 16))
+  spec = pl.BlockSpec((8, 16), lambda i: (i, 0))
+  fn = lambda x: pl.pallas_call(kernel, out_shape=sds(x), grid=(4,), in_specs=[spec],
+                                out_specs=spec, debug=True)(x)
+  assert_close(fn(x), (x - 2.0) * 2.0)
+  plan = _plan(fn, x)
+  assert plan.vectorized == [] and plan.outer == [0]
+  assert "refuses every batch" in plan.describe()
+  assert "does not run under vmap" in capsys.readouterr().out

@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-import jax
 from jax.interpreters import mlir
 
 from pallet.backends.xla.executor import build
@@ -22,25 +21,40 @@ NAME = "xla"
 @functools.lru_cache(maxsize=512)
 def _planned(kernel: KernelDescription) -> tuple[ExecutionPlan, Callable]:
   plan = make_plan(kernel)
-  fn = build(kernel, plan)
-  if plan.vectorized or plan.merged:
-    # A cheap trial (shapes only): some primitives fail to batch, or batch to wrong
-    # shapes; such kernels run with every axis looped instead of an opaque error.
-    try:
-      jax.eval_shape(fn, *_operand_avals(kernel))
-    except Exception as e:  # noqa: BLE001 - any failure under vmap means: do not vmap
-      plan = make_plan(kernel, unbatchable=vectorization_failure(e))
-      fn = build(kernel, plan)
   if kernel.debug:
-    print(f"--- pallet xla plan for '{kernel.name}' ---\n{plan.describe()}")
-  return plan, fn
+    _print_plan(kernel, plan)
+  fn = build(kernel, plan)
+  if not (plan.vectorized or plan.merged):
+    return plan, fn
+
+  def run(*args):
+    # A batching rule that exists but fails for these operands shows only when the
+    # body is traced under vmap: then run every axis looped (the failed attempt
+    # leaves only unused values behind in the trace).
+    if kernel in _fallbacks:
+      return _fallbacks[kernel][1](*args)
+    try:
+      return fn(*args)
+    except Exception as e:  # noqa: BLE001 - the looped plan re-raises real errors
+      looped = make_plan(kernel, unbatchable=vectorization_failure(e))
+      looped_fn = build(kernel, looped)
+      try:
+        results = looped_fn(*args)
+      except Exception:  # noqa: BLE001
+        raise e from None
+      _fallbacks[kernel] = (looped, looped_fn)
+      if kernel.debug:
+        _print_plan(kernel, looped)
+      return results
+  return plan, run
 
 
-def _operand_avals(kernel: KernelDescription) -> list[jax.ShapeDtypeStruct]:
-  gm = kernel.grid_mapping
-  sizes = [jax.ShapeDtypeStruct((), "int32")] * len(gm.dynamic_axes)
-  return sizes + [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in gm.prefetch_avals] + [
-      jax.ShapeDtypeStruct(b.array_shape, b.dtype) for b in gm.inputs]
+# Kernels whose vectorized body failed to trace: their looped plan and function.
+_fallbacks: dict[KernelDescription, tuple[ExecutionPlan, Callable]] = {}
+
+
+def _print_plan(kernel: KernelDescription, plan: ExecutionPlan) -> None:
+  print(f"--- pallet xla plan for '{kernel.name}' ---\n{plan.describe()}")
 
 
 def kernel_as_function(kernel: KernelDescription) -> Callable[..., list[Any]]:
@@ -49,7 +63,7 @@ def kernel_as_function(kernel: KernelDescription) -> Callable[..., list[Any]]:
 
 
 def plan_of(kernel: KernelDescription) -> ExecutionPlan:
-  return _planned(kernel)[0]
+  return _fallbacks[kernel][0] if kernel in _fallbacks else _planned(kernel)[0]
 
 
 def lower(ctx: Any, *args: Any, kernel: KernelDescription, interpret: bool) -> list:

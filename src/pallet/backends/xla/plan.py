@@ -40,7 +40,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import subjaxprs
+from jax.extend.core import Literal, subjaxprs
+from jax.interpreters import batching
 
 from pallet import _internals as internals
 from pallet.dma import DMA_PRIMITIVE_NAMES
@@ -263,10 +264,8 @@ def make_plan(kernel: KernelDescription, unbatchable: str | None = None) -> Exec
                    "parallel one: running the grid in exact row-major order")
     return looped(list(range(G)), _resident(outputs, list(range(G))))
 
-  known = [p for p in KNOWN_UNBATCHABLE if _uses_primitive(kernel.jaxpr.jaxpr, (p,))]
-  if unbatchable is None and known and G:
-    unbatchable = (f"the kernel uses {', '.join(known)}, whose batching rule gives wrong "
-                   f"shapes for kernel operands, so the body never runs under vmap")
+  if unbatchable is None and parallel + sequential:
+    unbatchable = _unbatchable_body(kernel)
   if unbatchable is not None:
     reasons.append(f"axes {parallel} looped: {unbatchable}")
     return ExecutionPlan(grid, [], {}, [], [], parallel, sequential, inputs, outputs,
@@ -306,6 +305,36 @@ def make_plan(kernel: KernelDescription, unbatchable: str | None = None) -> Exec
   inner = [g for g in sequential if g not in summed + merged or chunk[g] < grid[g]]
   return ExecutionPlan(grid, summed + vectorized, chunk, summed, merged, outer, inner, inputs,
                        outputs, _resident(outputs, inner), keep_initial, reasons)
+
+
+def _unbatchable_body(kernel: KernelDescription) -> str | None:
+  """Why the discharged body cannot run under vmap, if a primitive in it says so."""
+  known = [p for p in KNOWN_UNBATCHABLE if _uses_primitive(kernel.jaxpr.jaxpr, (p,))]
+  if known:
+    return (f"the kernel uses {', '.join(known)}, whose batching rule gives wrong shapes "
+            f"for kernel operands, so the body never runs under vmap")
+  missing = sorted(_without_batching_rule(internals.discharge_state(kernel.jaxpr).jaxpr))
+  if missing:
+    return (f"the kernel uses {', '.join(missing)}, which has no batching rule, so the body "
+            f"cannot run under vmap")
+  return None
+
+
+def _without_batching_rule(jaxpr: Any) -> set[str]:
+  """Primitives applied to values that vary per program (anything derived from the
+  jaxpr's inputs) that have no batching rule; nested jaxprs count as varying."""
+  rules = [t for t in (batching.primitive_batchers, batching.fancy_primitive_batchers,
+                       batching.axis_primitive_batchers) if isinstance(t, dict)]
+  varying = set(jaxpr.invars)
+  names = set()
+  for e in jaxpr.eqns:
+    if any(v in varying for v in e.invars if not isinstance(v, Literal)):
+      varying.update(e.outvars)
+      if not any(e.primitive in r for r in rules):
+        names.add(e.primitive.name)
+  for sub in subjaxprs(jaxpr):
+    names |= _without_batching_rule(sub)
+  return names
 
 
 def vectorization_failure(error: Exception) -> str:
