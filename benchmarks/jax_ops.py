@@ -40,12 +40,25 @@ ROUTES = {
 }
 # Loaded modules are registered under this package name (never under jax's own).
 PACKAGE = "pallet_jax_ops"
+# The kernel library pallet is measured against; older jax wheels ship older kernels.
+YARDSTICK = (0, 12)
 _loaded: dict[str, types.ModuleType] = {}
 
 
 def available(name: str) -> bool:
   """Whether the installed jax ships `ops/<name>.py` (JAX 0.10 ships fewer ops)."""
   return _path(name).exists()
+
+
+def unavailable_reason(name: str) -> str | None:
+  """Why `ops/<name>` of this jax is not the one to test or time (None when it is)."""
+  if not available(name):
+    return f"jax {jax.__version__} ships no ops/{name}"
+  version = tuple(int(p) for p in jax.__version__.split(".")[:2])
+  if version < YARDSTICK:
+    return (f"needs the kernel library of JAX {'.'.join(map(str, YARDSTICK))}; "
+            f"jax {jax.__version__} ships an older ops/{name}")
+  return None
 
 
 def load(name: str) -> types.ModuleType:
