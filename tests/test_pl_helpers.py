@@ -12,10 +12,9 @@ from jax import lax
 
 import pallet as pl
 from pallet import primitives
-from helpers import assert_close, current_test_backend, pallas_call, random_array, sds
+from helpers import assert_close, pallas_call, random_array, sds
 
 f32 = jnp.float32
-ON_XLA = current_test_backend() == "xla"
 
 
 # ------------------------------------------------------------------ integer helpers
@@ -221,7 +220,6 @@ def test_debug_check_disabled_emits_nothing():
   assert "pallet_check" not in str(kernel_jaxpr.eqns[0].params["kernel"].jaxpr)
 
 
-@pytest.mark.skipif(not ON_XLA, reason="the check's Triton rule belongs to the Triton backend")
 def test_debug_check_passes_and_fails_at_run_time():
   x = random_array((16,)) ** 2 + 0.5
   with pl.enable_debug_checks(True):
@@ -232,7 +230,6 @@ def test_debug_check_passes_and_fails_at_run_time():
   assert not pl.enable_debug_checks.value
 
 
-@pytest.mark.skipif(not ON_XLA, reason="the check's Triton rule belongs to the Triton backend")
 def test_debug_check_under_vmap_jit_and_in_loops():
   def kernel(x_ref, o_ref):
     @pl.loop(0, 4)
@@ -261,7 +258,6 @@ def test_enable_debug_checks_as_context_and_setter():
   assert not pl.enable_debug_checks.value
 
 
-@pytest.mark.skipif(not ON_XLA, reason="the check's Triton rule belongs to the Triton backend")
 def test_debug_checks_setting_retraces_jitted_callers():
   f = jax.jit(_checked_call())
   bad = -random_array((16,)) ** 2 - 1
