@@ -8,11 +8,10 @@ sanity checks (an unsatisfiable semaphore wait, ...) bind it too: build the
 message with `failure_message`.
 
 Backend rules:
-  * XLA: a host callback that raises (the error reaches the caller wrapped by
-    JAX's runtime as an XlaRuntimeError/JaxRuntimeError carrying the message).
-  * Triton: to be added next to the other Triton rules; it must stop the kernel
-    with `message` when `ok` is False anywhere (e.g. `tl.device_assert`), and
-    must not be a silent no-op.
+  * XLA (here): a host callback that raises (the error reaches the caller wrapped
+    by JAX's runtime as an XlaRuntimeError/JaxRuntimeError carrying the message).
+  * Triton (backends/triton/codegen.py, `_pallet_check`): the kernel sets a flag
+    per check; the launcher raises with the message after the launch.
 With checks disabled, `debug_check` emits nothing at all.
 """
 from __future__ import annotations
