@@ -12,7 +12,7 @@ from jax import lax
 
 import pallet as pl
 from pallet import primitives
-from helpers import assert_close, pallas_call, random_array, sds
+from helpers import assert_close, current_test_backend, pallas_call, random_array, sds
 
 f32 = jnp.float32
 
@@ -278,3 +278,20 @@ def test_poison_buffers_fill_scoped_refs():
     out = pallas_call(kernel, out_shape=sds(x))(x)
   assert bool(jnp.all(jnp.isnan(out[:4])))
   assert_close(out[4:], x[4:])
+
+
+def test_poison_buffers_show_unwritten_output_blocks():
+  if current_test_backend() != "xla":
+    pytest.skip("only the XLA backend poisons fresh outputs (docs/semantics.md section 14)")
+
+  def kernel(x_ref, o_ref):
+    @pl.when(pl.program_id(0) == 0)
+    def _():
+      o_ref[...] = x_ref[...]
+
+  x = random_array((8,))
+  spec = pl.BlockSpec((4,), lambda i: (i,))
+  with pl.enable_poison_buffers(True):
+    out = pallas_call(kernel, out_shape=sds(x), grid=(2,), in_specs=[spec], out_specs=spec)(x)
+  assert_close(out[:4], x[:4])
+  assert bool(jnp.all(jnp.isnan(out[4:])))
