@@ -356,3 +356,16 @@ def test_tile_inside_a_kernel():
                                           jax.ShapeDtypeStruct((4, 8), f32)))(x)
   assert_close(out, jnp.tile(x, (2, 3)))
   assert_close(p, jnp.tile(x[:, :4], (1, 2)))
+
+
+def test_gpu_versions_match_pallas():
+  jax_plgpu = pytest.importorskip("jax.experimental.pallas.triton")
+  if not hasattr(jax_plgpu, "GpuVersion"):
+    pytest.skip(f"jax {jax.__version__} has no plgpu.GpuVersion (added in 0.12)")
+  for version in jax_plgpu.GpuVersion:
+    ours = plgpu.GpuVersion[version.name]
+    assert ours.value == version.value
+    theirs = jax_plgpu.get_gpu_info_from_version(version)
+    info = plgpu.get_gpu_info_from_version(ours)
+    assert (info.arch_name, info.compute_capability) == (theirs.arch_name,
+                                                          theirs.compute_capability)

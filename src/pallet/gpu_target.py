@@ -48,6 +48,14 @@ class GpuVersion(enum.Enum):
   GH200 = "NVIDIA GH200"
   B200 = "NVIDIA B200"
   GB200 = "NVIDIA GB200"
+  B300 = "NVIDIA B300"
+  GB300 = "NVIDIA GB300"
+  VR200 = "NVIDIA VR200"
+  THOR = "NVIDIA Thor"
+  RTX_PRO_4500 = "NVIDIA RTX PRO 4500"
+  RTX_PRO_5000 = "NVIDIA RTX PRO 5000"
+  RTX_PRO_6000 = "NVIDIA RTX PRO 6000"
+  GB10 = "NVIDIA GB10"
 
   def __str__(self) -> str:
     return self.value
@@ -57,7 +65,10 @@ _COMPUTE_CAPABILITY = {
     GpuVersion.T4: 75, GpuVersion.A10: 86, GpuVersion.A30: 80, GpuVersion.A100: 80,
     GpuVersion.L4: 89, GpuVersion.L40: 89, GpuVersion.RTX_4090: 89,
     GpuVersion.H100: 90, GpuVersion.H200: 90, GpuVersion.GH200: 90,
-    GpuVersion.B200: 100, GpuVersion.GB200: 100,
+    GpuVersion.B200: 100, GpuVersion.GB200: 100, GpuVersion.B300: 103,
+    GpuVersion.GB300: 103, GpuVersion.VR200: 107, GpuVersion.THOR: 110,
+    GpuVersion.RTX_PRO_4500: 120, GpuVersion.RTX_PRO_5000: 120,
+    GpuVersion.RTX_PRO_6000: 120, GpuVersion.GB10: 121,
 }
 
 
