@@ -3,11 +3,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from benchmarks import (attention, elementwise, indexing, matmul, reduction,
+from benchmarks import (attention, elementwise, indexing, jax_op_cases, matmul, reduction,
                         rowwise, stencil)
 from benchmarks.case import Benchmark, Size
 
-FAMILIES = (elementwise, matmul, rowwise, attention, stencil, reduction, indexing)
+FAMILIES = (elementwise, matmul, rowwise, attention, stencil, reduction, indexing,
+            jax_op_cases)
 
 
 def all_benchmarks(size: Size) -> list[Benchmark]:

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from benchmarks import catalog, matmul, reduction, report
+from benchmarks import catalog, jax_op_cases, matmul, reduction, report
 from benchmarks.case import Benchmark, Size
 from benchmarks.runner import PeerPolicy
 from benchmarks.suite import exit_code, positive_int, run_suite
@@ -84,7 +84,7 @@ def column_sum_squares_row_loop(pl: ModuleType, *, rows: int, cols: int, block_r
 
 
 def gpu_benchmarks(size: Size = "full") -> list[Benchmark]:
-  """The CPU suite, with grid-axis reductions looped in-kernel instead."""
+  """The CPU suite, with grid-axis reductions looped in-kernel instead (no TPU ops)."""
   replaced = {
       "matmul": dict(name="matmul_kloop", grid=lambda b: b.grid[:2],
                      build=functools.partial(matmul_k_loop, **matmul.SIZES[size])),
@@ -94,6 +94,8 @@ def gpu_benchmarks(size: Size = "full") -> list[Benchmark]:
   }
   out = []
   for b in catalog.all_benchmarks(size):
+    if b.family == jax_op_cases.TPU_FAMILY:   # TPU programs (DMAs, SMEM): no Triton form
+      continue
     if b.name in replaced:
       r = replaced[b.name]
       b = Benchmark(name=r["name"], family=b.family, grid=r["grid"](b),

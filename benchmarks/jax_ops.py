@@ -13,6 +13,9 @@ and pallet's error messages point into the original file):
     from jax.experimental.pallas import tpu as pltpu     -> pallet.tpu
     from jax.experimental.pallas import triton as plgpu  -> pallet.triton
     from jax.experimental.pallas.ops.X import Y          -> the routed copy of ops.X
+    from jax._src.random import prng                     -> the PRNG registry, with the
+        routed copy's PRNG impls filed under "<name>:pallet", so that jax's own copy of
+        the same module (the Pallas peer) can still register its names
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ ROUTES = {
     _PALLAS + ".tpu_sc": "pallet.tpu_sc",
     _PALLAS + ".fuser": "pallet.fuser",
 }
+_PRNG = "jax._src.random.prng"
 # Loaded modules are registered under this package name (never under jax's own).
 PACKAGE = "pallet_jax_ops"
 # The kernel library pallet is measured against; older jax wheels ship older kernels.
@@ -87,6 +91,11 @@ def load(name: str) -> types.ModuleType:
   return module
 
 
+def upstream(name: str) -> types.ModuleType:
+  """jax's own `ops/<name>`, imported normally (on Pallas): the peer of `load(name)`."""
+  return importlib.import_module(f"{_OPS}.{name.replace('/', '.')}")
+
+
 def _path(name: str) -> pathlib.Path:
   file = OPS_DIR / f"{name}.py"
   return file if file.exists() else OPS_DIR / name / "__init__.py"
@@ -94,6 +103,8 @@ def _path(name: str) -> pathlib.Path:
 
 def _route_import(dotted: str, attribute: str | None) -> Any:
   """`import dotted` (attribute None) or `from dotted import attribute`, routed."""
+  if f"{dotted}.{attribute}" == _PRNG or (attribute is None and dotted == _PRNG):
+    return _PrngRegistry()
   if attribute is not None and f"{dotted}.{attribute}" in ROUTES:
     return importlib.import_module(ROUTES[f"{dotted}.{attribute}"])
   if dotted in ROUTES:
@@ -112,7 +123,22 @@ def _route_import(dotted: str, attribute: str | None) -> Any:
 
 def _routed(dotted: str) -> bool:
   return (dotted in ROUTES or dotted == _OPS or dotted.startswith(_OPS + ".")
-          or any(r.startswith(dotted + ".") for r in ROUTES))
+          or any(r.startswith(dotted + ".") for r in (*ROUTES, _PRNG)) or dotted == _PRNG)
+
+
+class _PrngRegistry(types.ModuleType):
+  """jax's PRNG module as a routed module sees it: `register_prng` files the impl
+  under "<name>:pallet" (jax's own copy of the module registers "<name>")."""
+
+  def __init__(self):
+    super().__init__(_PRNG)
+    self._prng = importlib.import_module(_PRNG)
+
+  def __getattr__(self, attribute: str) -> Any:
+    return getattr(self._prng, attribute)
+
+  def register_prng(self, impl: Any) -> None:
+    self._prng.prngs[f"{impl.name}:pallet"] = impl
 
 
 class _Router(ast.NodeTransformer):

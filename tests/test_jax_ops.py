@@ -514,7 +514,7 @@ def test_tpu_philox_counter_mode(shape):
 def test_tpu_philox_prng_impl():
   """The registered `pallas_philox4x32` PRNG: deterministic, key-dependent, uniform bits."""
   m = op("tpu/random/philox")
-  key = jax.random.key(42, impl=m.plphilox_prng_impl.name)
+  key = jax.random.key(42, impl=m.plphilox_prng_impl)
   bits = np.asarray(jax.random.bits(key, (256, 256), jnp.uint32))
   np.testing.assert_array_equal(bits, np.asarray(m.philox_random_bits(
       jax.random.key_data(key), 32, (256, 256))))
@@ -545,7 +545,7 @@ def test_tpu_threefry_matches_jax_random(shape):
 def test_tpu_threefry_prng_impl():
   m = op("tpu/random/threefry")
   with jax.threefry_partitionable(True):
-    ours = jax.random.key(7, impl=m.plthreefry_prng_impl.name)
+    ours = jax.random.key(7, impl=m.plthreefry_prng_impl)
     theirs = jax.random.key(7, impl="threefry2x32")
     for f in (lambda k: jax.random.normal(k, (300, 5)),
               lambda k: jax.random.bits(jax.random.split(k)[1], (9, 260))):
