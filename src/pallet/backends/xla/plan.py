@@ -40,7 +40,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import Literal, subjaxprs
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, subjaxprs
 from jax.interpreters import batching
 
 from pallet import _internals as internals
@@ -322,7 +322,9 @@ def _unbatchable_body(kernel: KernelDescription) -> str | None:
 
 def _without_batching_rule(jaxpr: Any) -> set[str]:
   """Primitives applied to values that vary per program (anything derived from the
-  jaxpr's inputs) that have no batching rule; nested jaxprs count as varying."""
+  jaxpr's inputs) that have no batching rule; nested jaxprs count as varying.
+  Primitives holding jaxprs (calls, control flow, custom derivatives) are batched
+  by JAX's tracing machinery in some versions: only their contents are checked."""
   rules = [t for t in (batching.primitive_batchers, batching.fancy_primitive_batchers,
                        batching.axis_primitive_batchers) if isinstance(t, dict)]
   varying = set(jaxpr.invars)
@@ -330,11 +332,16 @@ def _without_batching_rule(jaxpr: Any) -> set[str]:
   for e in jaxpr.eqns:
     if any(v in varying for v in e.invars if not isinstance(v, Literal)):
       varying.update(e.outvars)
-      if not any(e.primitive in r for r in rules):
+      if not any(e.primitive in r for r in rules) and not _holds_jaxpr(e):
         names.add(e.primitive.name)
   for sub in subjaxprs(jaxpr):
     names |= _without_batching_rule(sub)
   return names
+
+
+def _holds_jaxpr(eqn: Any) -> bool:
+  values = [x for v in eqn.params.values() for x in (v if isinstance(v, (tuple, list)) else (v,))]
+  return any(isinstance(x, (Jaxpr, ClosedJaxpr)) for x in values)
 
 
 def vectorization_failure(error: Exception) -> str:
