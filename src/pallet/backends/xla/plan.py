@@ -29,7 +29,7 @@ a table of block positions. From the tables and `body_analysis`:
 * everything looped: grid sizes computed at run time (one loop with a traced
   trip count, index maps run per step), scalar prefetch, DMAs/semaphores (exact
   grid order), and bodies that do not run under vmap (a primitive without a
-  working batching rule, found by a trial, or known to mis-batch).
+  batching rule, one known to mis-batch, or a rule that failed when traced).
 """
 from __future__ import annotations
 
@@ -214,8 +214,9 @@ def _uses_primitive(jaxpr: Any, names: tuple[str, ...]) -> bool:
 def make_plan(kernel: KernelDescription, unbatchable: str | None = None) -> ExecutionPlan:
   """Decides, per grid axis, how the kernel runs on XLA (see the module docstring).
 
-  `unbatchable` says why the body cannot run under vmap (found by a trial, see
-  `vectorization_failure`): then no axis is vectorized, summed or merged."""
+  `unbatchable` says why the body cannot run under vmap (a batching rule failed
+  when the vectorized plan was traced, see `vectorization_failure`): then no axis
+  is vectorized, summed or merged."""
   gm: GridMapping = kernel.grid_mapping
   grid, G = gm.grid, len(gm.grid)
   dynamic = bool(gm.prefetch_avals) or bool(gm.dynamic_axes)
