@@ -663,13 +663,16 @@ def _block_starts(gen: KernelGenerator, b: BlockMapping, name: str, ids: list[Va
   indices = gen.run(im.jaxpr, im.consts, [*ids, *prefetch])
   starts = []
   for d, (dim, idx) in enumerate(zip(b.dims, indices)):
-    scale = 1 if dim.kind == "element" else dim.size
+    # Element offsets count in the array padded by Element(n, padding=(lo, hi)).
+    scale, shift = (1, dim.padding[0]) if dim.kind == "element" else (dim.size, 0)
     if idx.is_constant:
-      starts.append(int(idx.constant) * scale)
-    elif scale == 1:
+      starts.append(int(idx.constant) * scale - shift)
+    elif scale == 1 and not shift:
       starts.append(idx)
     else:
-      starts.append(gen.let(f"{name}_start{d}", f"{idx.typed} * {scale}", (), np.int32))
+      expr = idx.typed if scale == 1 else f"{idx.typed} * {scale}"
+      expr = f"{expr} - {shift}" if shift else expr
+      starts.append(gen.let(f"{name}_start{d}", expr, (), np.int32))
   return starts
 
 

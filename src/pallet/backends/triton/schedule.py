@@ -95,7 +95,7 @@ def block_start_range(mapping: BlockMapping, grid: tuple[int, ...],
       outs = jax.core.eval_jaxpr(im.jaxpr, im.consts)
   ranges = []
   for dim, out in zip(mapping.dims, outs):
-    scale = 1 if dim.kind == "element" else dim.size
-    starts = np.asarray(out, np.int64) * scale
+    scale, shift = (1, dim.padding[0]) if dim.kind == "element" else (dim.size, 0)
+    starts = np.asarray(out, np.int64) * scale - shift
     ranges.append((int(starts.min()), int(starts.max())))
   return ranges
