@@ -288,3 +288,32 @@ def test_bounded_slice_errors():
   with pytest.raises(pl.PalletError, match="out_specs\\[0\\].*inputs only"):
     pallas_call(lambda x_ref, o_ref: None, out_shape=sds(x), grid=(2,),
                 out_specs=pl.BlockSpec((pl.BoundedSlice(4),), lambda i: (pl.ds(i, 4),)))(x)
+
+
+def test_index_maps_with_optional_prefetch_parameters_and_none_outputs():
+  # As splash attention: index maps take an optional trailing prefetch ref that may be
+  # passed as None, and an optional output is None in out_shape and out_specs.
+  def index_map(i, scale_ref, extra_ref=None):
+    return (i,)
+
+  def kernel(scale_ref, extra_ref, x_ref, o_ref, lse_ref):
+    assert extra_ref is None and lse_ref is None
+    o_ref[...] = x_ref[...] * scale_ref[0]
+
+  x = random_array((16,))
+  scale = random_array((1,))
+  spec = pl.BlockSpec((4,), index_map)
+  out, none_out = pallas_call(
+      kernel, out_shape=[sds(x), None],
+      grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=2, grid=(4,),
+                                             in_specs=[spec], out_specs=[spec, None]))(
+                                                 scale, None, x)
+  assert none_out is None
+  assert_close(out, x * scale[0])
+
+
+def test_index_map_arity_range_error():
+  x = random_array((8,))
+  with pytest.raises(pl.PalletError, match="index_map takes 2 to 3 positional.*must take 1"):
+    pallas_call(lambda x_ref, o_ref: None, out_shape=sds(x), grid=(2,),
+                in_specs=[pl.BlockSpec((4,), lambda i, j, k=0: (i,))])(x)

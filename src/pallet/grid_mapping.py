@@ -161,21 +161,6 @@ def split_grid_names(grid: Any, kernel_name: str) -> tuple[Any, tuple[Any, ...] 
   return tuple(g[1] for g in grid), names
 
 
-def positional_arity(fn: Callable) -> int | None:
-  """Number of positional parameters fn takes, or None when it takes *args."""
-  try:
-    sig = inspect.signature(fn)
-  except (TypeError, ValueError):
-    return None
-  n = 0
-  for p in sig.parameters.values():
-    if p.kind == p.VAR_POSITIONAL:
-      return None
-    if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty:
-      n += 1
-  return n
-
-
 def positional_arity_range(fn: Callable) -> tuple[int, int | None] | None:
   """(required, total) positional parameters of fn (total None with *args), or None
   when fn has no inspectable signature. Parameters with defaults are optional refs."""
@@ -219,11 +204,14 @@ def trace_index_map(index_map: Callable | None, grid: tuple[int | None, ...],
   n_args = len(grid) + n_prefetch
   if index_map is None:
     index_map = lambda *_: (0,) * ndim
-  arity = positional_arity(index_map)
-  if arity is not None and arity != n_args:
-    extra = f" plus {n_prefetch} scalar-prefetch refs" if n_prefetch else ""
-    raise PalletError(f"{where}: index_map takes {arity} positional arguments but the grid "
-                      f"{grid} has {len(grid)} axes{extra}; it must take {n_args}")
+  arity_range = positional_arity_range(index_map)
+  if arity_range is not None:
+    required, total = arity_range
+    if not (required <= n_args and (total is None or n_args <= total)):
+      arity = str(required) if required == total else f"{required} to {total}"
+      extra = f" plus {n_prefetch} scalar-prefetch refs" if n_prefetch else ""
+      raise PalletError(f"{where}: index_map takes {arity} positional arguments but the "
+                        f"grid {grid} has {len(grid)} axes{extra}; it must take {n_args}")
 
   def flat_index_map(*args):
     ids, refs = args[:len(grid)], args[len(grid):]
