@@ -736,3 +736,14 @@ def _split_pad(interpret):
   expected = (x[:, :7], x[:, 7:] * 2, lax.pad(x, -1.5, ((1, -2, 1), (3, 1, 0))),
               lax.dynamic_update_slice(x, u, (3, 20)))
   return call(kernel, shapes, interpret), (x, u, i), expected
+
+
+@case("reshape_across_padding")
+def _reshape_padded(interpret):
+  x, y = random_array((3, 6)), random_array((2, 24))
+  def kernel(x_ref, y_ref, o_ref, p_ref):
+    o_ref[...] = x_ref[...].reshape(2, 9) + 1
+    p_ref[...] = y_ref[...].reshape(2, 3, 8).sum(axis=1)     # page rows gathered as pages
+  f = call(kernel, (jax.ShapeDtypeStruct((2, 9), jnp.float32),
+                    jax.ShapeDtypeStruct((2, 8), jnp.float32)), interpret)
+  return f, (x, y), (x.reshape(2, 9) + 1, y.reshape(2, 3, 8).sum(axis=1))

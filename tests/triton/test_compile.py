@@ -192,17 +192,6 @@ def test_unsupported_primitive_names_primitive_and_kernel_line():
     plt.source(f, x)
 
 
-def test_reshape_of_padded_blocks_is_a_clear_error():
-  x = random_array((3, 6))
-
-  def kernel(x_ref, o_ref):
-    o_ref[...] = x_ref[...].reshape(2, 9)
-
-  f = call(kernel, jax.ShapeDtypeStruct((2, 9), jnp.float32), False)
-  with pytest.raises(TritonLoweringError, match=r"reshape from \(3, 6\) to \(2, 9\).*powers of two"):
-    plt.source(f, x)
-
-
 def test_interpret_without_triton_interpret_env_is_a_clear_error():
   x = random_array((16,))
 
@@ -251,7 +240,7 @@ def test_interpreter_source_differs_only_in_holding_bf16_as_float32():
 # ------------------------------------------------------------------ JAX 0.12 names
 _NEW_PRIMITIVE_CASES = ("stack_and_unstack_of_padded_pieces", "tile_power_of_two_and_padded",
                         "threefry2x32_random_bits", "debug_barrier_and_a_check_that_holds",
-                        "split_pad_and_dynamic_update_slice")
+                        "split_pad_and_dynamic_update_slice", "reshape_across_padding")
 
 
 @pytest.mark.parametrize("target", sorted(TARGETS))

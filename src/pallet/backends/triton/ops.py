@@ -350,13 +350,11 @@ def _broadcast_in_dim(gen, eqn, x):
 
 def _reshape(gen, x: Value, shape: tuple[int, ...], what: str) -> Value:
   dtype = x.dtype
-  if [d for d in x.shape if d != 1] != [d for d in shape if d != 1]:
-    if x.is_padded or Value("", shape, dtype).is_padded:
-      gen.fail(f"{what} from {x.shape} to {shape}: blocks whose dimensions are not powers "
-               f"of two can only gain or lose dimensions of size 1 (Triton tensors are "
-               f"padded to powers of two)")
   if x.is_constant:
     return constant(x.constant, dtype, shape)
+  if [d for d in x.shape if d != 1] != [d for d in shape if d != 1]:
+    if x.shape and shape and (x.is_padded or Value("", shape, dtype).is_padded):
+      return _reshape_across_padding(gen, x, shape, what)
   tshape = list(Value("", shape, dtype).tensor_shape)
   if not x.shape:
     # Triton cannot reshape a scalar; broadcasting it gives the all-ones shape.
@@ -365,6 +363,34 @@ def _reshape(gen, x: Value, shape: tuple[int, ...], what: str) -> Value:
     # A one-element tensor to a scalar.
     return gen.let(what, f"tl.sum(tl.reshape({x.expr}, [1]), axis=0)", shape, dtype)
   return gen.let(what, f"tl.reshape({x.expr}, {tshape})", shape, dtype)
+
+
+def _reshape_across_padding(gen, x: Value, shape: tuple[int, ...], what: str) -> Value:
+  """A reshape whose elements move across power-of-two padding: every slot of the
+  padded result takes the source element with its row-major position, gathered from
+  the flattened source tensor."""
+  src, dst = x.tensor_shape, Value("", shape, x.dtype).tensor_shape
+  size = 1
+  for n in shape:
+    size *= n
+  slot = f"tl.arange(0, {_prod(dst)})"
+  position = " + ".join(f"(({slot} // {_prod(dst[d + 1:])}) % {dst[d]}) * {_prod(shape[d + 1:])}"
+                        for d in range(len(shape)))
+  position = gen.let(f"{what}_position", f"tl.minimum({position}, {size - 1})",
+                     (_prod(dst),), np.dtype(np.int32))
+  source = " + ".join(f"(({position.expr} // {_prod(x.shape[d + 1:])}) % {x.shape[d]}) * "
+                      f"{_prod(src[d + 1:])}" for d in range(len(x.shape)))
+  index = gen.let(f"{what}_source", source, (_prod(dst),), np.dtype(np.int32))
+  flat = f"tl.reshape({x.typed}, [{_prod(src)}])"
+  return gen.let(what, f"tl.reshape(tl.gather({flat}, {index.expr}, 0), {list(dst)})", shape,
+                 x.dtype)
+
+
+def _prod(dims) -> int:
+  out = 1
+  for d in dims:
+    out *= int(d)
+  return out
 
 
 @rule("reshape")
