@@ -747,3 +747,18 @@ def _reshape_padded(interpret):
   f = call(kernel, (jax.ShapeDtypeStruct((2, 9), jnp.float32),
                     jax.ShapeDtypeStruct((2, 8), jnp.float32)), interpret)
   return f, (x, y), (x.reshape(2, 9) + 1, y.reshape(2, 3, 8).sum(axis=1))
+
+
+@case("bitcast_between_widths")
+def _bitcast_widths(interpret):
+  x = random_array((4, 6))
+  b = random_array((5, 3, 4), jnp.int8, low=-128, high=127)
+  def kernel(x_ref, b_ref, halves_ref, words_ref, back_ref):
+    halves_ref[...] = lax.bitcast_convert_type(x_ref[...], jnp.bfloat16)
+    words_ref[...] = lax.bitcast_convert_type(b_ref[...], jnp.int32)
+    back_ref[...] = lax.bitcast_convert_type(lax.bitcast_convert_type(x_ref[...], jnp.uint16),
+                                             jnp.float32)
+  f = call(kernel, (jax.ShapeDtypeStruct((4, 6, 2), jnp.bfloat16),
+                    jax.ShapeDtypeStruct((5, 3), jnp.int32), sds(x)), interpret)
+  return f, (x, b), (lax.bitcast_convert_type(x, jnp.bfloat16),
+                     lax.bitcast_convert_type(b, jnp.int32), x)

@@ -255,12 +255,41 @@ def _convert(gen, eqn, x):
   return [gen.let("convert", f"{x.expr}.to({tl_dtype(dtype)})", shape, dtype)]
 
 
+def _bits(text: str, dtype: np.dtype) -> str:
+  """The raw bits of a value, as an unsigned integer of its width."""
+  if dtype.name == "bfloat16" and generating_for_interpreter():   # held in float32
+    return f"({text}.to(tl.uint32, bitcast=True) >> 16).to(tl.uint16)"
+  return f"{text}.to(tl.uint{bit_width(dtype)}, bitcast=True)"
+
+
+def _from_bits(text: str, dtype: np.dtype) -> str:
+  if dtype.name == "bfloat16" and generating_for_interpreter():
+    return f"({text}.to(tl.uint32) << 16).to(tl.float32, bitcast=True)"
+  return f"{text}.to({tl_dtype(dtype)}, bitcast=True)"
+
+
 @rule("bitcast_convert_type")
 def _bitcast(gen, eqn, x):
+  """Same width: a bitcast. Wider to narrower: a new last axis of the pieces, least
+  significant first (as XLA orders them); narrower to wider: that axis combined."""
   shape, dtype = _out(eqn)
-  if bit_width(dtype) != bit_width(x.dtype):
-    gen.fail(f"bitcast between types of different widths ({x.dtype} -> {dtype})")
-  return [gen.let("bitcast", f"{x.typed}.to({tl_dtype(dtype)}, bitcast=True)", shape, dtype)]
+  wide, narrow = bit_width(x.dtype), bit_width(dtype)
+  if wide == narrow:
+    return [gen.let("bitcast", _from_bits(_bits(x.typed, x.dtype), dtype), shape, dtype)]
+  rank = len(shape)
+  if wide > narrow:   # (...) -> (..., wide // narrow)
+    tshape = list(Value("", shape, dtype).tensor_shape)
+    bits = gen.let("bits", _bits(x.typed, x.dtype), x.shape, np.dtype(f"uint{wide}"))
+    lanes = _expand_to_rank(f"tl.arange(0, {wide // narrow})", rank, [rank - 1])
+    spread = f"tl.broadcast_to({_expand_to_rank(bits.expr, rank, list(range(rank - 1)))}, {tshape})"
+    piece = f"(({spread} >> ({lanes} * {narrow}).to(tl.uint{wide})) & {(1 << narrow) - 1})"
+    return [gen.let("bitcast", _from_bits(f"{piece}.to(tl.uint{narrow})", dtype), shape, dtype)]
+  gen.require_helper("_bitwise_or")   # (..., narrow // wide) -> (...)
+  lanes = _expand_to_rank(f"tl.arange(0, {narrow // wide})", rank + 1, [rank])
+  bits = f"{_bits(x.typed, x.dtype)}.to(tl.uint{narrow})"
+  shifted = f"({bits} << ({lanes} * {wide}).to(tl.uint{narrow}))"
+  combined = f"tl.reduce({shifted}, {rank}, _bitwise_or)"
+  return [gen.let("bitcast", _from_bits(combined, dtype), shape, dtype)]
 
 
 @rule("reduce_precision")
