@@ -124,7 +124,8 @@ def test_none_scratch_entries_reach_the_kernel_as_none():
 
 
 def test_double_buffering_across_grid_steps():
-  """Step i waits for the block step i-1 started (slot i % 2) and prefetches block i+1."""
+  """Step i waits for the block step i-1 started (slot i % 2) and prefetches block i+1.
+  One TensorCore (pallet's stand-in is a v5e) runs "parallel" axes in order too."""
   n, block = 6, 8
   x = random_array((n * block, 16))
 
@@ -154,6 +155,23 @@ def test_double_buffering_across_grid_steps():
   expected = (jnp.cumsum(x.reshape(n, block, 16), axis=1)
               + jnp.arange(n, dtype=x.dtype)[:, None, None]).reshape(x.shape)
   assert_close(out, expected)
+
+
+def test_scalar_prefetch_writes_persist_across_grid_steps():
+  """Scalar-prefetch operands live in SMEM on a TPU: a kernel may keep state there."""
+  x = random_array((4, 8))
+
+  def kernel(state_ref, x_ref, o_ref):
+    o_ref[...] = x_ref[...] + state_ref[0].astype(jnp.float32)
+    state_ref[0] = state_ref[0] * 2
+
+  out = pallas_call(
+      kernel, sds(x),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=1, grid=(4,),
+          in_specs=[pl.BlockSpec((1, 8), lambda i, s: (i, 0))],
+          out_specs=pl.BlockSpec((1, 8), lambda i, s: (i, 0))))(jnp.array([3], jnp.int32), x)
+  assert_close(out, x + jnp.array([3.0, 6.0, 12.0, 24.0])[:, None])
 
 
 def test_semaphores_in_run_scoped():

@@ -27,17 +27,24 @@ Body = Callable[..., tuple[list[Any], list[Any]]]
 
 
 def discharged_body(kernel: KernelDescription) -> Body:
-  """`body(ids, prefetch, ins, outs, scratch) -> (outs, scratch)`, a pure function;
-  `ids` holds the grid indices, then the traced grid sizes if any."""
+  """`body(ids, prefetch, ins, outs, state) -> (outs, state)`, a pure function;
+  `ids` holds the grid indices, then the traced grid sizes if any.
+
+  `state` is what persists from one grid step to the next: the scalar-prefetch
+  operands (kernels may write them, as SMEM on a TPU: ragged paged attention
+  keeps its buffer index there), then the scratch buffers. The `prefetch`
+  argument is unused once the prefetch values travel in `state`.
+  """
   gm = kernel.grid_mapping
   n_pre, n_in, n_out = len(gm.prefetch_avals), len(gm.inputs), len(gm.outputs)
   pure = internals.discharge_state(kernel.jaxpr)
 
-  def body(ids, prefetch, ins, outs, scratch):
-    finals = jax.core.eval_jaxpr(pure.jaxpr, pure.consts, *ids, *prefetch, *ins, *outs,
-                                 *scratch)
+  def body(ids, prefetch, ins, outs, state):
+    del prefetch
+    finals = jax.core.eval_jaxpr(pure.jaxpr, pure.consts, *ids, *state[:n_pre], *ins, *outs,
+                                 *state[n_pre:])
     return (list(finals[n_pre + n_in:n_pre + n_in + n_out]),
-            list(finals[n_pre + n_in + n_out:]))
+            list(finals[:n_pre]) + list(finals[n_pre + n_in + n_out:]))
   return body
 
 
@@ -273,7 +280,8 @@ def build(kernel: KernelDescription, plan: ExecutionPlan | None = None) -> Calla
   aliases = dict((o, i) for i, o in kernel.input_output_aliases)
   in_slabs = [_Slab(op, plan) for op in plan.inputs]
   out_slabs = [_Slab(op, plan) for op in plan.outputs]
-  vbody = _vectorized_body(body, plan, in_slabs, len(plan.outputs), len(gm.scratch_avals))
+  vbody = _vectorized_body(body, plan, in_slabs, len(plan.outputs),
+                           n_pre + len(gm.scratch_avals))
   parallel_chunks = tuple(plan.chunk[g] for g in plan.vectorized if g not in plan.summed)
   out_shapes = [tuple(plan.chunk[g] for g in plan.summed) + sl.batch_first_shape(plan)
                 for sl in out_slabs]
@@ -304,7 +312,9 @@ def build(kernel: KernelDescription, plan: ExecutionPlan | None = None) -> Calla
       out_starts = [_Starts(op, plan, runtime[len(inputs) + i] if runtime else None)
                     for i, op in enumerate(plan.outputs)]
     padded_in = [_pad(x, op) for x, op in zip(inputs, plan.inputs)]
-    scratch = [jnp.zeros(parallel_chunks + a.shape, a.dtype) for a in gm.scratch_avals]
+    # Kernels with scalar prefetch loop every grid axis (see plan.py): no batch axes then.
+    scratch = prefetch + [jnp.zeros(parallel_chunks + a.shape, a.dtype)
+                          for a in gm.scratch_avals]
 
     def base_ids(s, r):
       loop = {**_unravel(s, plan.outer, outer_sizes), **_unravel(r, plan.inner, inner_sizes)}
