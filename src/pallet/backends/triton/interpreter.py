@@ -218,7 +218,19 @@ def run(generated: Any, operands: Sequence[np.ndarray],
   if failed:
     from pallet.checks import KernelCheckError
     raise KernelCheckError(failed[0])
-  return [b.array.astype(o.dtype) for b, o in zip(buffers, gm.outputs)]
+  return [_narrow(b.array, o.dtype) for b, o in zip(buffers, gm.outputs)]
+
+
+def _narrow(a: np.ndarray, dtype: Any) -> np.ndarray:
+  """An output in its own dtype; bf16 held in float32 is rounded, except NaNs, whose
+  bits (a bf16 NaN's, shifted up) are kept as they are."""
+  out = a.astype(dtype)
+  if np.dtype(dtype).name == "bfloat16":
+    nan = np.isnan(a)
+    if nan.any():
+      bits = (a.view(np.uint32) >> 16).astype(np.uint16)
+      out = np.where(nan, bits.view(dtype), out)
+  return out
 
 
 def _widen(a: np.ndarray) -> np.ndarray:
