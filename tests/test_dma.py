@@ -165,13 +165,18 @@ def test_scalar_prefetch_writes_persist_across_grid_steps():
     o_ref[...] = x_ref[...] + state_ref[0].astype(jnp.float32)
     state_ref[0] = state_ref[0] * 2
 
-  out = pallas_call(
+  call = pallas_call(
       kernel, sds(x),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=1, grid=(4,),
           in_specs=[pl.BlockSpec((1, 8), lambda i, s: (i, 0))],
-          out_specs=pl.BlockSpec((1, 8), lambda i, s: (i, 0))))(jnp.array([3], jnp.int32), x)
+          out_specs=pl.BlockSpec((1, 8), lambda i, s: (i, 0))))
+  out = call(jnp.array([3], jnp.int32), x)
   assert_close(out, x + jnp.array([3.0, 6.0, 12.0, 24.0])[:, None])
+  # under vmap, every batch element starts from the operand's value again
+  xs = jnp.stack([x, -x])
+  outs = jax.vmap(lambda x: call(jnp.array([3], jnp.int32), x))(xs)
+  assert_close(outs, xs + jnp.array([3.0, 6.0, 12.0, 24.0])[:, None])
 
 
 def test_semaphores_in_run_scoped():

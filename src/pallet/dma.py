@@ -19,7 +19,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.extend.core import Primitive
+from jax.extend.core import Primitive, subjaxprs
 
 from pallet import _internals as internals
 from pallet import checks, primitives
@@ -30,6 +30,12 @@ from pallet.specs import MemorySpace, ScratchShape
 # grid order, since copies and semaphores carry state from one grid step to the next.
 DMA_PRIMITIVE_NAMES = frozenset({"dma_start", "dma_wait", "semaphore_signal",
                                  "semaphore_wait", "semaphore_read"})
+
+
+def uses_dmas(jaxpr: Any) -> bool:
+  """Whether `jaxpr` (or a jaxpr nested in it) binds one of the primitives below."""
+  return (any(eqn.primitive.name in DMA_PRIMITIVE_NAMES for eqn in jaxpr.eqns)
+          or any(uses_dmas(sub) for sub in subjaxprs(jaxpr)))
 
 
 # ------------------------------------------------------------------ semaphore types

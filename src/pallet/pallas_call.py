@@ -18,7 +18,9 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from pallet import backends
+from pallet import _internals as internals
 from pallet import checks
+from pallet import dma
 from pallet import grid_mapping as gm_lib
 from pallet import specs as specs_lib
 from pallet import trace_cache
@@ -277,7 +279,7 @@ def _pallas_call_batching(args, dims, *, kernel, name, backend, interpret):
   gm = kernel.grid_mapping
   # leading operands: traced grid sizes, then scalar prefetch; batched ones need a loop
   n_pre = len(gm.dynamic_axes) + len(gm.prefetch_avals)
-  if any(d is not _NOT_MAPPED for d in dims[:n_pre]):
+  if any(d is not _NOT_MAPPED for d in dims[:n_pre]) or _carries_state(kernel):
     return _batch_by_loop(args, dims, kernel=kernel, name=name, backend=backend,
                           interpret=interpret)
   size = next(a.shape[d] for a, d in zip(args, dims) if d is not _NOT_MAPPED)
@@ -323,8 +325,23 @@ def _batched_block(block, size, is_batched):
                        dims=(BlockDimension("squeezed", 1), *block.dims))
 
 
+def _carries_state(kernel: tracing.KernelDescription) -> bool:
+  """Whether grid steps hand state to later ones beyond the outputs: DMAs and
+  semaphores, or writes to scalar-prefetch refs (SMEM on a TPU; paged attention keeps
+  flags there). Each batch element must then start afresh, not where the last ended."""
+  gm = kernel.grid_mapping
+  n_ids = len(gm.grid) + len(gm.dynamic_axes)
+  invars = kernel.jaxpr.jaxpr.invars
+  prefetch = set(range(n_ids, n_ids + len(gm.prefetch_avals)))
+  # an effect names its ref by input position or by variable, depending on the jaxpr
+  written = {e.input if isinstance(e.input, int) else invars.index(e.input)
+             for e in kernel.jaxpr.effects if isinstance(e, internals.WriteEffect)}
+  return dma.uses_dmas(kernel.jaxpr.jaxpr) or bool(written & prefetch)
+
+
 def _batch_by_loop(args, dims, **params):
-  """Fallback when scalar-prefetch operands are batched: one launch per batch element."""
+  """Fallback when scalar-prefetch operands are batched, or the kernel carries state
+  from step to step (see `_carries_state`): one launch per batch element."""
   size = next(a.shape[d] for a, d in zip(args, dims) if d is not _NOT_MAPPED)
   moved = [a if d is _NOT_MAPPED else jnp.moveaxis(a, d, 0)
            for a, d in zip(args, dims)]
