@@ -1,17 +1,22 @@
 """TPU-flavoured names (`jax.experimental.pallas.tpu`), so TPU-style kernels run on any backend."""
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Sequence
-
-from pallet.specs import CompilerParams as _BaseCompilerParams
-from pallet.specs import GridSpec, MemorySpace, no_block_spec
-from pallet.dma import (AsyncCopyDescriptor, SemaphoreType, async_copy, dma_semaphore,
-                        make_async_copy, make_async_remote_copy, semaphore_read,
-                        semaphore_signal, semaphore_wait, sync_copy)
-from pallet.pipeline import (BufferedRef, BufferType, PipelineStep, emit_pipeline,
-                             emit_pipeline_with_allocations, emit_pipeline_with_async_prefetch)
-from pallet.pipeline import BufferedRef as BufferedRefBase  # deprecated in JAX
+from pallet.specs import MemorySpace
+from pallet.interpret_params import (InterpretParams, force_tpu_interpret_mode,
+                                     reset_tpu_interpret_mode_state, set_tpu_interpret_mode)
+from pallet.tpu_info import (ChipVersion, Tiling, TpuInfo, get_tpu_info,
+                             get_tpu_info_for_chip, is_tpu_device)
+from pallet.tpu_ops import (annotate, bitcast, delay, einshape, repeat, roll,
+                            stochastic_round, touch, trace_value,
+                            with_memory_space_constraint)
+from pallet.tpu_random import (prng_random_bits, prng_seed, sample_block,
+                               stateful_bernoulli, stateful_bits, stateful_normal,
+                               stateful_uniform, to_pallas_key)
+from pallet.mesh import (TensorCoreMesh, core_barrier, create_tensorcore_mesh,
+                         run_on_first_core)
+from pallet.unsupported import (async_remote_copy, get_barrier_semaphore,
+                                matmul_acc_lhs, matmul_lhs_fifo, matmul_pop,
+                                matmul_pop_fifo, matmul_push_rhs, pack_fp6, unpack_fp6)
 from pallet.bits import join_bits, pack_elementwise, split_bits, unpack_elementwise
 from pallet.tpu_conv import conv
 from pallet.memory_spaces import AccMemorySpace as ACC
@@ -19,12 +24,24 @@ from pallet.memory_spaces import has_memory_space
 from pallet.tpu_load_store import load, store
 from pallet.lowering_errors import LoweringException
 from pallet import tpu_core as core
+from pallet.helpers import reciprocal
+from pallet.tpu_params import (ARBITRARY, CORE_PARALLEL, PARALLEL, SUBCORE_PARALLEL,
+                               CompilerParams, CoreType, GridDimensionSemantics,
+                               PrefetchScalarGridSpec, SideEffectType)
+from pallet.dma import (AsyncCopyDescriptor, SemaphoreType, async_copy, dma_semaphore,
+                        make_async_copy, make_async_remote_copy, semaphore_read,
+                        semaphore_signal, semaphore_wait, sync_copy)
+from pallet.pipeline import (BufferedRef, BufferType, PipelineStep, emit_pipeline,
+                             emit_pipeline_with_allocations, emit_pipeline_with_async_prefetch)
+from pallet.pipeline import BufferedRef as BufferedRefBase  # deprecated in JAX
 
 VMEM = MemorySpace.VMEM
 SMEM = MemorySpace.SMEM
 ANY = MemorySpace.ANY
 HBM = MemorySpace.HBM
 SEMAPHORE = MemorySpace.SEMAPHORE
+CMEM = MemorySpace.CMEM
+VMEM_SHARED = MemorySpace.VMEM_SHARED
 
 
 class TPUMemorySpace:
@@ -36,24 +53,5 @@ class TPUMemorySpace:
   SEMAPHORE = SEMAPHORE
 
 
-@dataclasses.dataclass(frozen=True)
-class CompilerParams(_BaseCompilerParams):
-  """`dimension_semantics` ("parallel" / "arbitrary") is honoured by the CPU backend."""
-  allow_input_fusion: Sequence[bool] | None = None
-  vmem_limit_bytes: int | None = None
-  collective_id: int | None = None
-
-
 TPUCompilerParams = CompilerParams
 
-
-class PrefetchScalarGridSpec(GridSpec):
-  """A grid spec whose first `num_scalar_prefetch` operands are scalars given to the
-  index maps and the kernel (as refs), enabling data-dependent block selection."""
-
-  def __init__(self, num_scalar_prefetch: int, grid: Any = (),
-               in_specs: Any = no_block_spec, out_specs: Any = no_block_spec,
-               scratch_shapes: Sequence[Any] = ()):
-    super().__init__(grid=grid, in_specs=in_specs, out_specs=out_specs,
-                     scratch_shapes=tuple(scratch_shapes),
-                     num_scalar_prefetch=num_scalar_prefetch)

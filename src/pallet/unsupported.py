@@ -76,8 +76,7 @@ def tpu_hardware_only(name: str) -> Unsupported:
 TPU_HARDWARE_ONLY = (
     "matmul_push_rhs", "matmul_acc_lhs", "matmul_pop", "matmul_lhs_fifo",
     "matmul_pop_fifo", "pack_fp6", "unpack_fp6", "async_remote_copy",
-    "get_barrier_semaphore", "conv", "pack_elementwise",
-    "unpack_elementwise", "has_memory_space",
+    "get_barrier_semaphore",
 )
 
 for _name in TPU_HARDWARE_ONLY:

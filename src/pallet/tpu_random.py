@@ -1,0 +1,229 @@
+"""In-kernel random numbers (`pltpu.prng_seed`, `prng_random_bits`, `stateful_*`,
+`sample_block`, `to_pallas_key`): a documented deterministic generator.
+
+A TPU core has a hardware generator: `prng_seed(*seeds)` sets its state and each
+`prng_random_bits(shape)` draws the next bits. pallet keeps the same contract
+with a counter-based generator, so the same seeds always give the same bits on
+every pallet backend (they differ from a TPU's hardware bits; see
+docs/semantics.md):
+
+* the state is a 64-bit key and a draw counter, held per traced kernel body;
+* `prng_seed(s0, s1, ...)` starts from a fixed key and mixes every 32-bit word
+  of every seed in with Threefry-2x32 (20 rounds, the hash behind jax.random),
+  and resets the counter;
+* draw `c` of shape S is, for element `i` in row-major order, the first word of
+  Threefry-2x32(key, (c, i)).
+
+A draw inside a loop body (fori_loop, scan, pl.loop) from a generator seeded
+outside it would repeat the same bits in every iteration, so it is an error: seed
+inside the loop (e.g. with the loop index) instead.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from pallet import primitives
+from pallet.grid_mapping import PalletError
+from pallet.unsupported import describe_call_site
+
+# ------------------------------------------------------------------ Threefry-2x32
+_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+_PARITY = 0x1BD11BDA
+
+
+def _rotl(x: jax.Array, r: int) -> jax.Array:
+  return (x << jnp.uint32(r)) | (x >> jnp.uint32(32 - r))
+
+
+def threefry2x32(key: tuple[Any, Any], count: tuple[Any, Any]) -> tuple[jax.Array, jax.Array]:
+  """Threefry-2x32 with 20 rounds (Salmon et al. 2011), in uint32 jax.numpy."""
+  k0, k1 = (jnp.asarray(k, jnp.uint32) for k in key)
+  ks = (k0, k1, k0 ^ k1 ^ jnp.uint32(_PARITY))
+  x0 = jnp.asarray(count[0], jnp.uint32) + ks[0]
+  x1 = jnp.asarray(count[1], jnp.uint32) + ks[1]
+  for block in range(5):
+    for r in _ROTATIONS[block % 2]:
+      x0 = x0 + x1
+      x1 = _rotl(x1, r) ^ x0
+    x0 = x0 + ks[(block + 1) % 3]
+    x1 = x1 + ks[(block + 2) % 3] + jnp.uint32(block + 1)
+  return x0, x1
+
+
+# ------------------------------------------------------------------ generator state
+_INITIAL_KEY = (0x243F6A88, 0x85A308D3)
+
+
+@dataclasses.dataclass
+class _State:
+  key: tuple[Any, Any]
+  counter: int
+  loop_depth: int
+
+
+def _loop_depth() -> int:
+  """How many JAX loop bodies (scan / while) are being traced around the caller."""
+  depth, frame = 0, sys._getframe(1)
+  while frame is not None:
+    code = frame.f_code
+    if code.co_name in ("scan", "while_loop") and "control_flow" in code.co_filename:
+      depth += 1
+    frame = frame.f_back
+  return depth
+
+
+def _kernel_context(fn_name: str) -> Any:
+  if not primitives._grid_contexts:
+    raise PalletError(f"pltpu.{fn_name} may only be called inside a kernel; called "
+                      f"{describe_call_site()}")
+  return primitives._grid_contexts[-1]
+
+
+def _seed_words(seed: Any) -> list[jax.Array]:
+  arr = jnp.asarray(seed)
+  if jnp.issubdtype(arr.dtype, jax.dtypes.prng_key):
+    arr = jax.random.key_data(arr)
+  if not (jnp.issubdtype(arr.dtype, jnp.integer) or arr.dtype == jnp.bool_):
+    raise PalletError(f"pltpu.prng_seed: seeds must be integers, got {arr.dtype} in "
+                      f"{describe_call_site()}")
+  if arr.dtype.itemsize == 8:
+    arr = lax.bitcast_convert_type(arr, jnp.uint32)
+  return list(arr.astype(jnp.uint32).reshape(-1))
+
+
+def prng_seed(*seeds: Any) -> None:
+  """Seeds this kernel's generator from integer scalars or arrays (e.g. key data)."""
+  ctx = _kernel_context("prng_seed")
+  key = tuple(jnp.uint32(k) for k in _INITIAL_KEY)
+  words = [w for s in seeds for w in _seed_words(s)]
+  if not words:
+    raise PalletError(f"pltpu.prng_seed needs at least one seed ({describe_call_site()})")
+  for position, word in enumerate(words):
+    key = threefry2x32(key, (word, jnp.uint32(position)))
+  ctx.pallet_prng = _State(key=key, counter=0, loop_depth=_loop_depth())
+
+
+def prng_random_bits(shape: Sequence[int]) -> jax.Array:
+  """The next `shape` of uint32 random bits from this kernel's generator."""
+  ctx = _kernel_context("prng_random_bits")
+  state = getattr(ctx, "pallet_prng", None)
+  if state is None:
+    raise PalletError(f"pltpu.prng_random_bits before pltpu.prng_seed in "
+                      f"{describe_call_site()}: seed the generator first")
+  if _loop_depth() > state.loop_depth:
+    raise PalletError(f"random bits drawn inside a loop body from a generator seeded "
+                      f"outside it, {describe_call_site()}: every iteration would get "
+                      f"the same bits on pallet; call pltpu.prng_seed inside the loop "
+                      f"(mixing in the loop index)")
+  shape = tuple(int(d) for d in shape)
+  index = lax.iota(jnp.uint32, math.prod(shape)).reshape(shape)
+  bits, _ = threefry2x32(state.key, (jnp.uint32(state.counter), index))
+  state.counter += 1
+  return bits
+
+
+# ------------------------------------------------------------------ samplers
+def _uniform_from_bits(bits: jax.Array, dtype: Any, minval: Any, maxval: Any) -> jax.Array:
+  """Floats in [minval, maxval) from 32 random bits (23 mantissa bits, as jax.random)."""
+  one_to_two = lax.bitcast_convert_type((bits >> jnp.uint32(9)) | jnp.uint32(0x3F800000),
+                                        jnp.float32)
+  u = one_to_two - jnp.float32(1.0)
+  minval = jnp.asarray(minval, jnp.float32)
+  maxval = jnp.asarray(maxval, jnp.float32)
+  value = u * (maxval - minval) + minval
+  # A select, not jnp.maximum: XLA's CPU compiler stalls analysing max() over the
+  # hash's long integer chain.
+  return jnp.where(value < minval, minval, value).astype(dtype)
+
+
+def stateful_bits(shape: Sequence[int] = (), dtype: Any = jnp.uint32) -> jax.Array:
+  """Random unsigned bits of `dtype` (8 to 64 bits wide) from this kernel's generator."""
+  dtype = jnp.dtype(dtype)
+  if not jnp.issubdtype(dtype, jnp.unsignedinteger):
+    raise PalletError(f"pltpu.stateful_bits: dtype must be unsigned, got {dtype}")
+  if dtype.itemsize == 8:
+    hi = prng_random_bits(shape).astype(jnp.uint64)
+    lo = prng_random_bits(shape).astype(jnp.uint64)
+    return (hi << jnp.uint64(32)) | lo
+  return prng_random_bits(shape).astype(dtype)
+
+
+def stateful_uniform(shape: Sequence[int] = (), dtype: Any = jnp.float32,
+                     minval: Any = 0.0, maxval: Any = 1.0) -> jax.Array:
+  """Uniform floats in [minval, maxval)."""
+  return _uniform_from_bits(prng_random_bits(shape), dtype, minval, maxval)
+
+
+def stateful_normal(shape: Sequence[int] = (), dtype: Any = jnp.float32) -> jax.Array:
+  """Standard normal floats (inverse error function of a uniform, as jax.random)."""
+  lo = np.nextafter(np.float32(-1.0), np.float32(1.0))
+  u = _uniform_from_bits(prng_random_bits(shape), jnp.float32, lo, 1.0)
+  return (jnp.float32(np.sqrt(2.0)) * lax.erf_inv(u)).astype(dtype)
+
+
+def stateful_bernoulli(p: Any = 0.5, shape: Sequence[int] | None = None) -> jax.Array:
+  """Booleans that are True with probability `p`."""
+  p = jnp.asarray(p, jnp.float32)
+  shape = p.shape if shape is None else tuple(shape)
+  return _uniform_from_bits(prng_random_bits(shape), jnp.float32, 0.0, 1.0) < p
+
+
+# ------------------------------------------------------------------ keys and blocks
+def to_pallas_key(key: jax.Array) -> jax.Array:
+  """Key data for kernels: uint32[1, 2] (or [..., 1, 2] for a batch of keys), drawn
+  from `key` with jax.random, to pass to a kernel (e.g. in SMEM) and seed with."""
+  typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+  batched = key.ndim > (0 if typed else 1)
+  draw = lambda k: jax.random.bits(k, (1, 2), jnp.uint32)
+  return jax.vmap(draw)(key) if batched else draw(key)
+
+
+def sample_block(sampler_fn: Callable[..., jax.Array], global_key: Any,
+                 block_size: Sequence[int], tile_size: Sequence[int],
+                 total_size: Sequence[int], block_index: Sequence[Any] | None = None,
+                 **kwargs: Any) -> jax.Array:
+  """The `block_size` block at `block_index` (default: the program ids) of a
+  `total_size` random array, identical whatever block size a kernel uses.
+
+  The array is cut into `tile_size` tiles; each tile is drawn with
+  `sampler_fn(key, tile_size, **kwargs)` (e.g. `jax.random.uniform`) under a
+  legacy uint32[2] key hashed from the global key and the tile's position.
+  """
+  block_size, tile_size = tuple(block_size), tuple(tile_size)
+  total_size = tuple(total_size)
+  if not len(block_size) == len(tile_size) == len(total_size):
+    raise PalletError(f"pltpu.sample_block: block_size {block_size}, tile_size "
+                      f"{tile_size} and total_size {total_size} need the same rank")
+  if any(b % t for b, t in zip(block_size, tile_size)):
+    raise PalletError(f"pltpu.sample_block: tile_size {tile_size} must divide "
+                      f"block_size {block_size}")
+  if block_index is None:
+    block_index = tuple(primitives.program_id(a) for a in range(len(block_size)))
+  words = _seed_words(global_key)
+  base = (words[0], words[-1])
+  tiles_per_block = [b // t for b, t in zip(block_size, tile_size)]
+  tiles_total = [-(-n // t) for n, t in zip(total_size, tile_size)]
+
+  def tile(offsets: tuple[int, ...]) -> jax.Array:
+    linear = jnp.uint32(0)
+    for d, off in enumerate(offsets):
+      tile_pos = jnp.asarray(block_index[d], jnp.uint32) * jnp.uint32(tiles_per_block[d]) + off
+      linear = linear * jnp.uint32(tiles_total[d]) + tile_pos
+    k0, k1 = threefry2x32(base, (jnp.uint32(0x5A3C), linear))
+    return sampler_fn(jnp.stack([k0, k1]), tile_size, **kwargs)
+
+  def assemble(prefix: tuple[int, ...]) -> jax.Array:
+    d = len(prefix)
+    if d == len(block_size):
+      return tile(prefix)
+    return jnp.concatenate([assemble((*prefix, i)) for i in range(tiles_per_block[d])], d)
+
+  return assemble(())
