@@ -120,6 +120,13 @@ MHA_CASES = [
     pytest.param(dict(head_dim=32, segments=True), id="segment_ids"),
     pytest.param(dict(head_dim=72, causal=True, segments=True), id="head_dim72-causal-segments"),
 ]
+SLOW = pytest.mark.slow
+
+
+def slow_except(cases, *fast_ids):
+  """The cases again, all but `fast_ids` marked slow (each op keeps a fast default case)."""
+  return [c if c.id in fast_ids else pytest.param(*c.values, id=c.id, marks=[*c.marks, SLOW])
+          for c in cases]
 
 
 @gpu_op
@@ -135,7 +142,7 @@ def test_gpu_mha_forward(case):
 
 
 @gpu_op
-@pytest.mark.parametrize("case", MHA_CASES)
+@pytest.mark.parametrize("case", slow_except(MHA_CASES, "causal"))
 def test_gpu_mha_grad(case):
   m = op("gpu/attention")
   q, k, v = _mha_inputs(case["head_dim"])
@@ -301,7 +308,7 @@ def _flash_call(m, case):
 
 
 @tpu_op
-@pytest.mark.parametrize("case", FLASH_CASES)
+@pytest.mark.parametrize("case", slow_except(FLASH_CASES, "plain", "causal", "segment_ids"))
 def test_tpu_flash_attention_forward(case):
   m = op("tpu/flash_attention")
   kernel, reference, args = _flash_call(m, case)
@@ -309,7 +316,7 @@ def test_tpu_flash_attention_forward(case):
 
 
 @tpu_op
-@pytest.mark.parametrize("case", FLASH_CASES)
+@pytest.mark.parametrize("case", slow_except(FLASH_CASES, "causal", "segment_ids"))
 def test_tpu_flash_attention_grad(case):
   m = op("tpu/flash_attention")
   kernel, reference, args = _flash_call(m, case)
@@ -373,7 +380,7 @@ def test_tpu_tgmm(k, n):
 
 
 @tpu_op
-@pytest.mark.parametrize("transpose_rhs", [False, True])
+@pytest.mark.parametrize("transpose_rhs", [False, pytest.param(True, marks=SLOW)])
 def test_tpu_gmm_vjp(transpose_rhs):
   m = op("tpu/megablox/ops")
   lhs, rhs, sizes = _gmm_inputs(transpose_rhs=transpose_rhs)
@@ -495,7 +502,7 @@ def test_tpu_splash_attention_forward(case):
 
 
 @tpu_op
-@pytest.mark.parametrize("case", SPLASH_CASES)
+@pytest.mark.parametrize("case", slow_except(SPLASH_CASES, "causal", "local"))
 def test_tpu_splash_attention_grad(case):
   kernel, reference, args = _splash_call(case)
   ct = random_array(args[0].shape)
@@ -524,6 +531,7 @@ def test_tpu_philox_counter_mode(shape):
 
 
 @tpu_op
+@SLOW
 def test_tpu_philox_prng_impl():
   """The registered `pallas_philox4x32` PRNG: deterministic, key-dependent, uniform bits."""
   m = op("tpu/random/philox")
@@ -555,6 +563,7 @@ def test_tpu_threefry_matches_jax_random(shape):
 
 
 @tpu_op
+@SLOW
 def test_tpu_threefry_prng_impl():
   m = op("tpu/random/threefry")
   with jax.threefry_partitionable(True):
