@@ -138,7 +138,6 @@ def _philox_reference(key, shape):
   return ((hi0 ^ lo0) & mask).astype(np.uint32).reshape(shape)
 
 
-@pytest.mark.slow
 def test_jax_tpu_philox_kernel():
   from benchmarks import jax_ops
   if not jax_ops.available("tpu/random/philox"):
@@ -149,17 +148,33 @@ def test_jax_tpu_philox_kernel():
   np.testing.assert_array_equal(out, _philox_reference(key, (300, 260)))
 
 
-@pytest.mark.slow
 def test_jax_tpu_threefry_kernel_matches_jax_random():
   from benchmarks import jax_ops
   if not jax_ops.available("tpu/random/threefry"):
     pytest.skip("this jax ships no ops/tpu/random/threefry.py")
   threefry = jax_ops.load("tpu/random/threefry")
   key = jax.random.key(11, impl="threefry2x32")
-  data = jax.random.key_data(key)
-  # JAX's default threefry bits use the partitionable counter layout since 0.5;
-  # compare with the layout the kernel documents (hi word 0, lo word = flat index).
-  out = threefry.plthreefry_random_bits(data, 32, (300, 260))
-  idx = jnp.arange(300 * 260, dtype=jnp.uint32)
-  o1, o2 = tpu_random.threefry2x32((data[0], data[1]), (jnp.zeros_like(idx), idx))
-  np.testing.assert_array_equal(out, (o1 ^ o2).reshape(300, 260))
+  # The kernel fuses jax.random's counter layout with the hash: same bits as jax.random.
+  out = threefry.plthreefry_random_bits(jax.random.key_data(key), 32, (300, 260))
+  np.testing.assert_array_equal(out, jax.random.bits(key, (300, 260), jnp.uint32))
+
+
+@pytest.mark.xfail(raises=TypeError, reason="the XLA backend's body analysis cannot size "
+                   "typed PRNG keys (key<fry>) that jax.random samplers create in a kernel")
+def test_sample_block_is_invariant_to_block_size():
+  key = pltpu.to_pallas_key(jax.random.key(2))
+
+  def sampled(block):
+    def kernel(k_ref, o_ref):
+      o_ref[...] = pltpu.sample_block(jax.random.uniform, k_ref[...], block, (8, 128),
+                                      (16, 256))
+    grid = (16 // block[0], 256 // block[1])
+    return pallas_call(kernel, jax.ShapeDtypeStruct((16, 256), jnp.float32), grid=grid,
+                       in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM)],
+                       out_specs=pl.BlockSpec(block, lambda i, j: (i, j)))(key)
+  small, large = sampled((8, 128)), sampled((16, 256))
+  np.testing.assert_array_equal(small, large)
+  assert 0.0 <= float(small.min()) and float(small.max()) < 1.0
+  assert len(np.unique(np.asarray(small))) > 16 * 256 * 0.99   # tiles differ
+  with pytest.raises(pl.PalletError, match="must divide"):
+    pltpu.sample_block(jax.random.uniform, key, (8, 100), (8, 128), (16, 256), (0, 0))
