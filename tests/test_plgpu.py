@@ -182,6 +182,19 @@ def test_elementwise_inline_asm_checks_shapes():
     pallas_call(kernel, out_shape=sds(jnp.ones((8,))))(jnp.ones((8,)))
 
 
+def test_elementwise_inline_asm_batches_and_has_no_derivative():
+  xs = random_array((3, 64))
+
+  def mov(x):
+    (y,) = plgpu.elementwise_inline_asm("mov.b32 $0, $1;", args=[x], constraints="=r,r",
+                                        pack=1, result_shape_dtypes=[sds(x)])
+    return y
+
+  assert jax.make_jaxpr(jax.vmap(mov))(xs).out_avals[0].shape == (3, 64)
+  with pytest.raises(pl.PalletError, match="has no derivative"):
+    jax.jvp(mov, (xs[0],), (xs[0],))
+
+
 # ------------------------------------------------------------------ atomics
 def test_atomics_with_plgpu_signatures():
   vals = random_array((16,), i32)

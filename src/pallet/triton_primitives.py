@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.extend.core import Primitive
-from jax.interpreters import mlir
+from jax.interpreters import ad, batching, mlir
 
 from pallet import _internals as internals
 from pallet import checks, primitives
@@ -185,3 +185,23 @@ def _inline_asm_unsupported(*args, asm, where, **params):
 
 elementwise_inline_asm_p.def_impl(_inline_asm_unsupported)
 mlir.register_lowering(elementwise_inline_asm_p, _inline_asm_unsupported)
+
+
+def _inline_asm_batch(args, dims, *, result_shape_dtypes, **params):
+  """Elementwise, so a batch is more elements: every operand batched along axis 0."""
+  size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+  args = [jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
+          for a, d in zip(args, dims)]
+  results = tuple(jax.ShapeDtypeStruct((size, *r.shape), r.dtype) for r in result_shape_dtypes)
+  outs = elementwise_inline_asm_p.bind(*args, result_shape_dtypes=results, **params)
+  return outs, [0] * len(outs)
+
+
+def _inline_asm_jvp(primals, tangents, *, asm, where, **params):
+  raise PalletError(f"pallet.triton.elementwise_inline_asm in {where}: inline GPU assembly "
+                    f"({asm!r}) has no derivative; differentiate a jax.numpy version of the "
+                    f"operation instead")
+
+
+batching.primitive_batchers[elementwise_inline_asm_p] = _inline_asm_batch
+ad.primitive_jvps[elementwise_inline_asm_p] = _inline_asm_jvp
