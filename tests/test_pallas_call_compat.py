@@ -317,3 +317,11 @@ def test_index_map_arity_range_error():
   with pytest.raises(pl.PalletError, match="index_map takes 2 to 3 positional.*must take 1"):
     pallas_call(lambda x_ref, o_ref: None, out_shape=sds(x), grid=(2,),
                 in_specs=[pl.BlockSpec((4,), lambda i, j, k=0: (i,))])(x)
+
+
+@pytest.mark.parametrize("padding", [(-1, 0), (1,), 2])
+def test_element_padding_must_be_a_pair_of_non_negative_ints(padding):
+  x = random_array((8,))
+  with pytest.raises(pl.PalletError, match="in_specs\\[0\\].*padding must be a pair"):
+    pallas_call(lambda x_ref, o_ref: None, out_shape=sds(x), grid=(2,),
+                in_specs=[pl.BlockSpec((pl.Element(4, padding=padding),), lambda i: (i,))])(x)

@@ -120,8 +120,14 @@ def _block_dimension(d: Any, where: str) -> BlockDimension:
   if d is None or isinstance(d, specs_lib.Squeezed):
     return BlockDimension("squeezed", 1)
   if isinstance(d, specs_lib.Element):
+    padding = tuple(d.padding) if isinstance(d.padding, (tuple, list)) else None
+    if (padding is None or len(padding) != 2 or any(
+        isinstance(p, bool) or not isinstance(p, (numbers.Integral, np.integer)) or p < 0
+        for p in padding)):
+      raise PalletError(f"{where}: pl.Element padding must be a pair (low, high) of "
+                        f"non-negative ints, got {d.padding!r}")
     return BlockDimension("element", _static_int(d.block_size, where),
-                          tuple(int(p) for p in d.padding))
+                          tuple(int(p) for p in padding))
   if isinstance(d, specs_lib.Blocked):
     return BlockDimension("blocked", _static_int(d.block_size, where))
   if isinstance(d, specs_lib.BoundedSlice):
