@@ -192,7 +192,7 @@ def _gpu_mha(size: Size) -> Benchmark:
 
 def _gpu_decode(size: Size) -> Benchmark:
   b, hq, hkv, s, d, splits, block_k = {
-      "full": (8, 32, 8, 4096, 128, 16, 128), "small": (4, 16, 4, 1024, 64, 8, 64),
+      "full": (8, 32, 8, 4096, 128, 16, 128), "small": (2, 8, 2, 512, 64, 4, 64),
       "tiny": (2, 8, 2, 64, 32, 4, 16)}[size]
 
   def make_inputs(key):
@@ -225,7 +225,7 @@ def _paged_inputs(key, b, hq, hkv, d, pages, page, per_seq, *, bf16_exact=False)
   return q, k_pages, v_pages, tables, lengths
 
 
-PAGED_SIZES = {"full": (8, 32, 8, 128, 1024, 16, 128), "small": (4, 16, 4, 64, 256, 16, 32),
+PAGED_SIZES = {"full": (8, 32, 8, 128, 1024, 16, 128), "small": (2, 8, 2, 64, 64, 16, 16),
                "tiny": (2, 4, 2, 32, 16, 8, 8)}
 
 
