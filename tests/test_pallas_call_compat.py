@@ -325,3 +325,24 @@ def test_element_padding_must_be_a_pair_of_non_negative_ints(padding):
   with pytest.raises(pl.PalletError, match="in_specs\\[0\\].*padding must be a pair"):
     pallas_call(lambda x_ref, o_ref: None, out_shape=sds(x), grid=(2,),
                 in_specs=[pl.BlockSpec((pl.Element(4, padding=padding),), lambda i: (i,))])(x)
+
+
+def test_cache_gives_up_on_cyclic_closures():
+  def even(n):
+    return n == 0 or odd(n - 1)
+
+  def odd(n):
+    return n != 0 and even(n - 1)
+
+  cyclic = []
+  cyclic.append(cyclic)
+  for value in (even, cyclic, [cyclic, cyclic]):
+    with pytest.raises(Exception):
+      trace_cache.freeze(value)
+
+  def kernel(x_ref, o_ref):      # closes over a cycle: traced afresh, still right
+    o_ref[...] = x_ref[...] + float(even(2))
+
+  x = random_array((4,))
+  for _ in range(2):
+    assert_close(pallas_call(kernel, out_shape=sds(x))(x), x + 1)

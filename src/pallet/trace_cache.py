@@ -30,30 +30,54 @@ class _Unhashable(Exception):
   pass
 
 
-_MAX_DEPTH = 32
+_MAX_NODES = 10_000    # freezing a key visits at most this many values
 
 
-def freeze(x: Any, depth: int = 0) -> Any:
+class _Walk:
+  """Bounds a freeze: a value budget, and the containers being frozen right now (a
+  container reached again inside itself is a cycle: not cached)."""
+
+  def __init__(self):
+    self.budget = _MAX_NODES
+    self.active: set[int] = set()
+
+  def enter(self, x: Any) -> None:
+    self.budget -= 1
+    if self.budget < 0 or id(x) in self.active:
+      raise _Unhashable
+    self.active.add(id(x))
+
+  def leave(self, x: Any) -> None:
+    self.active.discard(id(x))
+
+
+def freeze(x: Any, walk: _Walk | None = None) -> Any:
   """A hashable value equal for equal inputs and different for different types."""
-  if depth > _MAX_DEPTH:
-    raise _Unhashable
-  depth += 1
+  walk = walk or _Walk()
   if x is None or isinstance(x, (str, bytes, bool, int, float, complex, enum.Enum)):
     return (type(x), x)
   if isinstance(x, np.generic):
     return (type(x), x.item())
+  walk.enter(x)
+  try:
+    return _freeze_container(x, walk)
+  finally:
+    walk.leave(x)
+
+
+def _freeze_container(x: Any, walk: _Walk) -> Any:
   if isinstance(x, (list, tuple)):
-    return (tuple, tuple(freeze(v, depth) for v in x))
+    return (tuple, tuple(freeze(v, walk) for v in x))
   if isinstance(x, dict):
     try:
       items = sorted(x.items())
     except TypeError:
       raise _Unhashable from None
-    return (dict, tuple((freeze(k, depth), freeze(v, depth)) for k, v in items))
-  if callable(x) and isinstance(x, (functools.partial, types.FunctionType)):
-    return freeze_callable(x, depth)
+    return (dict, tuple((freeze(k, walk), freeze(v, walk)) for k, v in items))
+  if isinstance(x, (functools.partial, types.FunctionType)):
+    return _freeze_function(x, walk)
   if dataclasses.is_dataclass(x) and not isinstance(x, type):
-    return (type(x), tuple(freeze(getattr(x, f.name), depth) for f in dataclasses.fields(x)))
+    return (type(x), tuple(freeze(getattr(x, f.name), walk) for f in dataclasses.fields(x)))
   if isinstance(x, np.ndarray) or internals.is_tracer(x) or hasattr(x, "__array__"):
     raise _Unhashable
   try:
@@ -63,28 +87,28 @@ def freeze(x: Any, depth: int = 0) -> Any:
   return (type(x), x)
 
 
-_EMPTY_CELL = object()
-
-
-def freeze_callable(fn: Any, depth: int = 0) -> Any:
+def freeze_callable(fn: Any) -> Any:
   """Python functions are keyed by what decides their behaviour: their code, module
   globals, defaults and the values they close over. So the fresh lambdas and nested
   kernels that an op builds on every call still hit; other callables by identity."""
-  if isinstance(fn, functools.partial):
-    return (functools.partial, freeze_callable(fn.func, depth + 1), freeze(fn.args, depth),
-            freeze(dict(fn.keywords), depth))
-  if isinstance(fn, types.FunctionType):
-    cells = []
-    for cell in fn.__closure__ or ():
-      try:
-        cells.append(cell.cell_contents)
-      except ValueError:               # a cell not yet filled
-        cells.append(_EMPTY_CELL)
-    return (types.FunctionType, fn.__code__, id(fn.__globals__),
-            freeze(fn.__defaults__, depth), freeze(fn.__kwdefaults__, depth),
-            tuple(("empty",) if c is _EMPTY_CELL else freeze(c, depth) for c in cells),
-            freeze(getattr(fn, "__dict__", {}), depth))
+  if isinstance(fn, (functools.partial, types.FunctionType)):
+    return freeze(fn)
   return ("callable", id(fn), fn)
+
+
+def _freeze_function(fn: Any, walk: _Walk) -> Any:
+  if isinstance(fn, functools.partial):
+    return (functools.partial, freeze(fn.func, walk), freeze(fn.args, walk),
+            freeze(dict(fn.keywords), walk))
+  cells = []
+  for cell in fn.__closure__ or ():
+    try:
+      cells.append(freeze(cell.cell_contents, walk))
+    except ValueError:                 # a cell not yet filled
+      cells.append(("empty",))
+  return (types.FunctionType, fn.__code__, id(fn.__globals__),
+          freeze(fn.__defaults__, walk), freeze(fn.__kwdefaults__, walk), tuple(cells),
+          freeze(getattr(fn, "__dict__", {}), walk))
 
 
 def lookup(kernel: Callable, key: Any, build: Callable[[], Any]) -> Any:
