@@ -762,3 +762,13 @@ def _bitcast_widths(interpret):
                     jax.ShapeDtypeStruct((5, 3), jnp.int32), sds(x)), interpret)
   return f, (x, b), (lax.bitcast_convert_type(x, jnp.bfloat16),
                      lax.bitcast_convert_type(b, jnp.int32), x)
+
+
+@case("int8_dot_below_the_tensor_core_k")
+def _int8_dot(interpret):
+  a = random_array((16, 16), jnp.int8, low=-8, high=8)
+  b = random_array((16, 32), jnp.int8, low=-8, high=8)
+  def kernel(a_ref, b_ref, o_ref):     # K = 16: too short for an int8 tensor-core dot
+    o_ref[...] = plt.dot(a_ref[...], b_ref[...])
+  f = call(kernel, jax.ShapeDtypeStruct((16, 32), jnp.int32), interpret)
+  return f, (a, b), jnp.dot(a, b, preferred_element_type=jnp.int32)

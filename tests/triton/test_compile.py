@@ -241,7 +241,7 @@ def test_interpreter_source_differs_only_in_holding_bf16_as_float32():
 _NEW_PRIMITIVE_CASES = ("stack_and_unstack_of_padded_pieces", "tile_power_of_two_and_padded",
                         "threefry2x32_random_bits", "debug_barrier_and_a_check_that_holds",
                         "split_pad_and_dynamic_update_slice", "reshape_across_padding",
-                        "bitcast_between_widths")
+                        "bitcast_between_widths", "int8_dot_below_the_tensor_core_k")
 
 
 @pytest.mark.parametrize("target", sorted(TARGETS))

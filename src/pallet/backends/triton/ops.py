@@ -816,12 +816,14 @@ def _dot_general(gen, eqn, a, b):
   m, n = a2.tensor_shape[-2], b2.tensor_shape[-1]
   kt = a2.tensor_shape[-1]
   prod_shape = a2.shape[:-1] + (b2.shape[-1],)
-  if min(m, n, kt) >= 16 and acc.name != "float64":
+  # Tensor-core dots need M, N >= 16 and K >= 16 (K >= 32 for 8-bit operands).
+  min_k = 32 if max(a2.dtype.itemsize, b2.dtype.itemsize) == 1 else 16
+  if min(m, n) >= 16 and kt >= min_k and acc.name != "float64":
     prec = input_precision(eqn.params.get("precision"), a, b)
     extra = f", input_precision=\"{prec}\"" if prec else ""
     expr = f"tl.dot({a2.typed}, {b2.typed}, out_dtype={tl_dtype(acc)}{extra})"
   else:
-    # Triton's tensor-core dot needs M, N, K >= 16; small products are broadcast sums.
+    # Smaller products are broadcast sums.
     r = len(a2.shape)
     lhs = f"tl.expand_dims({a2.typed}.to({tl_dtype(acc)}), {r})"
     rhs = f"tl.expand_dims({b2.typed}.to({tl_dtype(acc)}), {r - 2})"
