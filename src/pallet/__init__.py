@@ -9,10 +9,11 @@ from pallet.specs import HOST, BlockDim, BoundedSlice, Indirect, MemoryRef, Revi
 from pallet.grid_mapping import PalletError
 from pallet.primitives import (Slice, atomic_add, atomic_and, atomic_cas, atomic_max,
                                atomic_min, atomic_or, atomic_xchg, atomic_xor,
-                               broadcast_to, cdiv, debug_print, dot, ds, dslice, load,
+                               broadcast_to, cdiv, debug_print, ds, dslice, load,
                                max_contiguous, multiple_of, num_programs, program_id,
                                run_scoped, store, swap, when)
 from pallet.pallas_call import pallas_call, pallas_call_p
+from pallet.triton_primitives import dot  # JAX < 0.12's pl.dot is plgpu.dot
 from pallet.backends import default_backend
 from pallet.helpers import (align_to, empty, empty_like, empty_ref_like, estimate_cost, loop,
                             next_power_of_2, reciprocal, run_state, strides_from_shape,

@@ -573,17 +573,5 @@ def run_scoped(body: Callable[..., Any], *types: Any, **kw_types: Any) -> Any:
 
 
 # ------------------------------------------------------------------ math helpers
-def dot(a: jax.Array, b: jax.Array, trans_a: bool = False, trans_b: bool = False,
-        allow_tf32: bool | None = None, precision: Any = None) -> jax.Array:
-  """Matrix product of two blocks (Pallas `pl.dot`)."""
-  del allow_tf32
-  if trans_a:
-    a = jnp.swapaxes(a, -1, -2)
-  if trans_b:
-    b = jnp.swapaxes(b, -1, -2)
-  out_dtype = jnp.float32 if jnp.issubdtype(a.dtype, jnp.floating) else None
-  return jnp.matmul(a, b, precision=precision, preferred_element_type=out_dtype)
-
-
 def broadcast_to(x: Any, shape: Sequence[int]) -> jax.Array:
   return jnp.broadcast_to(x, shape)
