@@ -184,6 +184,6 @@ def with_memory_space_constraint(x: jax.Array, memory_space: Any) -> jax.Array:
   return x
 
 
-def delay(cycles: Any) -> None:
-  """Stalls a TPU core for some cycles; meaningless for the value computed."""
-  del cycles
+def delay(nanos: Any) -> None:
+  """`pl.delay`: sleeps for `nanos` nanoseconds on a device; meaningless for the value computed."""
+  del nanos
