@@ -90,7 +90,9 @@ def _nbytes(aval: Any) -> int:
   shape, dtype = getattr(aval, "shape", None), getattr(aval, "dtype", None)
   if shape is None or dtype is None:
     return 0
-  return math.prod(shape) * np.dtype(dtype).itemsize
+  # Extended dtypes (typed PRNG keys, key<fry>) are not NumPy dtypes but know their size.
+  itemsize = getattr(dtype, "itemsize", None) or np.dtype(dtype).itemsize
+  return math.prod(shape) * itemsize
 
 
 def _binds(jaxpr: Any, name: str) -> bool:
