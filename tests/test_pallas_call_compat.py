@@ -346,3 +346,18 @@ def test_cache_gives_up_on_cyclic_closures():
   x = random_array((4,))
   for _ in range(2):
     assert_close(pallas_call(kernel, out_shape=sds(x))(x), x + 1)
+
+
+def test_scalar_prefetch_with_an_empty_grid():
+  """grid=() is one program; its index maps still see the prefetch operand."""
+  def kernel(s_ref, x_ref, o_ref):
+    o_ref[...] = x_ref[...] * s_ref[1]
+
+  x = random_array((16, 8))
+  prefetch = jnp.array([1, -3], jnp.int32)   # (block row to read, scale)
+  spec = pl.BlockSpec((8, 8), lambda s: (s[0], 0))
+  grid_spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, grid=(), in_specs=[spec],
+                                           out_specs=pl.BlockSpec((8, 8), lambda s: (0, 0)))
+  out = pallas_call(kernel, jax.ShapeDtypeStruct((8, 8), jnp.float32),
+                    grid_spec=grid_spec)(prefetch, x)
+  assert_close(out, x[8:] * -3)

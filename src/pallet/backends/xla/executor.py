@@ -230,8 +230,10 @@ def _start_fn(op: OperandPlan, prefetch: Sequence[Any]) -> Callable:
 
 def _runtime_tables(plan: ExecutionPlan, prefetch: Sequence[Any]) -> list[Any]:
   """Index maps evaluated on data (scalar prefetch): one (steps, ndim) table each."""
-  coords = np.indices(plan.grid).reshape(len(plan.grid), math.prod(plan.grid)).astype(np.int32)
-  return [jax.vmap(_start_fn(op, prefetch))(*[jnp.asarray(c) for c in coords])
+  steps = math.prod(plan.grid)
+  coords = np.indices(plan.grid).reshape(len(plan.grid), steps).astype(np.int32)
+  # axis_size: a grid of no axes (grid=()) still has its one step to evaluate
+  return [jax.vmap(_start_fn(op, prefetch), axis_size=steps)(*[jnp.asarray(c) for c in coords])
           for op in (*plan.inputs, *plan.outputs)]
 
 
