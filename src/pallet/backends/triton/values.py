@@ -14,9 +14,12 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from pallet.lowering_errors import LoweringException
 
-class TritonLoweringError(NotImplementedError):
-  """A kernel uses something the Triton backend cannot express."""
+
+class TritonLoweringError(NotImplementedError, LoweringException):
+  """A kernel uses something the Triton backend cannot express (catchable as
+  `pltpu.LoweringException`, as code written for JAX's Pallas expects)."""
 
 
 def next_pow2(n: int) -> int:
