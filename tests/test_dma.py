@@ -291,3 +291,23 @@ def test_remote_copies_are_a_clear_error():
   with pytest.raises(pl.PalletError, match=r"remote.*not supported"):
     pallas_call(remote, jax.ShapeDtypeStruct((8, 8), jnp.float32), in_specs=[ANY],
                 out_specs=ANY, scratch_shapes=[pltpu.SemaphoreType.DMA])(random_array((8, 8)))
+
+
+def test_copy_from_a_ref_selected_at_run_time():
+  """JAX's documented use of pl.select_ref: the source of a DMA chosen per grid step."""
+  a, b = random_array((4, 8, 16)), random_array((4, 8, 16))
+  choice = jnp.array([1, 0, 0, 1], jnp.int32)
+
+  def kernel(choice_ref, a_hbm, b_hbm, o_ref, buf, sem):
+    i = pl.program_id(0)
+    src = pl.select_ref(choice_ref[i], a_hbm.at[i], b_hbm.at[i])
+    pltpu.async_copy(src, buf, sem).wait()
+    o_ref[...] = buf[...] * 2
+
+  any_spec = pl.BlockSpec(memory_space=pltpu.ANY)
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=1, grid=(4,), in_specs=[any_spec, any_spec],
+      out_specs=pl.BlockSpec((None, 8, 16), lambda i, c: (i, 0, 0)),
+      scratch_shapes=[pltpu.VMEM((8, 16), jnp.float32), pltpu.SemaphoreType.DMA])
+  out = pallas_call(kernel, sds(a), grid_spec=grid_spec)(choice, a, b)
+  assert_close(out, 2 * jnp.where(choice[:, None, None] == 0, a, b))

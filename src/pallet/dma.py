@@ -24,6 +24,7 @@ from jax.extend.core import Primitive, subjaxprs
 from pallet import _internals as internals
 from pallet import checks, primitives
 from pallet.grid_mapping import PalletError
+from pallet.refs_select import SelectedRef
 from pallet.specs import MemorySpace, ScratchShape
 
 # Names of the primitives below: the XLA plan runs kernels that use them in exact
@@ -84,7 +85,7 @@ def _view_aval(ref_aval: Any, transforms: Any) -> Any:
 
 
 def _is_ref(x: Any) -> bool:
-  if isinstance(x, internals.TransformedRef):
+  if isinstance(x, (internals.TransformedRef, SelectedRef)):
     return True
   try:
     return isinstance(jax.typeof(x), internals.AbstractRef)
@@ -197,6 +198,11 @@ class AsyncCopyDescriptor:
 
   def start(self, priority: int = 0, *, add: bool = False) -> None:
     """Copies now (a TPU would copy in the background) and signals the semaphore(s)."""
+    for end in ("src_ref", "dst_ref"):   # pl.select_ref: start the copy of the chosen ref
+      chosen = getattr(self, end)
+      if isinstance(chosen, SelectedRef):
+        chosen.write(lambda r: dataclasses.replace(self, **{end: r}).start(priority, add=add))
+        return
     del priority
     src, src_t = _ref_and_transforms(self.src_ref)
     dst, dst_t = _ref_and_transforms(self.dst_ref)
@@ -225,6 +231,8 @@ class AsyncCopyDescriptor:
     if sem is None:
       raise PalletError(f"make_async_copy(...).{which}() in {kernel_site()}: this copy has no "
                         f"semaphore to wait on (pass one to make_async_copy)")
+    if isinstance(ref, SelectedRef):   # every candidate has the same shape: any one sizes the wait
+      ref = ref.refs[0]
     base, transforms = _ref_and_transforms(ref)
     sem, sem_t = _semaphore_view(sem, "make_async_copy(...).wait()")
     size = _view_aval(jax.typeof(base), transforms).size
