@@ -87,6 +87,16 @@ class Summary:
     return out
 
 
+LIBRARY_FAMILY_PREFIX = "jax_ops"   # rows running JAX's own kernel library (jax_op_cases.py)
+
+
+def split_library(results: Sequence[BenchmarkResult]
+                  ) -> tuple[list[BenchmarkResult], list[BenchmarkResult]]:
+  """(kernels written here, rows of JAX's kernel library)."""
+  library = [r for r in results if r.bench.family.startswith(LIBRARY_FAMILY_PREFIX)]
+  return [r for r in results if r not in library], library
+
+
 def summarize(results: Sequence[BenchmarkResult], cols: Columns = CPU_COLUMNS) -> Summary:
   ratios = [(r.bench.name, r.ratio(cols.subject, cols.reference)) for r in results]
   timed = [(n, x) for n, x in ratios if x is not None]
@@ -179,7 +189,7 @@ def footnotes(results: Sequence[BenchmarkResult], limit: int = 600) -> list[str]
 
 def to_json(results: Sequence[BenchmarkResult], meta: dict[str, Any],
             cols: Columns = CPU_COLUMNS) -> dict[str, Any]:
-  summary = summarize(results, cols)
+  summary = summarize(split_library(results)[0], cols)
   sub_ref, peer_sub = (f"{cols.subject}_over_{cols.reference}",
                        f"{cols.peer}_over_{cols.subject}")
   return {
