@@ -19,7 +19,7 @@ import numpy as np
 from jax import lax
 
 from pallet import _internals as internals
-from pallet import primitives
+from pallet import checks, primitives
 from pallet.specs import CostEstimate, ScratchShape
 
 
@@ -62,7 +62,6 @@ def empty(shape: Any, dtype: Any) -> jax.Array:
   pallet fills it with zeros, or with NaN / the integer minimum while
   `pl.enable_poison_buffers` is on, so that reading it shows.
   """
-  from pallet import checks
   shape = (shape,) if isinstance(shape, (numbers.Integral, np.integer)) else tuple(shape)
   return checks.uninitialized(shape, dtype)
 
