@@ -1,0 +1,198 @@
+"""Automatic partitioning: kernels on sharded arrays under jax.jit run shard-locally.
+
+Device count is fixed at JAX start-up, so the cases run in one process of their own
+with XLA_FLAGS asking for four host devices; each test checks that its case printed
+its OK marker. Every case compares with a jax.numpy reference and with the
+single-device run, forward and grad; partitioned cases also check that the compiled
+HLO has no all-gather, fallback cases that the debug notes say why.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+SCRIPT = textwrap.dedent("""
+    import contextlib, io, sys, traceback
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    import pallet as pl
+
+    assert len(jax.devices()) == 4, jax.devices()
+
+    def mesh(shape, names):
+        devices = np.array(jax.devices()).reshape(shape)
+        auto = getattr(jax.sharding, "AxisType", None)
+        if auto is None:
+            return Mesh(devices, names)
+        return Mesh(devices, names, axis_types=(auto.Auto,) * len(names))
+
+    MESH1 = mesh((4,), ("d",))
+    MESH2 = mesh((2, 2), ("x", "y"))
+
+    def rand(shape, seed):
+        return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+
+    # ---------------------------------------------------------------- kernels
+    def elementwise(x, block=(8, None), debug=False):
+        rows, cols = block[0], block[1] or x.shape[1]
+        def kernel(x_ref, o_ref):
+            o_ref[...] = jnp.tanh(x_ref[...]) * x_ref[...]
+        spec = pl.BlockSpec((rows, cols), lambda i, j: (i, j))
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                              grid=(x.shape[0] // rows, x.shape[1] // cols),
+                              in_specs=[spec], out_specs=spec, debug=debug)(x)
+
+    def elementwise_ref(x):
+        return jnp.tanh(x) * x
+
+    def layer_norm(x, w, b, block=8, debug=False):
+        d = x.shape[1]
+        def kernel(x_ref, w_ref, b_ref, o_ref):
+            v = x_ref[...]
+            mean = jnp.mean(v, axis=1, keepdims=True)
+            var = jnp.mean((v - mean) ** 2, axis=1, keepdims=True)
+            o_ref[...] = (v - mean) * jax.lax.rsqrt(var + 1e-5) * w_ref[...] + b_ref[...]
+        row = pl.BlockSpec((block, d), lambda i: (i, 0))
+        vec = pl.BlockSpec((d,), lambda i: (0,))
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                              grid=(x.shape[0] // block,), in_specs=[row, vec, vec],
+                              out_specs=row, debug=debug)(x, w, b)
+
+    def layer_norm_ref(x, w, b):
+        mean = jnp.mean(x, axis=1, keepdims=True)
+        var = jnp.mean((x - mean) ** 2, axis=1, keepdims=True)
+        return (x - mean) * jax.lax.rsqrt(var + 1e-5) * w + b
+
+    def matmul(x, w, debug=False):
+        def kernel(x_ref, w_ref, o_ref):
+            o_ref[...] = jnp.dot(x_ref[...], w_ref[...], preferred_element_type=jnp.float32)
+        m, k = x.shape
+        n = w.shape[1]
+        return pl.pallas_call(
+            kernel, out_shape=jax.ShapeDtypeStruct((m, n), x.dtype), grid=(m // 8, n // 8),
+            in_specs=[pl.BlockSpec((8, k), lambda i, j: (i, 0)),
+                      pl.BlockSpec((k, 8), lambda i, j: (0, j))],
+            out_specs=pl.BlockSpec((8, 8), lambda i, j: (i, j)), debug=debug)(x, w)
+
+    def matmul_k(x, w, debug=False):
+        # The contraction runs over a sequential grid axis (an accumulator).
+        def kernel(x_ref, w_ref, o_ref):
+            @pl.when(pl.program_id(1) == 0)
+            def _():
+                o_ref[...] = jnp.zeros_like(o_ref)
+            o_ref[...] += jnp.dot(x_ref[...], w_ref[...], preferred_element_type=jnp.float32)
+        m, k = x.shape
+        n = w.shape[1]
+        return pl.pallas_call(
+            kernel, out_shape=jax.ShapeDtypeStruct((m, n), x.dtype), grid=(m // 8, k // 8),
+            in_specs=[pl.BlockSpec((8, 8), lambda i, kk: (i, kk)),
+                      pl.BlockSpec((8, n), lambda i, kk: (kk, 0))],
+            out_specs=pl.BlockSpec((8, n), lambda i, kk: (i, 0)), debug=debug)(x, w)
+
+    def offset_rows(x, debug=False):
+        # Reads program_id: each row block adds its (global) block index.
+        def kernel(x_ref, o_ref):
+            o_ref[...] = x_ref[...] + pl.program_id(0).astype(jnp.float32)
+        spec = pl.BlockSpec((8, x.shape[1]), lambda i: (i, 0))
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                              grid=(x.shape[0] // 8,), in_specs=[spec], out_specs=spec,
+                              debug=debug)(x)
+
+    def offset_rows_ref(x):
+        return x + (jnp.arange(x.shape[0]) // 8)[:, None].astype(jnp.float32)
+
+    # ---------------------------------------------------------------- checking
+    def hlo(f, *args):
+        return jax.jit(f).lower(*args).compile().as_text()
+
+    def notes_of(f, *args):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            jax.jit(f).lower(*args).compile()
+        return out.getvalue()
+
+    def check(name, f, ref, args, shardings, partitioned, note=None, debug_f=None, tol=1e-5):
+        try:
+            placed = [jax.device_put(a, s) for a, s in zip(args, shardings)]
+            got = jax.jit(f)(*placed)
+            single = jax.jit(f)(*args)
+            want = ref(*args)
+            np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+            np.testing.assert_allclose(got, single, rtol=tol, atol=tol)
+            loss = lambda fn: (lambda *a: jnp.sum(fn(*a) ** 2))
+            argnums = tuple(range(len(args)))
+            g = jax.jit(jax.grad(loss(f), argnums))(*placed)
+            g_want = jax.grad(loss(ref), argnums)(*args)
+            for a, b in zip(g, g_want):
+                np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+            text = hlo(f, *placed)
+            if partitioned:
+                assert "all-gather" not in text, text
+                assert "custom_partitioning" in text, "kernel not custom-partitioned"
+            if note is not None:
+                notes = notes_of(debug_f, *placed)
+                assert note in notes, notes
+            print(f"CASE {name} OK")
+        except Exception:
+            print(f"CASE {name} FAILED")
+            traceback.print_exc(file=sys.stdout)
+
+    x = rand((64, 32), 0)
+    w_vec, b_vec = rand((32,), 1), rand((32,), 2)
+    w_mat = rand((32, 16), 3)
+    row1 = NamedSharding(MESH1, P("d"))
+    rep1 = NamedSharding(MESH1, P())
+
+    check("elementwise_1d", elementwise, elementwise_ref, [x], [row1], True,
+          note="axis 0 split over mesh axes ('d',)",
+          debug_f=lambda x: elementwise(x, debug=True))
+    check("elementwise_2d", lambda x: elementwise(x, block=(8, 16)), elementwise_ref, [x],
+          [NamedSharding(MESH2, P("x", "y"))], True,
+          note="axis 1 split over mesh axes ('y',)",
+          debug_f=lambda x: elementwise(x, block=(8, 16), debug=True))
+    check("layer_norm_1d", layer_norm, layer_norm_ref, [x, w_vec, b_vec], [row1, rep1, rep1],
+          True)
+    check("layer_norm_2d", layer_norm, layer_norm_ref, [x, w_vec, b_vec],
+          [NamedSharding(MESH2, P(("x", "y")))] + [NamedSharding(MESH2, P())] * 2, True,
+          note="axis 0 split over mesh axes ('x', 'y')",
+          debug_f=lambda *a: layer_norm(*a, debug=True))
+    check("matmul_rows_1d", matmul, lambda x, w: x @ w, [x, w_mat], [row1, rep1], True)
+    check("matmul_2d", matmul, lambda x, w: x @ w, [x, w_mat],
+          [NamedSharding(MESH2, P("x")), NamedSharding(MESH2, P(None, "y"))], True)
+    # fallbacks: right answers, and a note saying why the axis stays whole
+    check("sequential_axis_sharded", matmul_k, lambda x, w: x @ w, [x, w_mat],
+          [NamedSharding(MESH1, P(None, "d")), NamedSharding(MESH1, P("d"))], False,
+          note="axis 1 not split: sequential", debug_f=lambda *a: matmul_k(*a, debug=True))
+    check("straddling_blocks", lambda x: layer_norm(x, w_vec, b_vec, block=32),
+          lambda x: layer_norm_ref(x, w_vec, b_vec), [x], [row1], False,
+          note="straddle", debug_f=lambda x: layer_norm(x, w_vec, b_vec, block=32, debug=True))
+    check("reads_program_id", offset_rows, offset_rows_ref, [x], [row1], False,
+          note="reads program_id(0)", debug_f=lambda x: offset_rows(x, debug=True))
+""")
+
+CASES = ["elementwise_1d", "elementwise_2d", "layer_norm_1d", "layer_norm_2d", "matmul_rows_1d",
+         "matmul_2d", "sequential_axis_sharded", "straddling_blocks", "reads_program_id"]
+
+
+@pytest.fixture(scope="module")
+def output() -> str:
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+             JAX_PLATFORMS="cpu")
+  result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=300)
+  return result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_partitioning_case(output: str, case: str) -> None:
+  assert f"CASE {case} OK" in output, _section(output, case)
+
+
+def _section(output: str, case: str) -> str:
+  """The failure report of one case (or the whole output if the script died)."""
+  start = output.find(f"CASE {case} FAILED")
+  if start < 0:
+    return output[-6000:]
+  return output[max(0, start - 4000):start + 100]
