@@ -13,7 +13,6 @@ from typing import Any, Callable
 import jax
 from jax._src import core as _core
 from jax._src import debugging as _debugging
-from jax._src import dispatch as _dispatch
 from jax._src.state import discharge as _discharge
 from jax._src.state import indexing as _indexing
 from jax._src.state import types as _state_types
@@ -28,12 +27,6 @@ AbstractRef = jax.ref.AbstractRef
 ReadEffect = _state_types.ReadEffect
 WriteEffect = _state_types.WriteEffect
 debug_effect = _debugging.debug_effect
-
-# --- lowering with devices known (automatic partitioning, pallet/partitioning.py) ---
-def require_devices_during_lowering(primitive: Any) -> None:
-  """jit then lowers programs using `primitive` with their devices and mesh known,
-  which a custom-partitioned lowering needs."""
-  _dispatch.prim_requires_devices_during_lowering.add(primitive)
 
 # --- state discharge: turning a jaxpr over refs into a pure function --------------
 transform_array = _discharge.transform_array
@@ -156,3 +149,56 @@ def bool_trace_setting(name: str, help: str) -> Any:
 def set_setting(state: Any, value: Any) -> None:
   """Sets a state's process-wide value (what `jax.config.update` does by name)."""
   state._set(value)
+
+# --- shard_map and explicit sharding: an aval's varying manual axes and sharding ----
+# JAX records in `aval.manual_axis_type.varying` which shard_map axes a value varies
+# over (checked when `check_vma=True`), and in `aval.sharding` how an Explicit mesh
+# splits it. pallet's executor runs on plain avals; these helpers move between them.
+from jax.sharding import ManualAxisType
+
+
+def varying_axes(x: Any) -> frozenset:
+  """The mesh axes `x` (a value, aval or ShapeDtypeStruct) varies over; empty if none."""
+  aval = x if isinstance(x, (_core.AbstractValue, jax.ShapeDtypeStruct)) else jax.typeof(x)
+  mat = getattr(aval, "manual_axis_type", None)
+  return frozenset() if mat is None else frozenset(mat.varying)
+
+
+def check_vma_enabled() -> bool:
+  """True while tracing a `shard_map` body with `check_vma=True`."""
+  return bool(_config._check_vma.value)
+
+
+def pvary(x: Any, axes: frozenset) -> Any:
+  """`x` marked as varying over `axes` too (a no-op cast: same value on each device)."""
+  missing = tuple(sorted(axes - varying_axes(x)))
+  return _core.pvary(x, missing) if missing else x
+
+
+def on_mesh_of(aval: Any, operands: Any, varying: frozenset) -> Any:
+  """`aval` replicated on the mesh of the first operand that has one, varying over
+  `varying` (the mesh a value varies over must be named in its type)."""
+  mesh = next((o.sharding.mesh for o in operands
+               if not getattr(getattr(o, "sharding", None), "mesh", _EMPTY_MESH).empty),
+              None)
+  if mesh is None:
+    return aval
+  return aval.update(sharding=jax.sharding.NamedSharding(mesh, jax.P(*[None] * aval.ndim)),
+                     manual_axis_type=ManualAxisType(varying=varying) if varying
+                     else _core.empty_mat)
+
+
+_EMPTY_MESH = _core._empty_sharding(0).mesh
+
+
+def plain_aval(aval: Any) -> Any:
+  """`aval` without varying axes and without a mesh sharding: what the executor sees."""
+  return aval.update(manual_axis_type=_core.empty_mat,
+                     sharding=_core._empty_sharding(len(aval.shape)))
+
+
+def is_sharded(x: Any) -> bool:
+  """Whether `x`'s type splits a dimension over (Explicit) mesh axes."""
+  aval = x if isinstance(x, _core.AbstractValue) else jax.typeof(x)
+  spec = getattr(getattr(aval, "sharding", None), "spec", ())
+  return any(s is not None for s in spec)

@@ -21,6 +21,7 @@ from pallet import backends
 from pallet import _internals as internals
 from pallet import checks
 from pallet import dma
+from pallet import plain_call
 from pallet import grid_mapping as gm_lib
 from pallet import specs as specs_lib
 from pallet import trace_cache
@@ -164,7 +165,23 @@ def _launch(kernel, name, args, out_shape, grid, dynamic_sizes, in_specs, out_sp
   sizes = [jnp.asarray(d, jnp.int32) for d in dynamic_sizes]
   results = pallas_call_p.bind(*sizes, *flat_prefetch, *flat_args, kernel=description,
                                name=name, backend=backend_name, interpret=interpret)
+  results = [_annotated(r, o, i, name) for i, (r, o) in enumerate(zip(results, flat_out_shapes))]
   return jax.tree_util.tree_unflatten(out_tree, results)
+
+
+def _annotated(result: Any, out_shape: Any, i: int, name: str) -> Any:
+  """Applies Pallas's `ShapeDtypeStruct(..., manual_axis_type=ManualAxisType(varying=...))`
+  inside `shard_map(check_vma=True)`: the output varies over those axes too. Fewer axes
+  than the operands vary over would claim equal values pallet cannot check: an error."""
+  if getattr(out_shape, "manual_axis_type", None) is None or not internals.check_vma_enabled():
+    return result
+  wanted, inferred = internals.varying_axes(out_shape), internals.varying_axes(result)
+  if not inferred <= wanted:
+    raise PalletError(f"pallas_call of kernel '{name}': out_shape[{i}] is annotated as "
+                      f"varying over mesh axes {sorted(wanted)}, but its operands vary over "
+                      f"{sorted(inferred)}; an output varies over every axis its operands "
+                      f"vary over (leave out manual_axis_type to get that)")
+  return internals.pvary(result, wanted)
 
 
 def _grid_mapping(kernel, name, args, out_shape, grid, in_specs, out_specs, in_avals,
@@ -241,7 +258,15 @@ pallas_call_p.multiple_results = True
 
 
 def _pallas_call_abstract_eval(*avals, kernel, name, backend, interpret):
-  return [jax.core.ShapedArray(b.array_shape, b.dtype) for b in kernel.grid_mapping.outputs]
+  # Inside shard_map an output varies over every mesh axis some operand varies over:
+  # each device's kernel reads its own operands (see docs/distributed.md).
+  varying = _union_varying(avals)
+  return [internals.on_mesh_of(jax.core.ShapedArray(b.array_shape, b.dtype), avals, varying)
+          for b in kernel.grid_mapping.outputs]
+
+
+def _union_varying(values: Sequence[Any]) -> frozenset:
+  return frozenset().union(*(internals.varying_axes(v) for v in values))
 
 
 pallas_call_p.def_abstract_eval(_pallas_call_abstract_eval)
@@ -265,21 +290,15 @@ pallas_call_p.def_impl(_pallas_call_impl)
 
 
 def _pallas_call_lowering(ctx, *args, kernel, name, backend, interpret):
-  # -- automatic partitioning hook (pallet/partitioning.py): a jit over several devices
-  # runs the kernel shard-locally where its grid lines up with the shardings.
-  from pallet import partitioning
-  if partitioning.multi_device(ctx):
-    lowered = partitioning.lower(ctx, args, lambda k, a: pallas_call_p.bind(
-        *a, kernel=k, name=name, backend=backend, interpret=interpret), kernel)
-    if lowered is not None:
-      return lowered
-  # -- end of the partitioning hook
+  # Backends see plain per-device avals: varying axes and mesh shardings are the
+  # caller's business (the lowered HLO is the same, and the kernel body is traced
+  # without them, as one program instance sees only its blocks).
+  ctx = ctx.replace(avals_in=[internals.plain_aval(a) for a in ctx.avals_in],
+                    avals_out=[internals.plain_aval(a) for a in ctx.avals_out])
   return backends.get(backend).lower(ctx, *args, kernel=kernel, interpret=interpret)
 
 
 mlir.register_lowering(pallas_call_p, _pallas_call_lowering)
-# (partitioning hook) the lowering above needs the devices and mesh of a multi-device jit.
-internals.require_devices_during_lowering(pallas_call_p)
 
 
 # ------------------------------------------------------------------ batching
@@ -380,6 +399,12 @@ def _pallas_call_jvp(primals, tangents, *, kernel, name, backend, interpret):
   from pallet.backends.xla import kernel_as_function
   tangents = [ad.instantiate_zeros(t) for t in tangents]
   fn = kernel_as_function(kernel)
+  if _union_varying(primals) or any(internals.is_sharded(p) for p in primals):
+    # Inside shard_map or on an Explicit mesh: tangents behind a primitive boundary
+    # that sees plain per-device arrays (see plain_call.py).
+    primal_out = pallas_call_p.bind(*primals, kernel=kernel, name=name, backend=backend,
+                                    interpret=interpret)
+    return list(primal_out), plain_call.linear_call(fn, primals, tangents)
   primal_out, tangent_out = jax.jvp(fn, tuple(primals), tuple(tangents))
   if backend != "xla":
     primal_out = pallas_call_p.bind(*primals, kernel=kernel, name=name, backend=backend,
