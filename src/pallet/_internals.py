@@ -13,6 +13,7 @@ from typing import Any, Callable
 import jax
 from jax._src import core as _core
 from jax._src import debugging as _debugging
+from jax._src import dispatch as _dispatch
 from jax._src.state import discharge as _discharge
 from jax._src.state import indexing as _indexing
 from jax._src.state import types as _state_types
@@ -27,6 +28,12 @@ AbstractRef = jax.ref.AbstractRef
 ReadEffect = _state_types.ReadEffect
 WriteEffect = _state_types.WriteEffect
 debug_effect = _debugging.debug_effect
+
+# --- lowering with devices known (automatic partitioning, pallet/partitioning.py) ---
+def require_devices_during_lowering(primitive: Any) -> None:
+  """jit then lowers programs using `primitive` with their devices and mesh known,
+  which a custom-partitioned lowering needs."""
+  _dispatch.prim_requires_devices_during_lowering.add(primitive)
 
 # --- state discharge: turning a jaxpr over refs into a pure function --------------
 transform_array = _discharge.transform_array

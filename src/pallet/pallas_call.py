@@ -290,6 +290,15 @@ pallas_call_p.def_impl(_pallas_call_impl)
 
 
 def _pallas_call_lowering(ctx, *args, kernel, name, backend, interpret):
+  # -- automatic partitioning hook (pallet/partitioning.py): a jit over several devices
+  # runs the kernel shard-locally where its grid lines up with the shardings.
+  from pallet import partitioning
+  if partitioning.multi_device(ctx):
+    lowered = partitioning.lower(ctx, args, lambda k, a: pallas_call_p.bind(
+        *a, kernel=k, name=name, backend=backend, interpret=interpret), kernel)
+    if lowered is not None:
+      return lowered
+  # -- end of the partitioning hook
   # Backends see plain per-device avals: varying axes and mesh shardings are the
   # caller's business (the lowered HLO is the same, and the kernel body is traced
   # without them, as one program instance sees only its blocks).
@@ -299,6 +308,8 @@ def _pallas_call_lowering(ctx, *args, kernel, name, backend, interpret):
 
 
 mlir.register_lowering(pallas_call_p, _pallas_call_lowering)
+# (partitioning hook) the lowering above needs the devices and mesh of a multi-device jit.
+internals.require_devices_during_lowering(pallas_call_p)
 
 
 # ------------------------------------------------------------------ batching
