@@ -60,6 +60,19 @@ SCRIPT = textwrap.dedent("""
       check(jax.jit(jax.shard_map(layer, mesh=mesh2, in_specs=(P("a", "b"), P(None, "b")),
                                   out_specs=P("a", "b"), check_vma=check_vma)),
             f"shard_map_2d_{check_vma}")
+    # derivatives of derivatives, and vmap of grad, inside shard_map(check_vma=True)
+    try:
+      f = jax.jit(jax.shard_map(layer, mesh=mesh1, in_specs=(P("d"), P()), out_specs=P("d")))
+      for want in (single, ref):
+        for g, h in zip(jax.vmap(jax.grad(loss(f), (0, 1)), (0, None))(xs, w),
+                        jax.vmap(jax.grad(loss(want), (0, 1)), (0, None))(xs, w)):
+          close(g, h)
+        hvp = lambda f: jax.grad(lambda x: jnp.sum(jax.grad(loss(f))(x, w) * xs[0]))(x)
+        close(hvp(f), hvp(want))
+      print("CASE_OK higher_order", flush=True)
+    except Exception:
+      traceback.print_exc()
+
     # Pallas's own annotation: the output varies over "d" (what pallet infers anyway)
     check(jax.jit(jax.shard_map(lambda x, w: layer(x, w, frozenset({"d"})), mesh=mesh1,
                                 in_specs=(P("d"), P()), out_specs=P("d"))), "annotated")
@@ -92,7 +105,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 CASES = ["shard_map_1d_True", "shard_map_1d_False", "shard_map_2d_True", "shard_map_2d_False",
-         "annotated", "annotation_error", "explicit_1d", "explicit_2d"]
+         "higher_order", "annotated", "annotation_error", "explicit_1d", "explicit_2d"]
 
 
 @pytest.fixture(scope="module")

@@ -103,8 +103,8 @@ def _batched_fn(fn: Callable) -> Callable:
 
 
 def _moved(args, dims):
-  size = next(a.shape[d] for a, d in zip(args, dims) if d is not batching.not_mapped)
-  return [jax.numpy.broadcast_to(a, (size, *a.shape)) if d is batching.not_mapped
+  size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+  return [jax.numpy.broadcast_to(a, (size, *a.shape)) if d is None
           else jax.numpy.moveaxis(a, d, 0) for a, d in zip(args, dims)]
 
 
@@ -121,5 +121,18 @@ def _linear_batching(args, dims, *, fn, out_avals, n_primals):
   return outs, [0] * len(outs)
 
 
+def _jvp(primals, tangents, *, fn, out_avals, n_primals=None):
+  """Higher derivatives: the tangents of `fn` (or of its own tangent function)."""
+  f = fn if n_primals is None else _tangent_fn(fn, n_primals)
+  params = dict(fn=fn, out_avals=out_avals)
+  prim = call_p if n_primals is None else linear_p
+  if n_primals is not None:
+    params["n_primals"] = n_primals
+  outs = prim.bind(*primals, **params)
+  return outs, linear_call(f, primals, [ad.instantiate_zeros(t) for t in tangents])
+
+
+ad.primitive_jvps[call_p] = _jvp
+ad.primitive_jvps[linear_p] = _jvp
 batching.primitive_batchers[call_p] = _call_batching
 batching.primitive_batchers[linear_p] = _linear_batching
