@@ -91,6 +91,20 @@ SCRIPT = textwrap.dedent("""
                       pl.BlockSpec((8, n), lambda i, kk: (kk, 0))],
             out_specs=pl.BlockSpec((8, n), lambda i, kk: (i, 0)), debug=debug)(x, w)
 
+    def pairwise(x, block=8, debug=False):
+        # Large per-program intermediates: the XLA plan chunks the row axis into a loop,
+        # which XLA's partitioner would run on a gathered array.
+        def kernel(x_ref, o_ref):
+            v = x_ref[...]
+            o_ref[...] = jnp.sum(jnp.tanh(v[:, :, None] * v[:, None, :]), axis=2)
+        spec = pl.BlockSpec((block, x.shape[1]), lambda i: (i, 0))
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                              grid=(x.shape[0] // block,), in_specs=[spec], out_specs=spec,
+                              debug=debug)(x)
+
+    def pairwise_ref(x):
+        return jnp.sum(jnp.tanh(x[:, :, None] * x[:, None, :]), axis=2)
+
     def offset_rows(x, debug=False):
         # Reads program_id: each row block adds its (global) block index.
         def kernel(x_ref, o_ref):
@@ -113,7 +127,8 @@ SCRIPT = textwrap.dedent("""
             jax.jit(f).lower(*args).compile()
         return out.getvalue()
 
-    def check(name, f, ref, args, shardings, partitioned, note=None, debug_f=None, tol=1e-5):
+    def check(name, f, ref, args, shardings, partitioned, note=None, debug_f=None, tol=1e-5,
+              gathers=False):
         try:
             placed = [jax.device_put(a, s) for a, s in zip(args, shardings)]
             got = jax.jit(f)(*placed)
@@ -128,8 +143,9 @@ SCRIPT = textwrap.dedent("""
             for a, b in zip(g, g_want):
                 np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
             text = hlo(f, *placed)
-            if partitioned:
+            if not gathers:
                 assert "all-gather" not in text, text
+            if partitioned:
                 assert "custom_partitioning" in text, "kernel not custom-partitioned"
             if note is not None:
                 notes = notes_of(debug_f, *placed)
@@ -145,35 +161,43 @@ SCRIPT = textwrap.dedent("""
     row1 = NamedSharding(MESH1, P("d"))
     rep1 = NamedSharding(MESH1, P())
 
-    check("elementwise_1d", elementwise, elementwise_ref, [x], [row1], True,
-          note="axis 0 split over mesh axes ('d',)",
+    # Vectorized XLA plans are lowered plainly: XLA's partitioner keeps them shard-local.
+    plain = "plain lowering: the XLA plan vectorizes every parallel axis"
+    check("elementwise_1d", elementwise, elementwise_ref, [x], [row1], False, note=plain,
           debug_f=lambda x: elementwise(x, debug=True))
     check("elementwise_2d", lambda x: elementwise(x, block=(8, 16)), elementwise_ref, [x],
-          [NamedSharding(MESH2, P("x", "y"))], True,
-          note="axis 1 split over mesh axes ('y',)",
-          debug_f=lambda x: elementwise(x, block=(8, 16), debug=True))
+          [NamedSharding(MESH2, P("x", "y"))], False)
     check("layer_norm_1d", layer_norm, layer_norm_ref, [x, w_vec, b_vec], [row1, rep1, rep1],
-          True)
+          False)
     check("layer_norm_2d", layer_norm, layer_norm_ref, [x, w_vec, b_vec],
-          [NamedSharding(MESH2, P(("x", "y")))] + [NamedSharding(MESH2, P())] * 2, True,
-          note="axis 0 split over mesh axes ('x', 'y')",
-          debug_f=lambda *a: layer_norm(*a, debug=True))
-    check("matmul_rows_1d", matmul, lambda x, w: x @ w, [x, w_mat], [row1, rep1], True)
+          [NamedSharding(MESH2, P(("x", "y")))] + [NamedSharding(MESH2, P())] * 2, False)
+    check("matmul_rows_1d", matmul, lambda x, w: x @ w, [x, w_mat], [row1, rep1], False)
     check("matmul_2d", matmul, lambda x, w: x @ w, [x, w_mat],
-          [NamedSharding(MESH2, P("x")), NamedSharding(MESH2, P(None, "y"))], True)
+          [NamedSharding(MESH2, P("x")), NamedSharding(MESH2, P(None, "y"))], False)
+    # A looped plan: custom-partitioned, each device runs its own rows.
+    xp = rand((128, 512), 4)
+    check("pairwise_1d", pairwise, pairwise_ref, [xp], [row1], True, tol=1e-4,
+          note="axis 0 split over mesh axes ('d',): 4 blocks per shard",
+          debug_f=lambda x: pairwise(x, debug=True))
+    check("pairwise_2d", pairwise, pairwise_ref, [xp], [NamedSharding(MESH2, P(("x", "y")))],
+          True, tol=1e-4, note="axis 0 split over mesh axes ('x', 'y')",
+          debug_f=lambda x: pairwise(x, debug=True))
     # fallbacks: right answers, and a note saying why the axis stays whole
     check("sequential_axis_sharded", matmul_k, lambda x, w: x @ w, [x, w_mat],
           [NamedSharding(MESH1, P(None, "d")), NamedSharding(MESH1, P("d"))], False,
-          note="axis 1 not split: sequential", debug_f=lambda *a: matmul_k(*a, debug=True))
-    check("straddling_blocks", lambda x: layer_norm(x, w_vec, b_vec, block=32),
-          lambda x: layer_norm_ref(x, w_vec, b_vec), [x], [row1], False,
-          note="straddle", debug_f=lambda x: layer_norm(x, w_vec, b_vec, block=32, debug=True))
+          note="axis 1 not split: sequential", debug_f=lambda *a: matmul_k(*a, debug=True),
+          gathers=True)
+    # 3 blocks of 32 rows over 4 devices (24 rows each): blocks straddle shards.
+    check("straddling_blocks", lambda x: pairwise(x, block=32), pairwise_ref,
+          [rand((96, 512), 5)], [row1], True, tol=1e-4, gathers=True, note="straddle",
+          debug_f=lambda x: pairwise(x, block=32, debug=True))
     check("reads_program_id", offset_rows, offset_rows_ref, [x], [row1], False,
           note="reads program_id(0)", debug_f=lambda x: offset_rows(x, debug=True))
 """)
 
 CASES = ["elementwise_1d", "elementwise_2d", "layer_norm_1d", "layer_norm_2d", "matmul_rows_1d",
-         "matmul_2d", "sequential_axis_sharded", "straddling_blocks", "reads_program_id"]
+         "matmul_2d", "pairwise_1d", "pairwise_2d", "sequential_axis_sharded",
+         "straddling_blocks", "reads_program_id"]
 
 
 @pytest.fixture(scope="module")

@@ -295,7 +295,7 @@ def _pallas_call_lowering(ctx, *args, kernel, name, backend, interpret):
   from pallet import partitioning
   if partitioning.multi_device(ctx):
     lowered = partitioning.lower(ctx, args, lambda k, a: pallas_call_p.bind(
-        *a, kernel=k, name=name, backend=backend, interpret=interpret), kernel)
+        *a, kernel=k, name=name, backend=backend, interpret=interpret), kernel, backend)
     if lowered is not None:
       return lowered
   # -- end of the partitioning hook

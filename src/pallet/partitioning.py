@@ -23,6 +23,7 @@ from jax.experimental.custom_partitioning import (ArrayMapping, SdyShardingRule,
 from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
+from pallet.backends.xla import plan_of
 from pallet.backends.xla.plan import make_plan
 from pallet.tracing import KernelDescription
 
@@ -45,10 +46,18 @@ def multi_device(ctx: Any) -> bool:
 
 
 def lower(ctx: Any, args: tuple, bind: Callable[[KernelDescription, tuple], list],
-          kernel: KernelDescription) -> list | None:
+          kernel: KernelDescription, backend: str) -> list | None:
   """Lowers the kernel as a custom-partitioned op; None when no grid axis could ever be
-  split (the caller lowers it plainly, and the partitioner may gather)."""
+  split, or when XLA's own partitioner already keeps the XLA backend's program
+  shard-local (the caller lowers it plainly)."""
   axes, notes = split_candidates(kernel)
+  if axes and backend == "xla" and not _loops_or_gathers(kernel):
+    # The vectorized plan is a reshape and one batched body: XLA's partitioner keeps
+    # it sharded, and where it cannot split it picks cheaper collectives (an
+    # all-reduce over a sharded contraction) than the gathers of a fallback.
+    notes.append("plain lowering: the XLA plan vectorizes every parallel axis, which "
+                 "XLA's partitioner keeps shard-local")
+    axes = []
   if kernel.debug:
     _print_notes(kernel, notes)
   if not axes:
@@ -57,9 +66,17 @@ def lower(ctx: Any, args: tuple, bind: Callable[[KernelDescription, tuple], list
   return mlir.lower_fun(lambda *a: fn(*a), multiple_results=True)(ctx, *args)
 
 
+def _loops_or_gathers(kernel: KernelDescription) -> bool:
+  """Whether the XLA plan loops over a parallel axis (or chunks it) or gathers input
+  blocks per program: programs XLA's partitioner gathers whole operands for."""
+  plan = plan_of(kernel)
+  return bool(plan.outer) or any(op.gathered for op in plan.inputs)
+
+
 def split_candidates(kernel: KernelDescription) -> tuple[list[SplitAxis], list[str]]:
   """The grid axes that a sharding could split (before the shardings are known), and
-  notes on why the others cannot be. Reuses the XLA plan's parallel/sequential split."""
+  notes on why the others cannot be. Reuses the XLA plan's analysis
+  (which axes are parallel, each operand's table of block positions)."""
   gm = kernel.grid_mapping
   if gm.dynamic_axes or gm.prefetch_avals:
     return [], ["scalar prefetch or a grid sized at run time: block positions are data, "
