@@ -73,6 +73,25 @@ SCRIPT = textwrap.dedent("""
     except Exception:
       traceback.print_exc()
 
+    # a kernel reading its device's position: the output varies over that axis even
+    # where the operands do not (replicated x), so out_specs=P("d") is accepted
+    def shifted_kernel(x_ref, o_ref):
+      o_ref[...] = jnp.sin(x_ref[...]) * (1.0 + jax.lax.axis_index("d").astype(jnp.float32))
+    shifted = lambda x: pl.pallas_call(shifted_kernel,
+                                       out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+    shifted_ref = lambda x: jnp.sin(x) * (1.0 + jax.lax.axis_index("d").astype(jnp.float32))
+    try:
+      for check_vma in (True, False):
+        for spec in (P("d"), P()):
+          run = lambda f: jax.jit(jax.shard_map(f, mesh=mesh1, in_specs=spec, out_specs=P("d"),
+                                                check_vma=check_vma))
+          close(run(shifted)(x), run(shifted_ref)(x))
+          g = lambda f: jax.grad(lambda x: jnp.sum(run(f)(x) ** 2))(x)
+          close(g(shifted), g(shifted_ref))
+      print("CASE_OK axis_index", flush=True)
+    except Exception:
+      traceback.print_exc()
+
     # Pallas's own annotation: the output varies over "d" (what pallet infers anyway)
     check(jax.jit(jax.shard_map(lambda x, w: layer(x, w, frozenset({"d"})), mesh=mesh1,
                                 in_specs=(P("d"), P()), out_specs=P("d"))), "annotated")
@@ -105,7 +124,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 CASES = ["shard_map_1d_True", "shard_map_1d_False", "shard_map_2d_True", "shard_map_2d_False",
-         "higher_order", "annotated", "annotation_error", "explicit_1d", "explicit_2d"]
+         "higher_order", "axis_index", "annotated", "annotation_error", "explicit_1d", "explicit_2d"]
 
 
 @pytest.fixture(scope="module")

@@ -176,6 +176,25 @@ def check_vma_enabled() -> bool:
   return bool(_config._check_vma.value)
 
 
+def vma_checks_off() -> Any:
+  """Context in which kernels are traced: a kernel body sees plain blocks (its refs
+  carry no varying axes), so JAX's vma checks have nothing to compare there."""
+  return _config._check_vma(False)
+
+
+def mesh_axes_indexed(jaxpr: Any) -> frozenset:
+  """Mesh axes whose `lax.axis_index` a kernel reads (in nested jaxprs too): its
+  outputs vary over them whatever its operands do."""
+  names = set()
+  for eqn in jaxpr.eqns:
+    if eqn.primitive is _parallel.axis_index_p:
+      name = eqn.params["axis_name"]
+      names.update(name if isinstance(name, tuple) else (name,))
+    for sub in _core.jaxprs_in_params(eqn.params):
+      names |= mesh_axes_indexed(sub)
+  return frozenset(names)
+
+
 def pvary(x: Any, axes: frozenset) -> Any:
   """`x` marked as varying over `axes` too (a no-op cast: same value on each device)."""
   missing = tuple(sorted(axes - varying_axes(x)))

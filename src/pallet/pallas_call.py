@@ -157,7 +157,8 @@ def _launch(kernel, name, args, out_shape, grid, dynamic_sizes, in_specs, out_sp
          scratch_avals, prefetch_avals, in_specs, out_specs, aliases, compiler_params,
          dimension_semantics, debug, metadata, checks.debug_checks_enabled(),
          checks.poison_buffers_enabled(), bool(jax.config.jax_enable_x64))
-  description = trace_cache.lookup(kernel, key, build)
+  with internals.vma_checks_off():
+    description = trace_cache.lookup(kernel, key, build)
   if debug:
     print(f"--- pallet kernel '{name}' ({description.source}), grid {grid} ---")
     print(description.jaxpr)
@@ -261,8 +262,15 @@ def _pallas_call_abstract_eval(*avals, kernel, name, backend, interpret):
   # Inside shard_map an output varies over every mesh axis some operand varies over:
   # each device's kernel reads its own operands (see docs/distributed.md).
   varying = _union_varying(avals)
+  if internals.check_vma_enabled():
+    varying |= _mesh_axes_indexed(kernel)
   return [internals.on_mesh_of(jax.core.ShapedArray(b.array_shape, b.dtype), avals, varying)
           for b in kernel.grid_mapping.outputs]
+
+
+@functools.lru_cache(maxsize=512)
+def _mesh_axes_indexed(kernel: tracing.KernelDescription) -> frozenset:
+  return internals.mesh_axes_indexed(kernel.jaxpr.jaxpr)
 
 
 def _union_varying(values: Sequence[Any]) -> frozenset:
@@ -304,7 +312,8 @@ def _pallas_call_lowering(ctx, *args, kernel, name, backend, interpret):
   # without them, as one program instance sees only its blocks).
   ctx = ctx.replace(avals_in=[internals.plain_aval(a) for a in ctx.avals_in],
                     avals_out=[internals.plain_aval(a) for a in ctx.avals_out])
-  return backends.get(backend).lower(ctx, *args, kernel=kernel, interpret=interpret)
+  with internals.vma_checks_off():
+    return backends.get(backend).lower(ctx, *args, kernel=kernel, interpret=interpret)
 
 
 mlir.register_lowering(pallas_call_p, _pallas_call_lowering)
@@ -409,13 +418,15 @@ def _pallas_call_jvp(primals, tangents, *, kernel, name, backend, interpret):
   """
   from pallet.backends.xla import kernel_as_function
   tangents = [ad.instantiate_zeros(t) for t in tangents]
-  fn = kernel_as_function(kernel)
-  if _union_varying(primals) or any(internals.is_sharded(p) for p in primals):
+  with internals.vma_checks_off():   # planning traces the kernel body
+    fn = kernel_as_function(kernel)
+  also = _mesh_axes_indexed(kernel) if internals.check_vma_enabled() else frozenset()
+  if also or _union_varying(primals) or any(internals.is_sharded(p) for p in primals):
     # Inside shard_map or on an Explicit mesh: tangents behind a primitive boundary
     # that sees plain per-device arrays (see plain_call.py).
     primal_out = pallas_call_p.bind(*primals, kernel=kernel, name=name, backend=backend,
                                     interpret=interpret)
-    return list(primal_out), plain_call.linear_call(fn, primals, tangents)
+    return list(primal_out), plain_call.linear_call(fn, primals, tangents, also)
   primal_out, tangent_out = jax.jvp(fn, tuple(primals), tuple(tangents))
   if backend != "xla":
     primal_out = pallas_call_p.bind(*primals, kernel=kernel, name=name, backend=backend,
