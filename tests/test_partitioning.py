@@ -193,11 +193,26 @@ SCRIPT = textwrap.dedent("""
           debug_f=lambda x: pairwise(x, block=32, debug=True))
     check("reads_program_id", offset_rows, offset_rows_ref, [x], [row1], False,
           note="reads program_id(0)", debug_f=lambda x: offset_rows(x, debug=True))
+
+    # The benchmark family runs only with 4 devices; its rows agree with their references.
+    try:
+        from benchmarks import sharded
+        rows = sharded.benchmarks("tiny")
+        assert [b.name for b in rows] == ["sharded_layernorm", "sharded_pairwise"], rows
+        for b in rows:
+            args = b.make_inputs(jax.random.key(0))
+            got = jax.jit(b.build_pallas(pl))(*args)
+            np.testing.assert_allclose(got, b.reference(*args), rtol=b.rtol, atol=b.atol)
+            assert "all-gather" not in hlo(b.build_pallas(pl), *args)
+        print("CASE benchmark_rows OK")
+    except Exception:
+        print("CASE benchmark_rows FAILED")
+        traceback.print_exc(file=sys.stdout)
 """)
 
 CASES = ["elementwise_1d", "elementwise_2d", "layer_norm_1d", "layer_norm_2d", "matmul_rows_1d",
          "matmul_2d", "pairwise_1d", "pairwise_2d", "sequential_axis_sharded",
-         "straddling_blocks", "reads_program_id"]
+         "straddling_blocks", "reads_program_id", "benchmark_rows"]
 
 
 @pytest.fixture(scope="module")
