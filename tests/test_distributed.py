@@ -118,6 +118,13 @@ SCRIPT = textwrap.dedent("""
             close(g, h)
           close(jax.jit(jax.vmap(layer, (0, None)))(put(xs, P(None, *xspec)), sw),
                 jax.vmap(want, (0, None))(xs, w))
+        # rows tiled by the grid stay sharded: no gather, forward or backward
+        assert jax.typeof(f(sx, sw)).sharding.spec[0] == xspec[0], jax.typeof(f(sx, sw))
+        if tag == "explicit_1d":
+          grad = jax.jit(jax.grad(loss(layer), (0, 1)))
+          for hlo in (f.lower(sx, sw).compile().as_text(),
+                      grad.lower(sx, sw).compile().as_text()):
+            assert "all-gather" not in hlo, hlo
         print("CASE_OK", tag, flush=True)
       except Exception:
         traceback.print_exc()

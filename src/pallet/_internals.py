@@ -201,15 +201,17 @@ def pvary(x: Any, axes: frozenset) -> Any:
   return _core.pvary(x, missing) if missing else x
 
 
-def on_mesh_of(aval: Any, operands: Any, varying: frozenset) -> Any:
-  """`aval` replicated on the mesh of the first operand that has one, varying over
-  `varying` (the mesh a value varies over must be named in its type)."""
+def on_mesh_of(aval: Any, operands: Any, varying: frozenset, spec: tuple = ()) -> Any:
+  """`aval` on the mesh of the first operand that has one, laid out as `spec`
+  (replicated where it says nothing), varying over `varying` (the mesh a value varies
+  over must be named in its type)."""
   mesh = next((o.sharding.mesh for o in operands
                if not getattr(getattr(o, "sharding", None), "mesh", _EMPTY_MESH).empty),
               None)
   if mesh is None:
     return aval
-  return aval.update(sharding=jax.sharding.NamedSharding(mesh, jax.P(*[None] * aval.ndim)),
+  spec = (*spec, *[None] * (aval.ndim - len(spec)))
+  return aval.update(sharding=jax.sharding.NamedSharding(mesh, jax.P(*spec)),
                      manual_axis_type=ManualAxisType(varying=varying) if varying
                      else _core.empty_mat)
 

@@ -264,8 +264,43 @@ def _pallas_call_abstract_eval(*avals, kernel, name, backend, interpret):
   varying = _union_varying(avals)
   if internals.check_vma_enabled():
     varying |= _mesh_axes_indexed(kernel)
-  return [internals.on_mesh_of(jax.core.ShapedArray(b.array_shape, b.dtype), avals, varying)
-          for b in kernel.grid_mapping.outputs]
+  specs = _explicit_out_specs(kernel, avals)
+  return [internals.on_mesh_of(jax.core.ShapedArray(b.array_shape, b.dtype), avals, varying,
+                               spec)
+          for b, spec in zip(kernel.grid_mapping.outputs, specs)]
+
+
+def _explicit_out_specs(kernel: tracing.KernelDescription, avals) -> list[tuple]:
+  """On an Explicit mesh: an output dimension tiled by a grid axis that could run
+  split (see partitioning.py) takes the sharding of an input dimension tiled the same
+  way, so the result stays sharded like its operands; otherwise it is replicated."""
+  gm = kernel.grid_mapping
+  specs = [[None] * len(b.array_shape) for b in gm.outputs]
+  n_pre = len(gm.dynamic_axes) + len(gm.prefetch_avals)
+  inputs = avals[n_pre:]
+  if not any(internals.is_sharded(a) for a in inputs):
+    return specs
+  used = set()
+  for axis in _split_candidates(kernel):
+    entries = [a.sharding.spec[d] for i, d in axis.dims.items()
+               if i < len(inputs) and d < len(inputs[i].sharding.spec)
+               for a in [inputs[i]] if a.sharding.spec[d] is not None]
+    if not entries:
+      continue
+    names = entries[0] if isinstance(entries[0], tuple) else (entries[0],)
+    if used & set(names):
+      continue
+    used |= set(names)
+    for i, d in axis.dims.items():
+      if i >= len(inputs):
+        specs[i - len(inputs)][d] = entries[0]
+  return specs
+
+
+@functools.lru_cache(maxsize=512)
+def _split_candidates(kernel: tracing.KernelDescription) -> tuple:
+  from pallet import partitioning
+  return tuple(partitioning.split_candidates(kernel)[0])
 
 
 @functools.lru_cache(maxsize=512)
@@ -426,7 +461,10 @@ def _pallas_call_jvp(primals, tangents, *, kernel, name, backend, interpret):
     # that sees plain per-device arrays (see plain_call.py).
     primal_out = pallas_call_p.bind(*primals, kernel=kernel, name=name, backend=backend,
                                     interpret=interpret)
-    return list(primal_out), plain_call.linear_call(fn, primals, tangents, also)
+    specs = tuple(tuple(jax.typeof(o).sharding.spec) if internals.is_sharded(o) else ()
+                  for o in primal_out)
+    return list(primal_out), plain_call.linear_call(fn, primals, tangents, also,
+                                                    specs if any(specs) else None)
   primal_out, tangent_out = jax.jvp(fn, tuple(primals), tuple(tangents))
   if backend != "xla":
     primal_out = pallas_call_p.bind(*primals, kernel=kernel, name=name, backend=backend,

@@ -33,16 +33,17 @@ def _plain_shapes(avals: Sequence[Any]) -> list[Any]:
   return [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
 
 
-def _abstract_eval(*avals, fn, out_avals, **_):
+def _abstract_eval(*avals, fn, out_avals, out_specs=None, **_):
   varying = varying_union(avals)
-  return [internals.on_mesh_of(a, avals, varying) for a in out_avals]
+  specs = out_specs or [()] * len(out_avals)
+  return [internals.on_mesh_of(a, avals, varying, s) for a, s in zip(out_avals, specs)]
 
 
 def _tangent_fn(fn: Callable, n: int) -> Callable:
   return lambda *a: list(jax.jvp(fn, tuple(a[:n]), tuple(a[n:]))[1])
 
 
-def _lowering(ctx, *args, fn, out_avals, n_primals=None):
+def _lowering(ctx, *args, fn, out_avals, n_primals=None, out_specs=None):
   ctx = ctx.replace(avals_in=[internals.plain_aval(a) for a in ctx.avals_in],
                     avals_out=[internals.plain_aval(a) for a in ctx.avals_out])
   f = fn if n_primals is None else _tangent_fn(fn, n_primals)
@@ -62,25 +63,28 @@ def call(fn: Callable, *args: Any) -> list[Any]:
 
 
 def linear_call(fn: Callable, primals: Sequence[Any], tangents: Sequence[Any],
-                also_varying: frozenset = frozenset()) -> list[Any]:
+                also_varying: frozenset = frozenset(),
+                out_specs: tuple | None = None) -> list[Any]:
   """The tangents of `fn` at `primals`; every tangent is first marked varying over
   the operands' axes and `also_varying` (its transpose then sums the cotangent of an
-  invariant operand over the devices, as for any value every device used)."""
+  invariant operand over the devices, as for any value every device used).
+  `out_specs`: the tangents' layout on an Explicit mesh (default replicated)."""
   varying = varying_union([*primals, *tangents]) | also_varying
   tangents = [internals.pvary(t, varying) for t in tangents]
   out_avals = _out_avals(fn, primals)
   return linear_p.bind(*primals, *tangents, fn=fn, out_avals=out_avals,
-                       n_primals=len(primals))
+                       n_primals=len(primals), out_specs=out_specs)
 
 
 for _p in (call_p, linear_p):
   _p.def_abstract_eval(_abstract_eval)
   mlir.register_lowering(_p, _lowering)
 call_p.def_impl(lambda *args, fn, out_avals: list(fn(*args)))
-linear_p.def_impl(lambda *args, fn, out_avals, n_primals: _tangent_fn(fn, n_primals)(*args))
+linear_p.def_impl(lambda *args, fn, out_avals, n_primals, out_specs:
+                  _tangent_fn(fn, n_primals)(*args))
 
 
-def _transpose(cts, *args, fn, out_avals, n_primals):
+def _transpose(cts, *args, fn, out_avals, n_primals, out_specs):
   primals, tangents = args[:n_primals], args[n_primals:]
   if any(ad.is_undefined_primal(p) for p in primals):
     raise NotImplementedError("pallet: a kernel's tangents are linear in the tangents only")
@@ -117,21 +121,21 @@ def _call_batching(args, dims, *, fn, out_avals):
   return outs, [0] * len(outs)
 
 
-def _linear_batching(args, dims, *, fn, out_avals, n_primals):
+def _linear_batching(args, dims, *, fn, out_avals, n_primals, out_specs):
   moved = _moved(args, dims)
   outs = linear_p.bind(*moved, fn=_batched_fn(fn),
                        out_avals=_out_avals(_batched_fn(fn), moved[:n_primals]),
-                       n_primals=n_primals)
+                       n_primals=n_primals, out_specs=None)
   return outs, [0] * len(outs)
 
 
-def _jvp(primals, tangents, *, fn, out_avals, n_primals=None):
+def _jvp(primals, tangents, *, fn, out_avals, n_primals=None, out_specs=None):
   """Higher derivatives: the tangents of `fn` (or of its own tangent function)."""
   f = fn if n_primals is None else _tangent_fn(fn, n_primals)
   params = dict(fn=fn, out_avals=out_avals)
   prim = call_p if n_primals is None else linear_p
   if n_primals is not None:
-    params["n_primals"] = n_primals
+    params.update(n_primals=n_primals, out_specs=out_specs)
   outs = prim.bind(*primals, **params)
   return outs, linear_call(f, primals, [ad.instantiate_zeros(t) for t in tangents])
 
