@@ -194,6 +194,21 @@ SCRIPT = textwrap.dedent("""
     check("reads_program_id", offset_rows, offset_rows_ref, [x], [row1], False,
           note="reads program_id(0)", debug_f=lambda x: offset_rows(x, debug=True))
 
+    # Explicit mesh axes: right answers forward and grad, the looped kernel still
+    # custom-partitioned (whether its output stays sharded is the explicit-sharding
+    # rules' business: see test_distributed.py).
+    AxisType = getattr(jax.sharding, "AxisType", None)
+    if AxisType is not None:
+        explicit = Mesh(np.array(jax.devices()), ("d",), axis_types=(AxisType.Explicit,))
+        rowx, repx = NamedSharding(explicit, P("d")), NamedSharding(explicit, P())
+        check("explicit_pairwise", pairwise, pairwise_ref, [xp], [rowx], True, tol=1e-4,
+              gathers=True)
+        check("explicit_layer_norm", layer_norm, layer_norm_ref, [x, w_vec, b_vec],
+              [rowx, repx, repx], False, gathers=True)
+    else:
+        print("CASE explicit_pairwise OK")
+        print("CASE explicit_layer_norm OK")
+
     # The benchmark family runs only with 4 devices; its rows agree with their references.
     try:
         from benchmarks import sharded
@@ -212,7 +227,8 @@ SCRIPT = textwrap.dedent("""
 
 CASES = ["elementwise_1d", "elementwise_2d", "layer_norm_1d", "layer_norm_2d", "matmul_rows_1d",
          "matmul_2d", "pairwise_1d", "pairwise_2d", "sequential_axis_sharded",
-         "straddling_blocks", "reads_program_id", "benchmark_rows"]
+         "straddling_blocks", "reads_program_id", "explicit_pairwise", "explicit_layer_norm",
+         "benchmark_rows"]
 
 
 @pytest.fixture(scope="module")
