@@ -166,11 +166,12 @@ def _launch(kernel, name, args, out_shape, grid, dynamic_sizes, in_specs, out_sp
   sizes = [jnp.asarray(d, jnp.int32) for d in dynamic_sizes]
   results = pallas_call_p.bind(*sizes, *flat_prefetch, *flat_args, kernel=description,
                                name=name, backend=backend_name, interpret=interpret)
-  results = [_annotated(r, o, i, name) for i, (r, o) in enumerate(zip(results, flat_out_shapes))]
+  results = [_annotated(r, o, i, name, description.source)
+             for i, (r, o) in enumerate(zip(results, flat_out_shapes))]
   return jax.tree_util.tree_unflatten(out_tree, results)
 
 
-def _annotated(result: Any, out_shape: Any, i: int, name: str) -> Any:
+def _annotated(result: Any, out_shape: Any, i: int, name: str, source: str) -> Any:
   """Applies Pallas's `ShapeDtypeStruct(..., manual_axis_type=ManualAxisType(varying=...))`
   inside `shard_map(check_vma=True)`: the output varies over those axes too. Fewer axes
   than the operands vary over would claim equal values pallet cannot check: an error."""
@@ -178,10 +179,11 @@ def _annotated(result: Any, out_shape: Any, i: int, name: str) -> Any:
     return result
   wanted, inferred = internals.varying_axes(out_shape), internals.varying_axes(result)
   if not inferred <= wanted:
-    raise PalletError(f"pallas_call of kernel '{name}': out_shape[{i}] is annotated as "
-                      f"varying over mesh axes {sorted(wanted)}, but its operands vary over "
-                      f"{sorted(inferred)}; an output varies over every axis its operands "
-                      f"vary over (leave out manual_axis_type to get that)")
+    raise PalletError(f"pallas_call of kernel '{name}' ({source}): out_shape[{i}] is "
+                      f"annotated as varying over mesh axes {sorted(wanted)}, but it must "
+                      f"vary over {sorted(inferred)}: an output varies over every axis its "
+                      f"operands vary over and every axis whose axis_index the kernel "
+                      f"reads (leave out manual_axis_type to get that)")
   return internals.pvary(result, wanted)
 
 
