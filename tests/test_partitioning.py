@@ -18,6 +18,7 @@ SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     import pallet as pl
+    from pallet import tpu as pltpu
 
     assert len(jax.devices()) == 4, jax.devices()
 
@@ -117,6 +118,32 @@ SCRIPT = textwrap.dedent("""
     def offset_rows_ref(x):
         return x + (jnp.arange(x.shape[0]) // 8)[:, None].astype(jnp.float32)
 
+    def permute_rows(x, debug=False):
+        # Scalar prefetch: output block i reads input block order[i].
+        order = jnp.arange(x.shape[0] // 8)[::-1]
+        def kernel(order_ref, x_ref, o_ref):
+            o_ref[...] = x_ref[...] * 2.0
+        return pl.pallas_call(
+            kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), debug=debug,
+            grid_spec=pltpu.PrefetchScalarGridSpec(
+                num_scalar_prefetch=1, grid=(x.shape[0] // 8,),
+                in_specs=[pl.BlockSpec((8, x.shape[1]), lambda i, o: (o[i], 0))],
+                out_specs=pl.BlockSpec((8, x.shape[1]), lambda i, o: (i, 0))))(order, x)
+
+    def permute_rows_ref(x):
+        return 2.0 * x.reshape(-1, 8, x.shape[1])[::-1].reshape(x.shape)
+
+    def dma_rows(x, debug=False):
+        # Copies its row block from the whole array by DMA.
+        def kernel(x_hbm, o_ref, buf):
+            pltpu.sync_copy(x_hbm.at[pl.ds(pl.program_id(0) * 8, 8)], buf)
+            o_ref[...] = buf[...] + 1.0
+        return pl.pallas_call(
+            kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(x.shape[0] // 8,),
+            in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=pl.BlockSpec((8, x.shape[1]), lambda i: (i, 0)),
+            scratch_shapes=[pltpu.VMEM((8, x.shape[1]), x.dtype)], debug=debug)(x)
+
     # ---------------------------------------------------------------- checking
     def hlo(f, *args):
         return jax.jit(f).lower(*args).compile().as_text()
@@ -193,6 +220,10 @@ SCRIPT = textwrap.dedent("""
           debug_f=lambda x: pairwise(x, block=32, debug=True))
     check("reads_program_id", offset_rows, offset_rows_ref, [x], [row1], False,
           note="reads program_id(0)", debug_f=lambda x: offset_rows(x, debug=True))
+    check("scalar_prefetch", permute_rows, permute_rows_ref, [x], [row1], False, gathers=True,
+          note="scalar prefetch", debug_f=lambda x: permute_rows(x, debug=True))
+    check("dma_kernel", dma_rows, lambda x: x + 1.0, [x], [row1], False, gathers=True,
+          note="DMAs", debug_f=lambda x: dma_rows(x, debug=True))
 
     # Explicit mesh axes: right answers forward and grad, the looped kernel still
     # custom-partitioned (whether its output stays sharded is the explicit-sharding
@@ -227,7 +258,8 @@ SCRIPT = textwrap.dedent("""
 
 CASES = ["elementwise_1d", "elementwise_2d", "layer_norm_1d", "layer_norm_2d", "matmul_rows_1d",
          "matmul_2d", "pairwise_1d", "pairwise_2d", "sequential_axis_sharded",
-         "straddling_blocks", "reads_program_id", "explicit_pairwise", "explicit_layer_norm",
+         "straddling_blocks", "reads_program_id", "scalar_prefetch", "dma_kernel",
+         "explicit_pairwise", "explicit_layer_norm",
          "benchmark_rows"]
 
 
