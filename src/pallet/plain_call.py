@@ -9,6 +9,7 @@ only when lowering, on avals without varying axes or shardings.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Sequence
 
 import jax
@@ -79,9 +80,22 @@ def linear_call(fn: Callable, primals: Sequence[Any], tangents: Sequence[Any],
 for _p in (call_p, linear_p):
   _p.def_abstract_eval(_abstract_eval)
   mlir.register_lowering(_p, _lowering)
-call_p.def_impl(lambda *args, fn, out_avals: list(fn(*args)))
-linear_p.def_impl(lambda *args, fn, out_avals, n_primals, out_specs:
-                  _tangent_fn(fn, n_primals)(*args))
+@functools.lru_cache(maxsize=256)
+def _compiled(prim: Primitive, params: tuple) -> Callable:
+  return jax.jit(lambda *args: prim.bind(*args, **dict(params)))
+
+
+def _impl(prim: Primitive) -> Callable:
+  # Run compiled, so `fn` is traced on plain avals even for sharded concrete operands
+  # (jit re-enabled: under `jax.disable_jit()` the jit would call back in here).
+  def impl(*args, **params):
+    with jax.disable_jit(False):
+      return _compiled(prim, tuple(sorted(params.items())))(*args)
+  return impl
+
+
+call_p.def_impl(_impl(call_p))
+linear_p.def_impl(_impl(linear_p))
 
 
 def _transpose(cts, *args, fn, out_avals, n_primals, out_specs):
