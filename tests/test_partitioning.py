@@ -225,17 +225,16 @@ SCRIPT = textwrap.dedent("""
     check("dma_kernel", dma_rows, lambda x: x + 1.0, [x], [row1], False, gathers=True,
           note="DMAs", debug_f=lambda x: dma_rows(x, debug=True))
 
-    # Explicit mesh axes: right answers forward and grad, the looped kernel still
-    # custom-partitioned (whether its output stays sharded is the explicit-sharding
-    # rules' business: see test_distributed.py).
+    # Explicit mesh axes: right answers forward and grad, no all-gather, the looped
+    # kernel custom-partitioned (outputs keep their inputs' sharding: pallas_call's
+    # explicit-sharding rules, see test_distributed.py).
     AxisType = getattr(jax.sharding, "AxisType", None)
     if AxisType is not None:
         explicit = Mesh(np.array(jax.devices()), ("d",), axis_types=(AxisType.Explicit,))
         rowx, repx = NamedSharding(explicit, P("d")), NamedSharding(explicit, P())
-        check("explicit_pairwise", pairwise, pairwise_ref, [xp], [rowx], True, tol=1e-4,
-              gathers=True)
+        check("explicit_pairwise", pairwise, pairwise_ref, [xp], [rowx], True, tol=1e-4)
         check("explicit_layer_norm", layer_norm, layer_norm_ref, [x, w_vec, b_vec],
-              [rowx, repx, repx], False, gathers=True)
+              [rowx, repx, repx], False)
     else:
         print("CASE explicit_pairwise OK")
         print("CASE explicit_layer_norm OK")
