@@ -18,7 +18,7 @@ SCRIPT = textwrap.dedent("""
     shard_map = getattr(jax, "shard_map", None)
     if shard_map is None:
         from jax.experimental.shard_map import shard_map
-    # pallas_call does not annotate its outputs with varying mesh axes (see docs/semantics.md).
+    # The checks-off setting; tests/test_distributed.py covers the default check_vma=True.
     check = ({"check_vma": False} if "check_vma" in inspect.signature(shard_map).parameters
              else {"check_rep": False})
 
