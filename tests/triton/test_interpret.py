@@ -116,3 +116,40 @@ def test_inline_assembly_is_a_clear_error_under_the_interpreter():
   with pytest.raises(Exception, match=r"asm_kernel.*inline GPU assembly under Triton's "
                                       r"interpreter"):
     jax.block_until_ready(call(asm_kernel, sds(x), True)(x))
+
+
+_SHARDED_SCRIPT = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+import pallet as pl
+
+def kernel(x_ref, o_ref):
+  o_ref[...] = jnp.tanh(x_ref[...]) * x_ref[...]
+
+def per_shard(x):
+  spec = pl.BlockSpec((8, x.shape[1]), lambda i: (i, 0))
+  return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                        grid=(x.shape[0] // 8,), in_specs=[spec], out_specs=spec,
+                        backend="triton", interpret=True)(x)
+
+assert len(jax.devices()) == 4
+f = jax.jit(jax.shard_map(per_shard, mesh=Mesh(np.array(jax.devices()), ("d",)),
+                          in_specs=P("d"), out_specs=P("d")))
+for seed in range(3):   # distinct kernels: each is loaded while four devices call in
+  x = jax.random.normal(jax.random.key(seed), (64, 16 * (seed + 1)))
+  np.testing.assert_allclose(f(x), jnp.tanh(x) * x, rtol=1e-6)
+print("SHARDED_INTERPRETER_OK")
+"""
+
+
+def test_interpreter_under_shard_map_on_four_devices():
+  """The four devices' host callbacks call the interpreter from several threads at once."""
+  import os
+  import subprocess
+  import sys
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+         "TRITON_INTERPRET": "1"}
+  done = subprocess.run([sys.executable, "-c", _SHARDED_SCRIPT], env=env, capture_output=True,
+                        text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "SHARDED_INTERPRETER_OK" in done.stdout

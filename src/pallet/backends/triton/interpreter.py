@@ -16,6 +16,7 @@ protocol of `GridExecutor`); see tests/triton for the version they are tested wi
 from __future__ import annotations
 
 import math
+import threading
 import types
 from typing import Any, Sequence
 
@@ -184,9 +185,20 @@ def check_interpreter_enabled(kernel: Any) -> None:
         f"Python (this process imported triton without it)")
 
 
+# Triton's interpreter swaps global state (its `interpret` knob, the `tl` functions) while a
+# kernel loads and runs; host callbacks of several devices (shard_map) call in from threads.
+_ONE_AT_A_TIME = threading.Lock()
+
+
 def run(generated: Any, operands: Sequence[np.ndarray],
         aliases: dict[int, int]) -> list[np.ndarray]:
   """Runs the generated kernel on host arrays; returns the outputs."""
+  with _ONE_AT_A_TIME:
+    return _run(generated, operands, aliases)
+
+
+def _run(generated: Any, operands: Sequence[np.ndarray],
+         aliases: dict[int, int]) -> list[np.ndarray]:
   from pallet.backends.triton.compiler import load_module
   check_interpreter_enabled(generated.kernel)
   gm = generated.kernel.grid_mapping
