@@ -101,3 +101,19 @@ def assert_close(actual: Any, expected: Any, *, matmul: bool = False, **override
                                np.asarray(a),
                                np.asarray(e, np.float64) if e.dtype == jnp.bfloat16 else
                                np.asarray(e), **tol)
+
+
+# ------------------------------------------------------------------ several devices
+def run_on_simulated_devices(code: str | None = None, *, path: str | None = None,
+                             devices: int = 4, env: dict[str, str] | None = None,
+                             timeout: int = 300) -> str:
+  """Runs Python `code` (or the script at `path`) in its own process with `devices`
+  simulated CPU devices (the device count is fixed when JAX starts); returns its
+  stdout and stderr together."""
+  import subprocess
+  import sys
+  full_env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+              "JAX_PLATFORMS": "cpu", **(env or {})}
+  command = [sys.executable, path] if path is not None else [sys.executable, "-c", code]
+  done = subprocess.run(command, env=full_env, capture_output=True, text=True, timeout=timeout)
+  return done.stdout + done.stderr

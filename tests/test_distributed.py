@@ -5,12 +5,11 @@ with the single-device result and a jax.numpy reference on random inputs.
 Device count is fixed at JAX start-up, so the cases run in one child process with
 XLA_FLAGS asking for four host devices; each case prints a marker the tests check.
 """
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from helpers import run_on_simulated_devices
 
 SCRIPT = textwrap.dedent("""
     import functools, traceback
@@ -159,11 +158,7 @@ CASES = ["shard_map_1d_True", "shard_map_1d_False", "shard_map_2d_True", "shard_
 
 @pytest.fixture(scope="module")
 def child_output():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-             JAX_PLATFORMS="cpu")
-  result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=300)
-  return result.stdout + result.stderr
+  return run_on_simulated_devices(SCRIPT)
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -6,12 +6,11 @@ its OK marker. Every case compares with a jax.numpy reference and with the
 single-device run, forward and grad; partitioned cases also check that the compiled
 HLO has no all-gather, fallback cases that the debug notes say why.
 """
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from helpers import run_on_simulated_devices
 
 SCRIPT = textwrap.dedent("""
     import contextlib, io, sys, traceback
@@ -264,11 +263,7 @@ CASES = ["elementwise_1d", "elementwise_2d", "layer_norm_1d", "layer_norm_2d", "
 
 @pytest.fixture(scope="module")
 def output() -> str:
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-             JAX_PLATFORMS="cpu")
-  result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=300)
-  return result.stdout + result.stderr
+  return run_on_simulated_devices(SCRIPT)
 
 
 @pytest.mark.parametrize("case", CASES)

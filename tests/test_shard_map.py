@@ -3,10 +3,9 @@
 Device count is fixed at JAX start-up, so the check runs in its own process with
 XLA_FLAGS asking for four host devices.
 """
-import os
-import subprocess
-import sys
 import textwrap
+
+from helpers import run_on_simulated_devices
 
 SCRIPT = textwrap.dedent("""
     import inspect
@@ -42,8 +41,5 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_kernel_inside_shard_map_forward_and_grad():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-             JAX_PLATFORMS="cpu")
-  result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=300)
-  assert "SHARD_MAP_OK" in result.stdout, result.stdout + result.stderr
+  output = run_on_simulated_devices(SCRIPT)
+  assert "SHARD_MAP_OK" in output, output

@@ -13,7 +13,7 @@ from jax import lax
 import pallet as pl
 import pallet.triton as plt
 from cases import CASES, call
-from helpers import assert_close, random_array, sds
+from helpers import assert_close, random_array, run_on_simulated_devices, sds
 
 pytestmark = pytest.mark.triton_interpret
 
@@ -144,12 +144,5 @@ print("SHARDED_INTERPRETER_OK")
 
 def test_interpreter_under_shard_map_on_four_devices():
   """The four devices' host callbacks call the interpreter from several threads at once."""
-  import os
-  import subprocess
-  import sys
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-         "TRITON_INTERPRET": "1"}
-  done = subprocess.run([sys.executable, "-c", _SHARDED_SCRIPT], env=env, capture_output=True,
-                        text=True, timeout=300)
-  assert done.returncode == 0, done.stderr[-3000:]
-  assert "SHARDED_INTERPRETER_OK" in done.stdout
+  output = run_on_simulated_devices(_SHARDED_SCRIPT, env={"TRITON_INTERPRET": "1"})
+  assert "SHARDED_INTERPRETER_OK" in output, output[-3000:]
