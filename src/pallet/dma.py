@@ -71,19 +71,6 @@ def kernel_site() -> str:
   return f"{f'kernel {name!r}' if name else 'a kernel'} at {checks.user_source()}"
 
 
-def _ref_and_transforms(ref: Any) -> tuple[Any, tuple[Any, ...]]:
-  if isinstance(ref, internals.TransformedRef):
-    return ref.ref, tuple(ref.transforms)
-  return ref, ()
-
-
-def _view_aval(ref_aval: Any, transforms: Any) -> Any:
-  aval = getattr(ref_aval, "inner_aval", ref_aval)
-  for t in transforms:
-    aval = t.transform_type(aval)
-  return aval
-
-
 def _is_ref(x: Any) -> bool:
   if isinstance(x, (internals.TransformedRef, SelectedRef)):
     return True
@@ -102,8 +89,8 @@ def _check_ref(x: Any, api: str, what: str) -> None:
 
 def _semaphore_view(sem: Any, api: str) -> tuple[Any, tuple[Any, ...]]:
   _check_ref(sem, api, "the semaphore")
-  base, transforms = _ref_and_transforms(sem)
-  aval = _view_aval(jax.typeof(base), transforms)
+  base, transforms = primitives.ref_and_transforms(sem)
+  aval = primitives.view_aval(jax.typeof(base), transforms)
   if aval.shape != () or aval.dtype != jnp.int32:
     raise PalletError(f"{api} in {kernel_site()}: the semaphore must be a single semaphore "
                       f"(e.g. sems.at[i] of a SemaphoreType.DMA((n,)) array), got a "
@@ -181,7 +168,7 @@ dma_wait_p.def_effectful_abstract_eval(_dma_wait_abstract_eval)
 def _dma_wait_discharge(in_avals, out_avals, *args, tree, message):
   ref, ref_t, sem, sem_t = jax.tree_util.tree_unflatten(tree, args)
   pos = jax.tree_util.tree_unflatten(tree, list(range(len(args))))
-  size = _view_aval(in_avals[0], ref_t).size
+  size = primitives.view_aval(in_avals[0], ref_t).size
   current = internals.transform_array(sem, sem_t)
   checks.check(current >= size, message)
   return _replace({pos[_SEM_WAIT]: _sem_add(sem, sem_t, -size)}, len(args)), []
@@ -204,15 +191,15 @@ class AsyncCopyDescriptor:
         chosen.write(lambda r: dataclasses.replace(self, **{end: r}).start(priority, add=add))
         return
     del priority
-    src, src_t = _ref_and_transforms(self.src_ref)
-    dst, dst_t = _ref_and_transforms(self.dst_ref)
+    src, src_t = primitives.ref_and_transforms(self.src_ref)
+    dst, dst_t = primitives.ref_and_transforms(self.dst_ref)
     sem, sem_t = self._semaphore(self.dst_sem)
     src_sem, src_sem_t = self._semaphore(self.src_sem)
     shared_sem = src_sem is not None and src_sem is sem
     if shared_sem:
       src_sem = None
-    src_aval = _view_aval(jax.typeof(src), src_t)
-    dst_aval = _view_aval(jax.typeof(dst), dst_t)
+    src_aval = primitives.view_aval(jax.typeof(src), src_t)
+    dst_aval = primitives.view_aval(jax.typeof(dst), dst_t)
     if src_aval.shape != dst_aval.shape or src_aval.dtype != dst_aval.dtype:
       raise PalletError(f"make_async_copy in {kernel_site()}: source {src_aval.str_short()} and "
                         f"destination {dst_aval.str_short()} must have the same shape and "
@@ -233,9 +220,9 @@ class AsyncCopyDescriptor:
                         f"semaphore to wait on (pass one to make_async_copy)")
     if isinstance(ref, SelectedRef):   # every candidate has the same shape: any one sizes the wait
       ref = ref.refs[0]
-    base, transforms = _ref_and_transforms(ref)
+    base, transforms = primitives.ref_and_transforms(ref)
     sem, sem_t = _semaphore_view(sem, "make_async_copy(...).wait()")
-    size = _view_aval(jax.typeof(base), transforms).size
+    size = primitives.view_aval(jax.typeof(base), transforms).size
     message = (f"DMA wait in {kernel_site()}: waits for {size} copied elements, but the copies "
                f"started on its semaphore delivered fewer; nothing else can signal it, so on "
                f"a TPU this wait would never finish")

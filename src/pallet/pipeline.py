@@ -117,15 +117,11 @@ def _is_windowed(spec: Any) -> bool:
 
 
 def _ref_aval(ref: Any, where: str) -> Any:
-  aval = jax.typeof(ref.ref) if isinstance(ref, internals.TransformedRef) else jax.typeof(ref)
+  base, transforms = primitives.ref_and_transforms(ref)
+  aval = jax.typeof(base)
   if not isinstance(aval, internals.AbstractRef):
     raise PalletError(f"{where}: expected a ref, got {type(ref).__name__}")
-  if isinstance(ref, internals.TransformedRef):
-    inner = aval.inner_aval
-    for t in ref.transforms:
-      inner = t.transform_type(inner)
-    return inner
-  return aval.inner_aval
+  return primitives.view_aval(aval, transforms)
 
 
 def _normalize(specs: Any) -> tuple[Any, ...]:

@@ -123,15 +123,28 @@ def num_programs(axis: int) -> jax.Array:
 
 
 # ------------------------------------------------------------------ ref helpers
+def ref_and_transforms(ref: Any) -> tuple[Any, tuple[Any, ...]]:
+  """(base ref, transforms) of `ref` or of a view of it such as `ref.at[...]`."""
+  if isinstance(ref, internals.TransformedRef):
+    return ref.ref, tuple(ref.transforms)
+  return ref, ()
+
+
+def view_aval(ref_aval: Any, transforms: Sequence[Any]) -> Any:
+  """The array aval of a ref typed `ref_aval` seen through `transforms`."""
+  aval = getattr(ref_aval, "inner_aval", ref_aval)
+  for t in transforms:
+    aval = t.transform_type(aval)
+  return aval
+
+
 def _as_transformed(ref: Any, idx: Any) -> tuple[Any, tuple[Any, ...]]:
   """(base ref, transforms) for `ref` or `ref.at[...]`, further indexed by idx."""
   if idx is not None:
     if not isinstance(idx, tuple):
       idx = (idx,)
     ref = ref.at[idx]
-  if isinstance(ref, internals.TransformedRef):
-    return ref.ref, tuple(ref.transforms)
-  return ref, ()
+  return ref_and_transforms(ref)
 
 
 def _ref_view(base: Any, transforms: tuple[Any, ...]) -> Any:
@@ -140,9 +153,7 @@ def _ref_view(base: Any, transforms: tuple[Any, ...]) -> Any:
 
 
 def _view_shape_dtype(ref_aval: Any, transforms: Sequence[Any]) -> tuple[tuple[int, ...], Any]:
-  aval = getattr(ref_aval, "inner_aval", ref_aval)
-  for t in transforms:
-    aval = t.transform_type(aval)
+  aval = view_aval(ref_aval, transforms)
   return tuple(aval.shape), aval.dtype
 
 
