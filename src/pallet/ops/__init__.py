@@ -1,0 +1,4 @@
+"""pallet.ops: a library of kernels written with pallet, each with a jax.numpy
+reference and a custom VJP whose backward pass runs as kernels too."""
+from pallet.ops.normalization import (layer_norm, layer_norm_reference, rms_norm,
+                                      rms_norm_reference)

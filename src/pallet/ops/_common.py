@@ -1,0 +1,60 @@
+"""Shared plumbing of pallet.ops: argument checks, row views, block-size defaults.
+
+Errors raised here are `PalletError`s naming the op and the offending argument, so a
+wrong call reads as a message about the user's arrays, never a deep JAX traceback.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pallet.grid_mapping import PalletError
+from pallet.helpers import next_power_of_2
+
+F32 = jnp.float32
+
+
+def fail(op: str, message: str) -> PalletError:
+  """The error an op raises for arguments that do not fit together."""
+  return PalletError(f"pallet.ops.{op}: {message}")
+
+
+def check_float(op: str, name: str, x: Any) -> None:
+  if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.floating):
+    raise fail(op, f"{name} must be a floating-point array, got "
+                   f"{getattr(x, 'dtype', type(x).__name__)}")
+
+
+def check_shape(op: str, name: str, x: Any, shape: tuple[int, ...]) -> None:
+  if tuple(x.shape) != tuple(shape):
+    raise fail(op, f"{name} has shape {tuple(x.shape)}, expected {tuple(shape)}")
+
+
+def check_block(op: str, name: str, value: int) -> None:
+  if not isinstance(value, int) or value < 1:
+    raise fail(op, f"{name} must be a positive int, got {value!r}")
+
+
+def rows_per_block(width: int, budget: int = 4096, cap: int = 64) -> int:
+  """A power-of-two row count whose (rows, width) block holds about `budget` elements
+  (what one Triton program keeps in registers without spilling)."""
+  rows = max(1, budget // next_power_of_2(max(1, width)))
+  return max(1, min(cap, rows))
+
+
+def as_rows(x: jax.Array) -> jax.Array:
+  """x viewed as (rows, last dimension)."""
+  return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+
+
+def cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+def row_mask(block_rows: int, total_rows: int, step: Any) -> jax.Array:
+  """(block_rows, 1) bool: which rows of grid step `step`'s block are inside the array."""
+  rows = step * block_rows + jax.lax.broadcasted_iota(jnp.int32, (block_rows, 1), 0)
+  return rows < total_rows
