@@ -26,6 +26,7 @@ from pallet.export import lower_as_mlir, pallas_export_experimental
 from pallet.global_refs import get_global
 from pallet.device_ids import DeviceIdType
 from pallet.tpu_ops import delay
+from pallet.autotune import autotune
 from pallet import named
 
 __version__ = "0.1.0"

@@ -69,6 +69,14 @@ def is_tracer(x: Any) -> bool:
   return isinstance(x, _core.Tracer)
 
 
+def is_staging_tracer(x: Any) -> bool:
+  """Whether `x` is a value being staged into a jaxpr (jit, make_jaxpr), as opposed to
+  one carrying a transformation (grad/jvp tangents, vmap batches). Autotune tunes only
+  under the former."""
+  from jax._src.interpreters import partial_eval as pe
+  return isinstance(x, pe.DynamicJaxprTracer)
+
+
 # --- Triton backend: where an equation came from, for comments and error messages ---
 from jax._src import source_info_util as _source_info_util
 
