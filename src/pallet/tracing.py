@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from pallet import _internals as internals
 from pallet import primitives
-from pallet.grid_mapping import GridMapping, PalletError
+from pallet.grid_mapping import GridMapping, PalletError, kernel_parameter_names
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -38,6 +38,7 @@ class KernelDescription:
   grid_names: tuple[Any, ...] | None = None    # a named grid: lax.axis_index(name) works
   metadata: Any = None                         # pallas_call(metadata=...), kept as given
   poison_buffers: bool = False                 # pl.enable_poison_buffers when traced
+  ref_names: tuple[str, ...] = ()              # per ref input: the kernel parameter it is
 
   def __repr__(self) -> str:
     # Shown inside jaxprs as the `kernel=` parameter of pallas_call: keep it short.
@@ -110,4 +111,19 @@ def trace_kernel(kernel: Callable, name: str, grid_mapping: GridMapping,
   if any(internals.is_tracer(c) for c in jaxpr.consts):
     raise PalletError(f"kernel '{name}' closes over a traced (non-constant) value; pass "
                       f"it to pallas_call as an input instead")
-  return KernelDescription(name=name, jaxpr=jaxpr, grid_mapping=gm, **description_fields)
+  return KernelDescription(name=name, jaxpr=jaxpr, grid_mapping=gm,
+                           ref_names=_ref_names(kernel, kernel_args_tree, len(ref_avals)),
+                           **description_fields)
+
+
+def _ref_names(kernel: Callable, kernel_args_tree: Any, n_refs: int) -> tuple[str, ...]:
+  """For messages: the parameter each flat ref is passed as (with its path inside a
+  pytree parameter, e.g. "refs['k']"), "" where the signature does not say."""
+  params = kernel_parameter_names(kernel) or []
+  nested = jax.tree_util.tree_unflatten(kernel_args_tree, list(range(n_refs)))
+  names = [""] * n_refs
+  for p, arg in enumerate(nested):
+    if p < len(params):
+      for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
+        names[leaf] = params[p] + jax.tree_util.keystr(path)
+  return tuple(names)
