@@ -1,0 +1,139 @@
+"""The seeded-bug corpus under the checking mode (docs/checking.md).
+
+Every buggy kernel must be reported as a `pl.KernelCheckError` naming the right kind,
+ref and source line (the case's `# BUG` line); every fixed twin must run clean with
+all checks on and match its jax.numpy reference, checked and unchecked.
+
+Runs on the backend under test: `PALLET_TEST_BACKEND=triton TRITON_INTERPRET=1 pytest
+tests/bugs -o addopts=""` runs it under Triton's interpreter, where the cases the
+Triton backend cannot see are skipped with the reason.
+"""
+from __future__ import annotations
+
+import os
+
+import jax
+import pytest
+
+import pallet as pl
+from bugs.corpus import KINDS, OPT_IN_KINDS, Case, all_cases
+from helpers import assert_close, current_test_backend
+
+CASES = all_cases()
+BACKEND = current_test_backend()
+
+# Pallas's spelling of the checking mode, and what each opt-in kind adds to it.
+CHECKED = dict(detect_races=True, out_of_bounds_reads="raise", uninitialized_memory="nan")
+OPT_IN = {"nan": dict(detect_nans=True), "overflow": dict(detect_int_overflow=True),
+          "unwritten": dict(detect_unwritten_outputs=True),
+          "debug_check": dict(debug_checks=True)}
+
+# Cases the checks do not report yet: (backend, case name) -> why. Each is a strict
+# xfail, so a case that starts being reported fails until it is taken off this list.
+NOT_YET_REPORTED: dict[tuple[str, str], str] = {}
+
+
+def checked(*opt_in: str) -> pl.InterpretParams:
+  extra = {k: v for kind in opt_in for k, v in OPT_IN[kind].items()}
+  return pl.InterpretParams(**CHECKED, **extra)
+
+
+def call_kwargs(interpret) -> dict:
+  return dict(backend=BACKEND, interpret=interpret)
+
+
+def _unchecked_kwargs() -> dict:
+  return dict(backend=BACKEND, interpret=BACKEND != "xla")
+
+
+def _skip_unseeable(case: Case) -> None:
+  if BACKEND != "xla" and case.triton:
+    pytest.skip(f"{BACKEND} backend cannot see this bug: {case.triton}")
+
+
+def _mark_known_misses(case: Case):
+  reason = NOT_YET_REPORTED.get((BACKEND, case.name))
+  marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+  return pytest.param(case, id=case.name, marks=marks)
+
+
+def _expected_line(case: Case) -> str:
+  return f"{os.path.abspath(case.source_file)}:{case.bug_line}"
+
+
+def _same_line(reported: str, case: Case) -> bool:
+  path, _, line = str(reported).rpartition(":")
+  return (line.isdigit() and int(line) == case.bug_line
+          and os.path.abspath(path) == os.path.abspath(case.source_file))
+
+
+@pytest.mark.parametrize("case", [_mark_known_misses(c) for c in CASES])
+def test_bug_is_reported_with_kind_ref_and_line(case: Case):
+  _skip_unseeable(case)
+  opt_in = [case.kind] if case.kind in OPT_IN_KINDS else []
+  program = case.build(True, **call_kwargs(checked(*opt_in)))
+  with pytest.raises(pl.KernelCheckError) as info:
+    jax.block_until_ready(program(*case.inputs()))
+  err = info.value
+  assert (err.kind, err.ref) == (case.kind, case.ref), str(err)
+  assert _same_line(err.line, case), f"reported {err.line}, expected {_expected_line(case)}"
+  text = str(err)
+  assert err.kind in text and str(err.line) in text and str(err.kernel) in text
+  if case.ref is not None:
+    assert case.ref in text
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_fixed_twin_runs_clean_with_every_check(case: Case):
+  _skip_unsupported_twin(case)
+  program = case.build(False, **call_kwargs(checked(*OPT_IN_KINDS)))
+  inputs = case.inputs()
+  assert_close(program(*inputs), case.reference(*inputs), matmul=case.matmul)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_fixed_twin_matches_unchecked_with_poisoned_buffers(case: Case):
+  _skip_unsupported_twin(case)
+  program = case.build(False, **_unchecked_kwargs())
+  inputs = case.inputs()
+  with pl.enable_poison_buffers(True):
+    out = program(*inputs)
+  assert_close(out, case.reference(*inputs), matmul=case.matmul)
+
+
+def _skip_unsupported_twin(case: Case) -> None:
+  if BACKEND != "xla" and case.triton == NO_TRITON_KERNEL:
+    pytest.skip(f"{BACKEND} backend cannot run this kernel")
+
+
+NO_TRITON_KERNEL = "DMAs and semaphores run on the XLA backend only"
+
+
+def test_scratch_carry_prefix_sum_is_right_unchecked():
+  """The blocked prefix sum carrying its total in scratch, no dimension_semantics: the
+  default backend must run the grid in order (issue 9, section 1)."""
+  case = next(c for c in CASES if c.name == "carry_across_declared_parallel_axis")
+  x, = case.inputs()
+  assert_close(case.build(False, backend=BACKEND)(x), case.reference(x), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["halo_reads_next_block_past_end",
+                                  "reduction_output_never_zeroed",
+                                  "parallel_programs_write_one_block"])
+def test_bug_under_jit_fails_with_the_report(name: str):
+  """Inside jax.jit the report reaches the caller through JAX's runtime: its text
+  still names the kind, the ref and the line."""
+  case = next(c for c in CASES if c.name == name)
+  program = jax.jit(case.build(True, **call_kwargs(checked())))
+  with pytest.raises(Exception) as info:
+    jax.block_until_ready(program(*case.inputs()))
+  text = str(info.value)
+  assert case.kind in text and case.ref in text, text
+  assert f"{os.path.basename(case.source_file)}:{case.bug_line}" in text, text
+
+
+def test_corpus_has_thirty_cases_covering_every_kind():
+  assert len(CASES) >= 30
+  assert {c.kind for c in CASES} == set(KINDS)
+  for c in CASES:
+    assert c.bug_line > 0
