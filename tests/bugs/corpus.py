@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, Callable
+from typing import Callable
 
 KINDS = ("out_of_bounds", "uninitialized", "race", "nan", "overflow", "unwritten",
          "debug_check", "index_map")
@@ -29,6 +29,7 @@ class Case:
   inputs: Callable[[], tuple]    # fresh random inputs
   reference: Callable            # jax.numpy program the fixed twin must match
   triton: str | None = None      # why the Triton backend cannot see this bug (skip)
+  triton_runs: bool = True       # whether the Triton backend runs the kernel at all
   matmul: bool = False           # looser tolerance for the twin's comparison
 
   @property
@@ -49,14 +50,15 @@ CASES: list[Case] = []
 
 
 def bug_case(*, kind: str, ref: str | None, inputs: Callable[[], tuple],
-             reference: Callable, triton: str | None = None,
+             reference: Callable, triton: str | None = None, triton_runs: bool = True,
              matmul: bool = False) -> Callable[[Callable], Callable]:
   """Registers the decorated `build(bug, **call)` as a corpus case."""
   if kind not in KINDS:
     raise ValueError(f"unknown kind {kind!r}")
 
   def register(build: Callable) -> Callable:
-    CASES.append(Case(build.__name__, kind, ref, build, inputs, reference, triton, matmul))
+    CASES.append(Case(build.__name__, kind, ref, build, inputs, reference, triton,
+                      triton_runs, matmul))
     return build
 
   return register
@@ -70,7 +72,3 @@ def all_cases() -> list[Case]:
   if duplicates:
     raise AssertionError(f"duplicate case names {sorted(duplicates)}")
   return list(CASES)
-
-
-def describe(call: dict[str, Any]) -> str:
-  return ", ".join(f"{k}={v!r}" for k, v in call.items())

@@ -138,7 +138,7 @@ def smem_counter_never_initialized(bug, **call):
 
 
 @bug_case(kind="uninitialized", ref="buf", inputs=lambda: (random_array((128, 8)),),
-          reference=lambda x: 3.0 * x, triton=NO_TRITON_DMA)
+          reference=lambda x: 3.0 * x, triton=NO_TRITON_DMA, triton_runs=False)
 def dma_started_but_never_waited(bug, **call):
   """Copies a block from HBM into VMEM and reads it without waiting for the copy."""
   def kernel(x_hbm, o_ref, buf, sem):
@@ -163,7 +163,7 @@ def _shifted_windows(x):
 
 
 @bug_case(kind="out_of_bounds", ref="x_hbm", inputs=lambda: (random_array((128, 8)),),
-          reference=_shifted_windows, triton=NO_TRITON_DMA)
+          reference=_shifted_windows, triton=NO_TRITON_DMA, triton_runs=False)
 def dma_source_window_past_end(bug, **call):
   """Copies 32-row windows shifted by one; the last window passes row 127."""
   def kernel(x_hbm, o_ref, buf):
