@@ -35,3 +35,118 @@ def check_matches(bench: Benchmark, variant: str, actual: Any, expected: Any) ->
           f"{bench.name}: {variant} differs from jax.numpy at {int(bad.sum())} of "
           f"{a.size} elements (rtol={bench.rtol}, atol={bench.atol}); worst at index "
           f"{tuple(int(w) for w in worst)}: got {a[worst]!r}, expected {e[worst]!r}")
+
+
+# ------------------------------------------------------------------ checking-mode cost
+# `python -m benchmarks.checking`: what pallet's checking mode costs (docs/checking.md).
+# Every kernel of the suite runs unchecked on pallet, checked on pallet, and under
+# Pallas's own checked (TPU) interpreter, interleaved by benchmarks.runner.
+CHECKED_PARAMS = dict(detect_races=True, out_of_bounds_reads="raise",
+                      uninitialized_memory="nan")
+CHECKING_TARGET = 3.0   # checked / unchecked, geomean over the suite (issue 9)
+
+
+def _pallet_checked(bench: Benchmark):
+  import pallet
+  from pallet import tpu
+  params = getattr(pallet, "InterpretParams", tpu.InterpretParams)(**CHECKED_PARAMS)
+  return bench.build_pallas(pallet, backend="xla", interpret=params)
+
+
+def _pallas_checked(bench: Benchmark):
+  from jax.experimental.pallas import tpu as pallas_tpu
+
+  from benchmarks.peer import peer_pallas
+  return bench.build_pallas(peer_pallas(),
+                            interpret=pallas_tpu.InterpretParams(**CHECKED_PARAMS))
+
+
+def checking_variants():
+  """jnp (the runner's reference), pallet unchecked, pallet checked, Pallas checked."""
+  from benchmarks.variants import JNP, Variant, cpu_variant
+  return (JNP, cpu_variant("pallet"), Variant("checked", _pallet_checked),
+          Variant("pallas_checked", _pallas_checked, slow_peer=True))
+
+
+def checking_columns():
+  from benchmarks.report import Columns
+  return Columns(reference="pallet", subject="checked", peer="pallas_checked")
+
+
+def checking_summary(results) -> list[str]:
+  """The geomean cost of the checks, and how much faster than Pallas's checked
+  interpreter pallet's checking mode is."""
+  import math
+
+  def geomean(xs):
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+
+  cost = [x for r in results if (x := r.ratio("checked", "pallet")) is not None]
+  speedup = [x for r in results if (x := r.ratio("pallas_checked", "checked")) is not None]
+  lines = []
+  g = geomean(cost)
+  if g is None:
+    lines.append("checked/pallet: n/a (checked timed on no kernel)")
+  else:
+    lines.append(f"checked/pallet geomean over {len(cost)} kernels: {g:.2f}, max "
+                 f"{max(cost):.2f} (target geomean <= {CHECKING_TARGET:g}: "
+                 f"{'met' if g <= CHECKING_TARGET else 'MISSED'})")
+  if speedup:
+    lines.append(f"pallas_checked/checked over {len(speedup)} kernels: geomean "
+                 f"{geomean(speedup):.0f}x, min {min(speedup):.1f}x")
+  return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+  """Time the suite unchecked, checked, and under Pallas's checked interpreter."""
+  import argparse
+  import sys
+  from pathlib import Path
+
+  import jax
+
+  from benchmarks import catalog, report
+  from benchmarks.case import SIZES
+  from benchmarks.runner import PeerPolicy
+  from benchmarks.suite import exit_code, positive_int, run_suite
+
+  p = argparse.ArgumentParser(prog="python -m benchmarks.checking",
+                              description="Cost of pallet's checking mode (docs/checking.md).")
+  p.add_argument("--size", choices=SIZES, default="small")
+  p.add_argument("--only", action="append", default=[], metavar="NAME")
+  p.add_argument("--reps", type=positive_int, default=11)
+  p.add_argument("--peer-reps", type=positive_int, default=3)
+  p.add_argument("--peer-budget-s", type=float, default=600.0)
+  p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "bench_out")
+  args = p.parse_args(argv)
+  # The suite's own Pallas kernels: JAX's kernel library and pallet.ops choose their
+  # own pallas_call options (no per-call `interpret=`), the sharded rows need devices.
+  own = [b for b in catalog.all_benchmarks(args.size)
+         if not b.family.startswith(report.LIBRARY_FAMILY_PREFIX)
+         and b.family not in ("ops", "sharded")]
+  try:
+    selected = catalog.select(own, args.only)
+  except ValueError as e:
+    p.error(str(e))
+  peer = PeerPolicy(reps=args.peer_reps, budget_s=args.peer_budget_s)
+  results = run_suite(selected, checking_variants(), reps=args.reps, peer=peer, seed=0,
+                      device=jax.devices("cpu")[0])
+  cols = checking_columns()
+  print()
+  print(report.format_table(results, cols))
+  for note in report.footnotes(results):
+    print(note)
+  print()
+  for line in checking_summary(results):
+    print(line)
+  args.out.mkdir(parents=True, exist_ok=True)
+  path = args.out / f"checking_{args.size}.json"
+  report.write_json(path, results, {"size": args.size, "reps": args.reps,
+                                    "jax": jax.__version__}, cols)
+  print(f"\nwrote {path}")
+  return exit_code(results)
+
+
+if __name__ == "__main__":
+  import sys
+  sys.exit(main())
