@@ -10,6 +10,7 @@ backend, the device and the pallet/JAX versions. See docs/autotune.md.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -22,7 +23,7 @@ import statistics
 import sys
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -70,7 +71,7 @@ class Choice:
 
   def table(self) -> str:
     """The trials as a table: config, median time, status (the chosen one marked)."""
-    rows = [(_config_text(t.config), "-" if t.time_ms is None else f"{t.time_ms:.3f}",
+    rows = [(config_text(t.config), "-" if t.time_ms is None else f"{t.time_ms:.3f}",
              "chosen" if t.config == self.config and t.status == "ok"
              else t.status + (f": {t.note}" if t.note else "")) for t in self.trials]
     head = ("config", "median ms", "")
@@ -80,11 +81,43 @@ class Choice:
     return "\n".join(lines)
 
 
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One thing `pallet tune` tunes: `run()` calls autotuned code on example inputs."""
+  name: str
+  run: Callable[[], Any]
+
+
+@dataclasses.dataclass
+class Session:
+  """The choices made inside `recording()`, as (function name, Choice)."""
+  force: bool
+  reps: int | None = None   # overrides every function's own `reps`
+  choices: list[tuple[str, Choice]] = dataclasses.field(default_factory=list)
+  tuned: set[str] = dataclasses.field(default_factory=set)
+
+
+_session: Session | None = None
+
+
+@contextlib.contextmanager
+def recording(force: bool = False, reps: int | None = None) -> Iterator[Session]:
+  """Collects every choice autotuned functions make inside the block; with `force`,
+  each (function, key) is measured again once, ignoring both caches; `reps`
+  overrides the timed rounds of every function tuned inside."""
+  global _session
+  outer, _session = _session, Session(force, reps)
+  try:
+    yield _session
+  finally:
+    _session = outer
+
+
 # ------------------------------------------------------------------ the decorator
 def autotune(fn: Callable[..., Any] | None = None, *, configs: Sequence[Mapping[str, Any]],
              key: Sequence[str] | None = None, warmup: int = 1, reps: int = 5,
              blocks: Callable[[Config], Mapping[str, Sequence[int | None]]] | None = None,
-             prune: Callable[[Config, Shapes], bool] | None = None,
+             prune: Callable[[Config, Shapes], bool | str] | None = None,
              check: bool = True, verbose: bool | None = None) -> Any:
   """Runs `fn` with the fastest of `configs`, measured once per problem and remembered.
 
@@ -98,8 +131,8 @@ def autotune(fn: Callable[..., Any] | None = None, *, configs: Sequence[Mapping[
     `reps` timed rounds, each calling every config once; a config's time is its median.
   blocks: `config -> {argument name: block shape}`; a config whose block exceeds the
     argument's shape, or on the Triton backend is not a power of two, is pruned.
-  prune: `(config, shapes) -> bool`, True to drop a config for these shapes
-    (`shapes` maps argument names to `jax.ShapeDtypeStruct`s).
+  prune: `(config, shapes) -> bool | str`, true (or a reason) to drop a config for
+    these shapes (`shapes` maps argument names to `jax.ShapeDtypeStruct`s).
   check: drop (with a warning) a config whose output differs from the first one's.
   verbose: print the table of trials after tuning (default: $PALLET_AUTOTUNE_VERBOSE).
   """
@@ -116,7 +149,7 @@ class Autotuned:
   def __init__(self, fn: Callable[..., Any], *, configs: Sequence[Mapping[str, Any]],
                key: Sequence[str] | None, warmup: int, reps: int,
                blocks: Callable[[Config], Mapping[str, Sequence[int | None]]] | None,
-               prune: Callable[[Config, Shapes], bool] | None, check: bool,
+               prune: Callable[[Config, Shapes], bool | str] | None, check: bool,
                verbose: bool | None):
     functools.update_wrapper(self, fn)
     self.fn = fn
@@ -159,21 +192,23 @@ class Autotuned:
       choice = Choice({}, "explicit", key, note=f"called with {explicit} given")
       self.last_choice = choice
       return choice
-    key_text = _canonical(key)
+    key_text = canonical(key)
     shapes = {n: _shape_tree(v) for n, v in bound.items() if _has_arrays(v)}
     candidates, trials = self._fitting(shapes, key["backend"])
     if not candidates:
       raise PalletError(
           f"autotune of '{self.name}': no config fits the arguments "
           f"{ {n: _shapes_text(s) for n, s in shapes.items()} }:\n"
-          + "\n".join(f"  {_config_text(t.config)}: {t.note}" for t in trials))
+          + "\n".join(f"  {config_text(t.config)}: {t.note}" for t in trials))
+    session = _session
+    force = force or (session is not None and session.force and key_text not in session.tuned)
     choice = None if force else self._cached(key_text, key, candidates)
     if choice is None:
       blocker = self._why_not_tune(args, kwargs)
       if blocker:
         choice = Choice(candidates[0], "default", key, trials, note=blocker)
         log.debug("autotune of '%s': %s; using the first fitting config %s", self.name,
-                  blocker, _config_text(candidates[0]))
+                  blocker, config_text(candidates[0]))
       else:
         choice = self._measure(args, kwargs, key, candidates, trials)
         self._memory[key_text] = choice.config
@@ -182,19 +217,23 @@ class Autotuned:
           print(f"pallet.autotune: {self.name} {_shapes_summary(shapes)} on "
                 f"{key['backend']}\n{choice.table()}", file=sys.stderr)
     self.last_choice = choice
+    if session is not None:
+      session.choices.append((self.name, choice))
+      if choice.source == "tuned":
+        session.tuned.add(key_text)
     return choice
 
   def _cached(self, key_text: str, key: dict, candidates: list[Config]) -> Choice | None:
-    by_text = {_canonical(c): c for c in candidates}
+    by_text = {canonical(c): c for c in candidates}
     if key_text in self._memory:
       return Choice(self._memory[key_text], "cache", key)
     entry = _load().get(key_text)
-    config = entry and by_text.get(_canonical(entry.get("config")))
+    config = entry and by_text.get(canonical(entry.get("config")))
     if config is None:
       return None
     self._memory[key_text] = config
     if self._verbose():
-      print(f"pallet.autotune: {self.name}: cached config {_config_text(config)}",
+      print(f"pallet.autotune: {self.name}: cached config {config_text(config)}",
             file=sys.stderr)
     return Choice(config, "cache", key, note=f"tuned {entry.get('when', '?')}")
 
@@ -238,8 +277,9 @@ class Autotuned:
             return f"block {tuple(block)} of '{arg}' exceeds its shape {tuple(shape)}"
           if backend.startswith("triton") and b & (b - 1):
             return f"block {tuple(block)} of '{arg}' is not a power of two (Triton)"
-    if self.prune is not None and self.prune(dict(config), dict(shapes)):
-      return "prune() dropped it"
+    verdict = self.prune(dict(config), dict(shapes)) if self.prune is not None else False
+    if verdict:
+      return verdict if isinstance(verdict, str) else "prune() dropped it"
     return ""
 
   # ---------------------------------------------------------------- measuring
@@ -257,7 +297,8 @@ class Autotuned:
         a, kw = jax.tree.unflatten(treedef, filled)
         return self.fn(*a, **{**kw, **config})
 
-      bar = _progress(len(candidates) + self.reps, f"autotune {self.name}")
+      reps = (_session and _session.reps) or self.reps
+      bar = _progress(len(candidates) + reps, f"autotune {self.name}")
       ran: dict[int, Any] = {}
       samples: dict[int, list[float]] = {}
       outcome: dict[int, Trial] = {}
@@ -272,13 +313,13 @@ class Autotuned:
           note = _describe(e)
           outcome[i] = Trial(config, "failed", note=note)
           log.info("autotune of '%s': dropped config %s: %s", self.name,
-                   _config_text(config), note)
+                   config_text(config), note)
         else:
           diff = _difference(out, expected) if self.check and expected is not None else ""
           if diff:
             outcome[i] = Trial(config, "mismatch", note=diff)
-            warnings.warn(f"autotune of '{self.name}': config {_config_text(config)} "
-                          f"computes a different result than {_config_text(expected_from)} "
+            warnings.warn(f"autotune of '{self.name}': config {config_text(config)} "
+                          f"computes a different result than {config_text(expected_from)} "
                           f"({diff}); one of them is wrong. Dropped it.", stacklevel=4)
           else:
             if expected is None:
@@ -286,7 +327,7 @@ class Autotuned:
             ran[i], samples[i] = exe, []
         if bar is not None:
           bar.update(1)
-      for _ in range(self.reps):
+      for _ in range(reps):
         for i, exe in ran.items():
           start = time.perf_counter()
           jax.block_until_ready(exe(*inputs))
@@ -302,7 +343,7 @@ class Autotuned:
     if not timed:
       raise PalletError(
           f"autotune of '{self.name}': every config failed:\n"
-          + "\n".join(f"  {_config_text(t.config)}: {t.status}: {t.note}" for t in measured))
+          + "\n".join(f"  {config_text(t.config)}: {t.status}: {t.note}" for t in measured))
     best = min(timed, key=lambda t: t.time_ms)
     return Choice(best.config, "tuned", key, measured + trials)
 
@@ -325,7 +366,7 @@ class Autotuned:
       elif _is_simple(value):
         static[name] = repr(value)
     return {"fn": f"{getattr(self.fn, '__module__', '?')}.{self.name}",
-            "configs": hashlib.sha1(_canonical(self.configs).encode()).hexdigest()[:12],
+            "configs": hashlib.sha1(canonical(self.configs).encode()).hexdigest()[:12],
             "shapes": shapes, "static": static, **environment()}
 
   def _check_names(self) -> None:
@@ -336,7 +377,7 @@ class Autotuned:
     for i, config in enumerate(self.configs):
       unknown = [k for k in config if k not in params and not takes_any]
       if unknown:
-        raise PalletError(f"autotune of '{self.name}': config {i} {_config_text(config)} "
+        raise PalletError(f"autotune of '{self.name}': config {i} {config_text(config)} "
                           f"sets {unknown}, which '{self.name}' does not take "
                           f"(its parameters: {list(params)})")
     unknown = [k for k in self.key or () if k not in params]
@@ -408,7 +449,7 @@ def _store(key_text: str, choice: Choice) -> None:
   """Adds one entry; the file is re-read under a lock and replaced atomically, so
   processes tuning at once never corrupt it (the last of two writers of one key wins)."""
   path = cache_path()
-  entry = {"config": json.loads(_canonical(choice.config)),
+  entry = {"config": json.loads(canonical(choice.config)),
            "time_ms": next((t.time_ms for t in choice.trials if t.config == choice.config
                             and t.status == "ok"), None),
            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -547,7 +588,7 @@ def _difference(got: Any, want: Any) -> str:
   return ""
 
 
-def _canonical(value: Any) -> str:
+def canonical(value: Any) -> str:
   return json.dumps(value, sort_keys=True, default=_json_default, separators=(",", ":"))
 
 
@@ -559,7 +600,7 @@ def _json_default(value: Any) -> Any:
   return repr(value)
 
 
-def _config_text(config: Config | None) -> str:
+def config_text(config: Config | None) -> str:
   if config is None:
     return "{}"
   return "{" + ", ".join(f"{k}={v!r}" for k, v in config.items()) + "}"
@@ -589,3 +630,5 @@ def _progress(total: int, desc: str) -> Any:
 autotune.cache_path = cache_path
 autotune.clear_cache = clear_cache
 autotune.environment = environment
+autotune.Case = Case
+autotune.recording = recording

@@ -1,35 +1,93 @@
-"""The `pallet` console command: `pallet demo`, `pallet bench`, `pallet info`."""
+"""The `pallet` console command: `pallet demo`, `pallet bench`, `pallet tune`, `pallet info`."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
+from pathlib import Path
+
+SIZES = ("full", "small", "tiny")
+
+
+def _positive_int(text: str) -> int:
+  value = int(text)
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+  return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(prog="pallet", description=__doc__)
+  parser.add_argument("--version", action=_Version, help="print the pallet and jax "
+                      "versions and exit")
+  sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+  demo = sub.add_parser("demo", help="run a gallery of kernels, check them against "
+                        "jax.numpy and time them (interleaved)")
+  demo.add_argument("--backend", choices=("xla", "triton"), default=None,
+                    help="pallet backend to run the kernels on; without a GPU 'triton' "
+                         "runs Triton's interpreter, slowly (default: pallet's default "
+                         "for this machine)")
+  demo.add_argument("--scale", type=int, choices=(0, 1, 2), default=0,
+                    help="problem size: 0 small, 1 and 2 larger (default: 0)")
+  demo.add_argument("--reps", type=_positive_int, default=7,
+                    help="timed rounds, each running pallet and jax.numpy once "
+                         "(default: 7)")
+  sub.add_parser("bench", add_help=False,
+                 help="the benchmark suite (pallet vs jax.numpy vs the Pallas interpreter); "
+                      "arguments after 'bench' go to it: see 'pallet bench --help'")
+  tune = sub.add_parser("tune", help="autotune the library's kernels (pallet.ops and "
+                        "the demo gallery) on this machine and cache the choices")
+  tune.add_argument("--only", action="append", default=[], metavar="NAME",
+                    help="tune only the case NAME, or every case under NAME/ "
+                         "(repeatable; see --list) (default: every case)")
+  tune.add_argument("--list", action="store_true",
+                    help="list the cases and exit (default: off)")
+  tune.add_argument("--size", choices=SIZES, default="full",
+                    help="problem sizes to tune for (default: full)")
+  tune.add_argument("--reps", type=_positive_int, default=None,
+                    help="timed rounds per config (default: each function's own, "
+                         "usually 5)")
+  tune.add_argument("--force", action="store_true",
+                    help="measure again where the cache already has a choice "
+                         "(default: off)")
+  tune.add_argument("--backend", choices=("xla", "triton"), default=None,
+                    help="pallet backend to tune on (default: pallet's default for "
+                         "this machine)")
+  tune.add_argument("--clear-cache", action="store_true",
+                    help="delete the autotune cache file first (default: off)")
+  sub.add_parser("info", help="versions and available backends")
+  return parser
+
+
+class _Version(argparse.Action):
+  """--version, importing jax only when asked."""
+
+  def __init__(self, option_strings, dest, help=None):
+    super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+  def __call__(self, parser, namespace, values, option_string=None):
+    import jax
+    import pallet
+    print(f"pallet {pallet.__version__} (jax {jax.__version__})")
+    parser.exit()
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="pallet", description=__doc__)
-  sub = parser.add_subparsers(dest="command", required=True)
-  demo = sub.add_parser("demo", help="run a gallery of kernels, check them against "
-                        "jax.numpy and time them")
-  demo.add_argument("--scale", type=int, default=0, help="problem size: 0 small, 1, 2 larger")
-  demo.add_argument("--reps", type=int, default=7)
-  sub.add_parser("bench", help="the benchmark suite (run from a source checkout); "
-                 "arguments after 'bench' go to it", add_help=False)
-  sub.add_parser("info", help="versions and available backends")
+  parser = build_parser()
   args, rest = parser.parse_known_args(argv)
+  if args.command != "bench" and rest:
+    parser.error(f"unrecognized arguments: {' '.join(rest)}")
 
   if args.command == "demo":
     from pallet import demo as demo_lib
-    return demo_lib.run(scale=args.scale, reps=args.reps)
+    return demo_lib.run(scale=args.scale, reps=args.reps, backend=args.backend)
   if args.command == "bench":
-    sys.path.insert(0, os.getcwd())
-    try:
-      from benchmarks.__main__ import main as bench_main
-    except ImportError:
-      print("pallet bench needs a source checkout: run it from the repository root",
-            file=sys.stderr)
-      return 2
-    return bench_main(rest)
+    return _bench(rest)
+  if args.command == "tune":
+    from pallet import tune as tune_lib
+    return tune_lib.run(only=args.only, list_only=args.list, size=args.size, reps=args.reps,
+                        force=args.force, backend=args.backend, clear=args.clear_cache)
   if args.command == "info":
     import jax
     import pallet
@@ -38,6 +96,26 @@ def main(argv: list[str] | None = None) -> int:
     print(f"backends: {backends.available()}, default: {backends.resolve(None, False)}")
     return 0
   return 2
+
+
+def _bench(rest: list[str]) -> int:
+  """The benchmark suite: a checkout's `benchmarks/` when run from one, else the copy
+  installed with pallet. An installed copy writes its results under ./bench_out."""
+  cwd = Path.cwd()
+  if (cwd / "benchmarks" / "__main__.py").exists():
+    sys.path.insert(0, str(cwd))
+  try:
+    bench = importlib.import_module("benchmarks.__main__")
+  except ImportError as e:
+    print(f"pallet bench: cannot import the benchmark suite ({e}); reinstall pallet or "
+          f"run from a source checkout", file=sys.stderr)
+    return 2
+  checkout = (Path(bench.__file__).resolve().parent.parent / "pyproject.toml").exists()
+  wants_out = not any(a in ("-h", "--help", "--list") or a == "--out" or a.startswith("--out=")
+                      for a in rest)
+  if not checkout and wants_out:
+    rest = [*rest, "--out", os.path.join(os.getcwd(), "bench_out")]
+  return bench.main(rest)
 
 
 if __name__ == "__main__":
