@@ -38,11 +38,17 @@ def check_block(op: str, name: str, value: int) -> None:
     raise fail(op, f"{name} must be a positive int, got {value!r}")
 
 
-def rows_per_block(width: int, budget: int = 4096, cap: int = 64) -> int:
+def rows_per_block(width: int, total_rows: int | None = None, budget: int = 4096,
+                   cap: int = 64) -> int:
   """A power-of-two row count whose (rows, width) block holds about `budget` elements
-  (what one Triton program keeps in registers without spilling)."""
-  rows = max(1, budget // next_power_of_2(max(1, width)))
-  return max(1, min(cap, rows))
+  (what one Triton program keeps in registers without spilling); down to an eighth
+  of that to divide `total_rows`, since ragged blocks need masks."""
+  rows = max(1, min(cap, budget // next_power_of_2(max(1, width))))
+  if total_rows:
+    for smaller in (rows, rows // 2, rows // 4, rows // 8):
+      if smaller >= 1 and total_rows % smaller == 0:
+        return smaller
+  return rows
 
 
 def as_rows(x: jax.Array) -> jax.Array:

@@ -104,8 +104,14 @@ def _backward_kernel(rms: bool, rows: int, block_rows: int, has_residual: bool):
     dx_ref = refs.pop(0)
     dr_ref = refs.pop(0) if has_residual else None
     dw_ref, db_ref = refs.pop(0), (None if rms else refs.pop(0))
-    valid = row_mask(block_rows, rows, pl.program_id(0))
-    dy = jnp.where(valid, dy_ref[...].astype(F32), 0.0)
+    # Rows past the array's edge hold unspecified values: keep them out of the
+    # weight-gradient sums (only where the blocks do not divide the rows: the
+    # select costs the CPU backend a fused pass).
+    ragged = rows % block_rows != 0
+    valid = row_mask(block_rows, rows, pl.program_id(0)) if ragged else None
+    dy = dy_ref[...].astype(F32)
+    if ragged:
+      dy = jnp.where(valid, dy, 0.0)
     h = h_ref[...].astype(F32)
     rstd = rstd_ref[...][:, None]
     xhat = (h if rms else h - mean_ref[...][:, None]) * rstd
@@ -119,7 +125,7 @@ def _backward_kernel(rms: bool, rows: int, block_rows: int, has_residual: bool):
       dh = dh + dh_ref[...].astype(F32)
       dr_ref[...] = dh.astype(dr_ref.dtype)
     dx_ref[...] = dh.astype(dx_ref.dtype)
-    dw_ref[...] = jnp.sum(jnp.where(valid, dy * xhat, 0.0), axis=0)
+    dw_ref[...] = jnp.sum(jnp.where(valid, dy * xhat, 0.0) if ragged else dy * xhat, axis=0)
     if not rms:
       db_ref[...] = jnp.sum(dy, axis=0)
 
@@ -226,7 +232,7 @@ def _normalize(op: str, x, weight, bias, residual, rms, eps, block_rows):
     if residual.dtype != x.dtype:
       raise fail(op, f"residual has dtype {residual.dtype}, expected x's dtype {x.dtype}")
   if block_rows is None:
-    block_rows = rows_per_block(d)
+    block_rows = rows_per_block(d, x.size // d)
   check_block(op, "block_rows", block_rows)
   w = jnp.ones((d,), x.dtype) if weight is None else weight
   b = None if rms else (jnp.zeros((d,), x.dtype) if bias is None else bias)
@@ -243,7 +249,7 @@ def layer_norm(x: jax.Array, weight: jax.Array | None = None, bias: jax.Array | 
   """Layer norm of x over its last axis, times `weight`, plus `bias` (both optional).
 
   With `residual` (x's shape), normalizes h = x + residual and returns (y, h).
-  `block_rows`: rows per grid step (default: a power of two fitting ~4K elements).
+  `block_rows`: rows per grid step (default: a power of two fitting ~4K elements, dividing the rows if it can).
   Differentiable in every array argument; the backward pass runs as kernels too.
   """
   return _normalize("layer_norm", x, weight, bias, residual, False, eps, block_rows)
@@ -255,6 +261,6 @@ def rms_norm(x: jax.Array, weight: jax.Array | None = None,
   """RMS norm of x over its last axis, times `weight` (optional).
 
   With `residual` (x's shape), normalizes h = x + residual and returns (y, h).
-  `block_rows`: rows per grid step (default: a power of two fitting ~4K elements).
+  `block_rows`: rows per grid step (default: a power of two fitting ~4K elements, dividing the rows if it can).
   """
   return _normalize("rms_norm", x, weight, None, residual, True, eps, block_rows)

@@ -1,0 +1,126 @@
+"""pallet.ops against their jax.numpy references: one row per op forward, one per op
+forward + backward (the VJP for a fixed random cotangent).
+
+The ops are written with pallet (`import pallet as pl` inside pallet/ops/*); the
+interpret peer runs the very same op source with its module's `pl` bound to
+`jax.experimental.pallas` (pallas_call in interpret mode), loaded as a separate copy.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import math
+import types
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.case import Benchmark, Size
+
+FAMILY = "ops"
+
+
+# ------------------------------------------------------------------ running an op
+@functools.lru_cache(maxsize=None)
+def _peer_module(module: str) -> types.ModuleType:
+  """A fresh copy of pallet/ops/<module>.py whose `pl` is jax.experimental.pallas."""
+  from benchmarks.peer import peer_pallas
+  jpl = peer_pallas()
+  spec = importlib.util.find_spec(f"pallet.ops.{module}")
+  copy = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(copy)
+  shim = types.ModuleType("pallas_interpreted")
+  shim.__dict__.update({k: v for k, v in vars(jpl).items() if not k.startswith("__")})
+  shim.pallas_call = functools.partial(jpl.pallas_call, interpret=True)
+  copy.pl = shim
+  return copy
+
+
+def _builder(module: str, name: str, wrap: Callable[[Callable], Callable]):
+  def build(pl: Any, **call_kwargs: Any) -> Callable[..., Any]:
+    if getattr(pl, "__name__", "") != "pallet":
+      return wrap(getattr(_peer_module(module), name))
+    import pallet.ops
+    op = wrap(getattr(pallet.ops, name))
+    if "backend" not in call_kwargs:
+      return op
+
+    def program(*args):
+      with pl.default_backend(call_kwargs["backend"], interpret=call_kwargs.get("interpret")):
+        return op(*args)
+    return program
+  return build
+
+
+def _vjp(fn: Callable) -> Callable:
+  """(*args, cotangent) -> the VJP of fn at args."""
+  def program(*args):
+    _, pullback = jax.vjp(fn, *args[:-1])
+    return pullback(args[-1])
+  return program
+
+
+def _rows(name: str, module: str, op: str, reference: Callable, *, grid: tuple[int, ...],
+          shapes: str, make_inputs: Callable, out_shapes: Callable, kwargs: dict | None = None,
+          rtol: float = 1e-4, atol: float = 1e-4, grad: bool = True) -> list[Benchmark]:
+  """The forward row `op_<name>` and, with grad, the `op_<name>_grad` row."""
+  kwargs = kwargs or {}
+  bind = lambda f: (lambda *a: f(*a, **kwargs))
+  rows = [Benchmark(name=f"op_{name}", family=FAMILY, grid=grid, shapes=shapes,
+                    make_inputs=make_inputs, reference=bind(reference),
+                    build_pallas=_builder(module, op, bind), rtol=rtol, atol=atol)]
+  if grad:
+    def with_cotangent(key):
+      k1, k2 = jax.random.split(key)
+      args = make_inputs(k1)
+      shapes_ = out_shapes(*args)
+      keys = jax.random.split(k2, len(jax.tree_util.tree_leaves(shapes_)))
+      leaves, tree = jax.tree_util.tree_flatten(shapes_)
+      cot = tree.unflatten([jax.random.normal(k, s.shape, s.dtype) for k, s in zip(keys, leaves)])
+      return (*args, cot)
+    rows.append(Benchmark(
+        name=f"op_{name}_grad", family=FAMILY, grid=grid, shapes=shapes + ", fwd+bwd",
+        make_inputs=with_cotangent, reference=_vjp(bind(reference)),
+        build_pallas=_builder(module, op, lambda f: _vjp(bind(f))), rtol=rtol * 10,
+        atol=atol * 10))
+  return rows
+
+
+def _normal(key: jax.Array, *shapes: tuple[int, ...], dtype=jnp.float32) -> tuple[jax.Array, ...]:
+  keys = jax.random.split(key, len(shapes))
+  return tuple(jax.random.normal(k, s, dtype) for k, s in zip(keys, shapes))
+
+
+def _like(*args):
+  return jax.ShapeDtypeStruct(args[0].shape, args[0].dtype)
+
+
+# ------------------------------------------------------------------ families of rows
+_NORM = {"full": (4096, 1024), "small": (512, 256), "tiny": (32, 128)}
+
+
+def _normalization(size: Size) -> list[Benchmark]:
+  from pallet.ops import normalization as m
+  n, d = _NORM[size]
+  br = m.rows_per_block(d, n)
+  grid = (math.ceil(n / br),)
+  shapes = f"{n}x{d} f32, {br}-row blocks"
+  return (
+      _rows("layer_norm", "normalization", "layer_norm", m.layer_norm_reference, grid=grid,
+            shapes=shapes, make_inputs=lambda k: _normal(k, (n, d), (d,), (d,)),
+            out_shapes=_like)
+      + _rows("layer_norm_residual", "normalization", "layer_norm", m.layer_norm_reference,
+              grid=grid, shapes=shapes + ", residual",
+              make_inputs=lambda k: _normal(k, (n, d), (d,), (d,), (n, d)),
+              out_shapes=lambda x, *_: (_like(x), _like(x)))
+      + _rows("rms_norm", "normalization", "rms_norm", m.rms_norm_reference, grid=grid,
+              shapes=shapes, make_inputs=lambda k: _normal(k, (n, d), (d,)), out_shapes=_like))
+
+
+FAMILIES = (_normalization,)
+
+
+def benchmarks(size: Size) -> list[Benchmark]:
+  return [b for family in FAMILIES for b in family(size)]
