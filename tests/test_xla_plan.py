@@ -622,3 +622,74 @@ def test_batching_rule_that_fails_makes_the_plan_loop_when_traced(capsys):
   assert plan.vectorized == [] and plan.outer == [0]
   assert "refuses every batch" in plan.describe()
   assert "does not run under vmap" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ static index vectors
+def _masked_row_op(x, block, offset=0, init=None):
+  """Triton-style row softmax: one grid-less instance per row under vmap, the row read
+  and written through an index vector `col_idx` with a mask (as jax's gpu/softmax);
+  with `init`, the output starts as that (aliased) array."""
+  from pallet import triton as plgpu
+  n = x.shape[-1]
+
+  def kernel(x_ref, *refs):
+    o_ref = refs[-1]
+    col_idx = offset + jnp.arange(block)
+    mask = (col_idx >= 0) & (col_idx < n)
+    row = plgpu.load(x_ref.at[col_idx], mask=mask, other=-jnp.inf)
+    e = jnp.exp(row - jnp.max(row))
+    plgpu.store(o_ref.at[col_idx], (e / jnp.sum(e)).astype(o_ref.dtype), mask=mask)
+  f = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((n,), x.dtype),
+                     input_output_aliases={} if init is None else {1: 0})
+  return jax.vmap(f)(x) if init is None else jax.vmap(f)(x, init)
+
+
+def _masked_row_reference(x, block, offset=0):
+  n = x.shape[-1]
+  cols = offset + np.arange(block)
+  keep = cols[(cols >= 0) & (cols < n)]
+  rows = x[:, keep].astype(f32)
+  e = jnp.exp(rows - jnp.max(rows, axis=-1, keepdims=True))
+  return e / jnp.sum(e, axis=-1, keepdims=True), keep
+
+
+@pytest.mark.parametrize("n,block,offset,sliced", [
+    (128, 128, 0, True), (100, 128, 0, True), (128, 64, 32, True),
+    # negative indices wrap before the mask applies: no contiguous run, a gather stays
+    (100, 128, -20, False)])
+def test_static_index_vectors_become_slices(n, block, offset, sliced):
+  x = random_array((6, n))
+  got = jax.jit(functools.partial(_masked_row_op, block=block, offset=offset))(x)
+  expected, keep = _masked_row_reference(x, block, offset)
+  assert_close(got[:, keep], expected)
+  hlo = jax.jit(functools.partial(_masked_row_op, block=block, offset=offset)).lower(x).as_text()
+  assert ("gather" not in hlo and "scatter" not in hlo) == sliced
+
+
+def test_static_index_vectors_keep_unwritten_columns_poisoned():
+  x = random_array((3, 100))
+  got = jax.jit(functools.partial(_masked_row_op, block=64, offset=8))(x, init=poisoned(x.shape))
+  expected, keep = _masked_row_reference(x, 64, 8)
+  assert_close(got[:, keep], expected)
+  rest = np.setdiff1d(np.arange(100), keep)
+  assert np.all(np.isnan(np.asarray(got[:, rest])))
+
+
+def test_static_index_vectors_in_bf16():
+  x = random_array((4, 96), jnp.bfloat16)
+  got = jax.jit(functools.partial(_masked_row_op, block=128))(x)
+  expected, _ = _masked_row_reference(x, 128)
+  assert got.dtype == jnp.bfloat16
+  assert_close(got, expected.astype(jnp.bfloat16))
+
+
+def test_index_vectors_that_are_not_contiguous_stay_gathers():
+  from pallet import triton as plgpu
+
+  def kernel(x_ref, o_ref):
+    idx = jnp.arange(64)[::-1] * 2
+    o_ref[...] = plgpu.load(x_ref.at[idx])
+  x = random_array((4, 128))
+  f = jax.vmap(pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((64,), f32)))
+  assert_close(jax.jit(f)(x), x[:, np.arange(64)[::-1] * 2])
+  assert "gather" in jax.jit(f).lower(x).as_text()

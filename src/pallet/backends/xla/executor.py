@@ -21,6 +21,7 @@ from jax import lax
 from pallet import _internals as internals
 from pallet import checks
 from pallet.backends.xla.plan import ExecutionPlan, OperandPlan, element_scale, make_plan
+from pallet.backends.xla.static_indices import fold_static_indices
 from pallet.tracing import KernelDescription
 
 Body = Callable[..., tuple[list[Any], list[Any]]]
@@ -37,7 +38,7 @@ def discharged_body(kernel: KernelDescription) -> Body:
   """
   gm = kernel.grid_mapping
   n_pre, n_in, n_out = len(gm.prefetch_avals), len(gm.inputs), len(gm.outputs)
-  pure = internals.discharge_state(kernel.jaxpr)
+  pure = fold_static_indices(internals.discharge_state(kernel.jaxpr))
 
   def body(ids, prefetch, ins, outs, state):
     del prefetch

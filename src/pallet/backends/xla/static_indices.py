@@ -1,0 +1,266 @@
+"""Gathers and scatters whose indices are known at trace time, turned into slices.
+
+Triton-style kernels address a block through an index vector:
+`plgpu.load(x_ref.at[jnp.arange(n)], mask=...)` discharges to a `gather` (and a
+masked store to a `scatter`) whose indices are computed inside the kernel from
+iotas and literals only. Run under `vmap` those become batched gathers and
+scatters, which XLA's CPU backend runs an order of magnitude slower than the
+plain copies they are. This pass re-traces the discharged body once, folding
+every value computable from literals alone (small ones: at most
+`MAX_FOLDED_ELEMENTS` elements) into a constant, and rewrites a gather/scatter
+along one dimension whose folded indices are a contiguous ascending run, with
+every index outside the run out of bounds (masked off), as a slice plus padding
+with the fill value / a `dynamic_update_slice`. Index computations that depend on
+the data or on the grid stay as they were.
+
+Inner jaxprs are inlined where that exposes indices: calls (`jit`, `closed_call`)
+and `scan`s of length one (a `fori_loop` over a single column block).
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend.core import ClosedJaxpr, Literal
+
+from pallet import _internals as internals
+
+MAX_FOLDED_ELEMENTS = 1 << 16
+_CALLS = ("pjit", "jit", "closed_call", "core_call", "eval_jaxpr")
+_INDEXED = ("gather", "scatter")
+
+
+def fold_static_indices(closed: ClosedJaxpr) -> ClosedJaxpr:
+  """`closed` with static-index gathers/scatters as slices (itself if it has none)."""
+  if not _binds(closed.jaxpr, _INDEXED):
+    return closed
+  avals = [v.aval for v in closed.jaxpr.invars]
+  args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+  run = lambda *xs: [_value(x) for x in _Folder().run(closed.jaxpr, closed.consts, xs)]
+  return jax.make_jaxpr(run)(*args)
+
+
+def _binds(jaxpr: Any, names: Sequence[str]) -> bool:
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in names:
+      return True
+    for sub in _subjaxprs(eqn):
+      if _binds(sub, names):
+        return True
+  return False
+
+
+def _subjaxprs(eqn: Any) -> list[Any]:
+  subs = []
+  for p in eqn.params.values():
+    for x in (p if isinstance(p, (tuple, list)) else (p,)):
+      inner = getattr(x, "jaxpr", x)
+      if hasattr(inner, "eqns"):
+        subs.append(inner)
+  return subs
+
+
+class _Known:
+  """A value computed at trace time (a concrete array)."""
+
+  def __init__(self, value: Any):
+    self.value = value
+
+
+def _bind(eqn: Any, args: list[Any]) -> list[Any]:
+  bind_params = eqn.primitive.get_bind_params(eqn.params)
+  subfuns, params = bind_params if isinstance(bind_params, tuple) else ((), bind_params)
+  outs = eqn.primitive.bind(*subfuns, *args, **params)
+  return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+class _Folder:
+  """Evaluates a jaxpr, keeping values that depend on no input as `_Known`."""
+
+  def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+    env: dict[Any, Any] = {}
+
+    def read(x: Any) -> Any:
+      return _Known(np.asarray(x.val, x.aval.dtype)) if isinstance(x, Literal) else env[x]
+
+    for v, c in zip(jaxpr.constvars, consts):
+      env[v] = c if internals.is_tracer(c) or not _numeric(c) else _Known(np.asarray(c))
+    for v, a in zip(jaxpr.invars, args):
+      env[v] = a
+    for eqn in jaxpr.eqns:
+      outs = self.eqn(eqn, [read(x) for x in eqn.invars])
+      for v, o in zip(eqn.outvars, outs):
+        env[v] = o
+    return [read(x) for x in jaxpr.outvars]
+
+  def eqn(self, eqn: Any, ins: list[Any]) -> list[Any]:
+    name = eqn.primitive.name
+    if name in _CALLS:
+      sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+      if sub is not None:
+        return self.run(getattr(sub, "jaxpr", sub), getattr(sub, "consts", ()), ins)
+    if name == "scan" and eqn.params.get("length") == 1 and not eqn.params.get("reverse"):
+      return self.scan_once(eqn, ins)
+    known = all(isinstance(x, _Known) for x in ins)
+    if known and not eqn.effects and not _subjaxprs(eqn) and all(
+        _numeric(v.aval) and np.prod(v.aval.shape, dtype=np.int64) <= MAX_FOLDED_ELEMENTS
+        for v in eqn.outvars):
+      with internals.eval_context():
+        return [_Known(np.asarray(o)) for o in _bind(eqn, [x.value for x in ins])]
+    if name == "gather" and isinstance(ins[1], _Known):
+      sliced = _gather_as_slice(eqn, _value(ins[0]), ins[1].value)
+      if sliced is not None:
+        return [sliced]
+    if name == "scatter" and isinstance(ins[1], _Known):
+      updated = _scatter_as_update(eqn, _value(ins[0]), ins[1].value, _value(ins[2]))
+      if updated is not None:
+        return [updated]
+    return _bind(eqn, [_value(x) for x in ins])
+
+  def scan_once(self, eqn: Any, ins: list[Any]) -> list[Any]:
+    body, consts, n_consts, n_carry = internals.scan_layout(eqn.params)
+    xs = [_Known(x.value[0]) if isinstance(x, _Known) else x[0]
+          for x in ins[n_consts + n_carry:]]
+    outs = self.run(body, consts, list(ins[:n_consts + n_carry]) + xs)
+    carry, ys = outs[:n_carry], outs[n_carry:]
+    return carry + [_Known(y.value[None]) if isinstance(y, _Known) else jnp.expand_dims(y, 0)
+                    for y in ys]
+
+
+def _numeric(x: Any) -> bool:
+  """Whether `x` (a value or an aval) has a NumPy dtype and a shape (not a PRNG key)."""
+  return hasattr(x, "shape") and isinstance(getattr(x, "dtype", None), np.dtype)
+
+
+def _value(x: Any) -> Any:
+  return x.value if isinstance(x, _Known) else x
+
+
+# ------------------------------------------------------------------ index patterns
+def _contiguous_run(idx: np.ndarray, size: int, mode: Any
+                    ) -> tuple[int, int, int, str, str] | None:
+  """(a, b, start, left, right) when idx[a:b] == start + arange(b - a) lies inside
+  [0, size) and the indices before a / from b on are either all out of bounds
+  (`left`/`right` "fill": filled or dropped) or all repeat the run's end ("edge":
+  a clamped index, as masked loads make them); None otherwise."""
+  name = getattr(mode, "name", str(mode))
+  if "CLIP" in name:
+    idx = np.clip(idx, 0, size - 1)
+  valid = (idx >= 0) & (idx < size)
+  if "FILL_OR_DROP" not in name and not valid.all():
+    return None
+  if not valid.any():
+    return 0, 0, 0, "fill", "fill"
+  a = int(np.argmax(valid))
+  run = (idx[a:] - idx[a] == np.arange(idx.size - a)) & valid[a:]
+  b = a + (int(np.argmin(run)) if not run.all() else run.size)
+
+  def side(rest: np.ndarray, edge: int) -> str | None:
+    if rest.size == 0 or not ((rest >= 0) & (rest < size)).any():
+      return "fill"
+    return "edge" if np.all(rest == edge) else None
+  left, right = side(idx[:a], idx[a]), side(idx[b:], idx[b - 1])
+  if left is None or right is None:
+    return None
+  return a, b, int(idx[a]), left, right
+
+
+def _single_dim(dnums: Any, indices: np.ndarray, starts_field: str,
+                collapsed_field: str) -> int | None:
+  """The operand dimension of a one-dimensional index vector `indices[n, 1]`."""
+  if getattr(dnums, "operand_batching_dims", ()) or (
+      getattr(dnums, "start_indices_batching_dims", ())
+      or getattr(dnums, "scatter_indices_batching_dims", ())):
+    return None
+  starts = tuple(getattr(dnums, starts_field))
+  if len(starts) != 1 or tuple(getattr(dnums, collapsed_field)) != starts:
+    return None
+  if indices.ndim != 2 or indices.shape[1] != 1:
+    return None
+  return starts[0]
+
+
+def _fill_value(fill: Any, dtype: Any) -> Any:
+  """The gather's fill for out-of-bounds rows (jax's default when not given)."""
+  if fill is not None:
+    return fill
+  dtype = np.dtype(dtype)
+  if jnp.issubdtype(dtype, jnp.inexact):
+    return np.nan
+  if jnp.issubdtype(dtype, jnp.signedinteger):
+    return jnp.iinfo(dtype).min
+  if jnp.issubdtype(dtype, jnp.unsignedinteger):
+    return jnp.iinfo(dtype).max
+  return True
+
+
+def _gather_as_slice(eqn: Any, operand: Any, indices: np.ndarray) -> Any | None:
+  p = eqn.params
+  dn = p["dimension_numbers"]
+  d = _single_dim(dn, indices, "start_index_map", "collapsed_slice_dims")
+  if d is None:
+    return None
+  shape = operand.shape
+  sizes = tuple(p["slice_sizes"])
+  if sizes[d] != 1 or any(sizes[k] != shape[k] for k in range(len(shape)) if k != d):
+    return None
+  run = _contiguous_run(indices[:, 0], shape[d], p["mode"])
+  if run is None:
+    return None
+  a, b, start, left, right = run
+  n = indices.shape[0]
+  if a == b:
+    fill = jnp.asarray(_fill_value(p.get("fill_value"), operand.dtype), operand.dtype)
+    taken = jnp.full(shape[:d] + (n,) + shape[d + 1:], fill, operand.dtype)
+  else:
+    taken = lax.slice_in_dim(operand, start, start + (b - a), axis=d)
+    taken = _extend(taken, d, a, left, 0, p.get("fill_value"))
+    taken = _extend(taken, d, n - b, right, -1, p.get("fill_value"))
+  out_rank = len(shape)   # the collapsed dimension's place is taken by the batch one
+  batch_pos = next(k for k in range(out_rank) if k not in tuple(dn.offset_dims))
+  return jnp.moveaxis(taken, d, batch_pos)
+
+
+def _extend(x: Any, d: int, count: int, kind: str, end: int, fill: Any) -> Any:
+  """`x` with `count` more entries along `d` before (end 0) or after (end -1) it:
+  the gather's fill value, or copies of the edge entry."""
+  if count == 0:
+    return x
+  shape = x.shape[:d] + (count,) + x.shape[d + 1:]
+  if kind == "fill":
+    extra = jnp.full(shape, _fill_value(fill, x.dtype), x.dtype)
+  else:
+    edge = lax.slice_in_dim(x, 0, 1, axis=d) if end == 0 else \
+        lax.slice_in_dim(x, x.shape[d] - 1, x.shape[d], axis=d)
+    extra = jnp.broadcast_to(edge, shape)
+  return jnp.concatenate([extra, x] if end == 0 else [x, extra], axis=d)
+
+
+def _scatter_as_update(eqn: Any, operand: Any, indices: np.ndarray, updates: Any) -> Any | None:
+  p = eqn.params
+  dn = p["dimension_numbers"]
+  d = _single_dim(dn, indices, "scatter_dims_to_operand_dims", "inserted_window_dims")
+  if d is None:
+    return None
+  shape = operand.shape
+  window = tuple(dn.update_window_dims)
+  batch_pos = next(k for k in range(updates.ndim) if k not in window)
+  moved = jnp.moveaxis(updates, batch_pos, d)
+  if moved.shape[:d] + moved.shape[d + 1:] != shape[:d] + shape[d + 1:]:
+    return None
+  run = _contiguous_run(indices[:, 0], shape[d], p["mode"])
+  if run is None:
+    return None
+  a, b, start, left, right = run
+  if (a > 0 and left != "fill") or (b < indices.shape[0] and right != "fill"):
+    return None   # clamped indices would write one element several times
+  if a == b:
+    return operand
+  part = lax.slice_in_dim(moved, a, b, axis=d).astype(operand.dtype)
+  # (a concatenation: dynamic_update_slice becomes a scatter under vmap)
+  pieces = [lax.slice_in_dim(operand, 0, start, axis=d), part,
+            lax.slice_in_dim(operand, start + (b - a), shape[d], axis=d)]
+  return jnp.concatenate([x for x in pieces if x.shape[d]], axis=d)
