@@ -92,6 +92,18 @@ def equation_source(eqn: Any) -> tuple[str, int] | None:
   return None
 
 
+def equation_context(eqn: Any) -> Any:
+  """A context in which binds carry `eqn`'s source information and context, as in
+  `jax.core.eval_jaxpr` (checking mode re-traces kernel equations through it)."""
+  import contextlib
+  stack = contextlib.ExitStack()
+  name_stack = _source_info_util.current_name_stack() + eqn.source_info.name_stack
+  stack.enter_context(_source_info_util.user_context(eqn.source_info.traceback,
+                                                     name_stack=name_stack))
+  stack.enter_context(eqn.ctx.manager)
+  return stack
+
+
 # --- Triton backend: scan's parameters changed shape between JAX 0.10 and 0.12 ----
 def scan_layout(params: dict) -> tuple[Any, tuple, int, int]:
   """(open jaxpr, consts, num_consts, num_carry) of a `scan` equation."""

@@ -7,22 +7,34 @@ time, with that message, when any element of `ok` is False. pallet's own
 sanity checks (an unsatisfiable semaphore wait, ...) bind it too: build the
 message with `failure_message`.
 
+Checking mode (pallet/checking) binds it with a static `CheckInfo` (kind, ref,
+source line) and a payload of the grid indices and one detail value, so that the
+`KernelCheckError` it raises names the grid step that failed.
+
 Backend rules:
-  * XLA (here): a host callback that raises (the error reaches the caller wrapped
-    by JAX's runtime as an XlaRuntimeError/JaxRuntimeError carrying the message).
+  * XLA (here): a host callback, run only when the check fails, that raises (the
+    error reaches the caller wrapped by JAX's runtime as an XlaRuntimeError/
+    JaxRuntimeError carrying the message; eager checked calls re-raise the
+    `KernelCheckError` itself, see `pop_failure`).
   * Triton (backends/triton/codegen.py, `_pallet_check`): the kernel sets a flag
-    per check; the launcher raises with the message after the launch.
+    per check (the first failing program, for checks with a `CheckInfo`); the
+    launcher raises with the message after the launch.
 With checks disabled, `debug_check` emits nothing at all.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import os
 import sys
+import threading
 from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
@@ -105,8 +117,84 @@ def failure_message(what: str, message: str) -> str:
   return f"{what} failed in {where} at {user_source()}: {message}"
 
 
+KINDS = ("out_of_bounds", "uninitialized", "race", "nan", "overflow", "unwritten",
+         "debug_check", "index_map")
+
+
 class KernelCheckError(RuntimeError):
-  """A run-time check inside a kernel failed (see `pl.debug_check`)."""
+  """A run-time check inside a kernel failed (see `pl.debug_check` and checking mode).
+
+  `kind` is one of `KINDS` (None for pallet's own sanity checks), `kernel` the
+  kernel's name, `grid_index` the grid step that failed (a tuple, None where not
+  known), `ref` the kernel parameter involved, `line` the user's "file:line"."""
+
+  def __init__(self, message: str, *, kind: str | None = None, kernel: str | None = None,
+               grid_index: tuple[int, ...] | None = None, ref: str | None = None,
+               line: str | None = None):
+    super().__init__(message)
+    self.kind, self.kernel, self.grid_index = kind, kernel, grid_index
+    self.ref, self.line = ref, line
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckInfo:
+  """What a checking-mode check reports besides its message; static."""
+  kind: str
+  kernel: str
+  ref: str | None
+  line: str
+  grid: tuple[int | None, ...]   # the kernel's grid, to turn a flat index into indices
+  detail: str = ""               # names the payload's detail value ("" = none)
+
+  def error(self, message: str, grid_index: tuple[int, ...] | None,
+            detail: int | None = None) -> KernelCheckError:
+    text = (f"{self.kind} in kernel '{self.kernel}' at grid index {grid_index}"
+            + (f", ref '{self.ref}'" if self.ref else "") + f", {self.line}: {message}")
+    if self.detail and detail is not None:
+      text += f" ({self.detail} {detail})"
+    return KernelCheckError(text, kind=self.kind, kernel=self.kernel,
+                            grid_index=grid_index, ref=self.ref, line=self.line)
+
+  def unravel(self, flat: int) -> tuple[int, ...]:
+    """Grid indices of the flat (row-major) step `flat` (static grids only)."""
+    out = []
+    for n in reversed(self.grid):
+      out.append(int(flat % n) if n else 0)
+      flat = flat // n if n else flat
+    return tuple(reversed(out))
+
+
+class CheckMessage(str):
+  """A check's message carrying its `CheckInfo` (or None) for the Triton launchers."""
+  info: CheckInfo | None
+
+  def __new__(cls, message: str, info: CheckInfo | None):
+    self = super().__new__(cls, message)
+    self.info = info
+    return self
+
+
+# Failures raised inside host callbacks, so that eager checked calls can re-raise the
+# KernelCheckError itself instead of JAX's runtime error that wraps it.
+_failures: list[KernelCheckError] = []
+_failures_lock = threading.Lock()
+
+
+def record_failure(error: KernelCheckError) -> KernelCheckError:
+  with _failures_lock:
+    _failures.append(error)
+    del _failures[:-16]
+  return error
+
+
+def pop_failure(runtime_error: BaseException) -> KernelCheckError | None:
+  """The KernelCheckError whose message `runtime_error` (JAX's wrapper) carries."""
+  text = str(runtime_error)
+  with _failures_lock:
+    for i in range(len(_failures) - 1, -1, -1):
+      if str(_failures[i]) in text:
+        return _failures.pop(i)
+  return None
 
 
 # ------------------------------------------------------------------ check_p
@@ -114,21 +202,39 @@ check_p = Primitive("pallet_check")
 check_p.multiple_results = True
 
 
-def check(ok: Any, message: str) -> None:
-  """Fails the kernel at run time with `message` where `ok` is False."""
-  check_p.bind(jnp.asarray(ok, jnp.bool_), message=message)
+def check(ok: Any, message: str, info: CheckInfo | None = None,
+          payload: tuple[Any, ...] = ()) -> None:
+  """Fails the kernel at run time with `message` where `ok` is False. With `info`,
+  `payload` holds the grid indices then one detail value (int32 scalars)."""
+  payload = tuple(jnp.asarray(p, jnp.int32) for p in payload)
+  check_p.bind(jnp.asarray(ok, jnp.bool_), *payload, message=message, info=info,
+               batch_ndim=0)
 
 
-check_p.def_effectful_abstract_eval(lambda ok, *, message: ([], {internals.debug_effect}))
+check_p.def_effectful_abstract_eval(
+    lambda ok, *payload, message, info, batch_ndim: ([], {internals.debug_effect}))
 
 
-def _raise_unless(ok: Any, *, message: str) -> None:
-  if not bool(ok):
-    raise KernelCheckError(message)
+def _raise_unless(ok: Any, *payload: Any, message: str, info: CheckInfo | None) -> None:
+  ok = np.asarray(ok)
+  if ok.all():
+    return
+  if info is None:
+    raise record_failure(KernelCheckError(message))
+  first = int(np.argmin(ok.reshape(-1)))   # the first failing batch member
+  values = [int(np.asarray(p).reshape(-1)[first]) if np.ndim(p) else int(p) for p in payload]
+  *ids, detail = values
+  raise record_failure(info.error(message, tuple(ids), detail))
 
 
-def _check_impl(ok, *, message):
-  jax.debug.callback(lambda v: _raise_unless(v, message=message), jnp.all(ok))
+def _check_impl(ok, *payload, message, info, batch_ndim):
+  # Reduced to one flag per batch member; the host is called only on a failure.
+  ok = jnp.all(ok.reshape(ok.shape[:batch_ndim] + (-1,)), axis=-1)
+  payload = [jnp.broadcast_to(p, ok.shape) for p in payload]
+  lax.cond(jnp.all(ok), lambda *_: None,
+           lambda ok, *payload: jax.debug.callback(
+               functools.partial(_raise_unless, message=message, info=info), ok, *payload),
+           ok, *payload)
   return []
 
 
@@ -136,17 +242,21 @@ check_p.def_impl(_check_impl)
 mlir.register_lowering(check_p, mlir.lower_fun(_check_impl, multiple_results=True))
 
 
-def _check_batch(args, dims, *, message):
-  # Every element of every batch member must hold: the batched `ok` is checked whole.
-  check_p.bind(args[0], message=message)
+def _check_batch(args, dims, *, message, info, batch_ndim):
+  # Batch dimensions go in front of `ok` and of the payload (which has only those),
+  # so the failing batch member's payload can be picked out.
+  size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+  moved = [jnp.moveaxis(a, d, 0) if d is not None else
+           jnp.broadcast_to(a, (size,) + a.shape) for a, d in zip(args, dims)]
+  check_p.bind(*moved, message=message, info=info, batch_ndim=batch_ndim + 1)
   return [], []
 
 
 batching.primitive_batchers[check_p] = _check_batch
 
 
-def _check_jvp(primals, tangents, *, message):
-  check_p.bind(*primals, message=message)
+def _check_jvp(primals, tangents, *, message, info, batch_ndim):
+  check_p.bind(*primals, message=message, info=info, batch_ndim=batch_ndim)
   return [], []
 
 

@@ -2,11 +2,15 @@
 
 JAX's TPU interpret mode simulates a TPU on the CPU (memories, DMAs, semaphores,
 races). pallet's CPU backend already gives TPU kernels those meanings, so
-`pallas_call(..., interpret=InterpretParams(...))` simply means "run on the CPU
-backend". The fields are accepted with JAX 0.12's names and defaults; the
-simulator's knobs (race detection, DMA timing, vector clocks) have no counterpart
-here. pallet's own checks are switched with `pl.enable_debug_checks` and
-`pl.enable_poison_buffers`.
+`pallas_call(..., interpret=InterpretParams(...))` means "run on the CPU backend,
+in checking mode" (pallet/checking): `out_of_bounds_reads="raise"` checks every
+index, `uninitialized_memory="nan"` poisons fresh memory and reports reads of it,
+`detect_races=True` reports programs of parallel grid axes touching the same
+element. The fields are accepted with JAX 0.12's names and defaults; the
+simulator's other knobs (DMA timing, vector clocks, ...) have no counterpart here.
+pallet adds opt-in checks: `detect_nans`, `detect_overflow` (int32 add/sub/mul),
+`detect_unwritten` (output elements no program wrote) and `debug_checks` (every
+failed `pl.debug_check`).
 """
 from __future__ import annotations
 
@@ -39,6 +43,11 @@ class InterpretParams:
   grid_point_recorder: Callable[..., Any] | None = None
   allow_hbm_allocation_in_run_scoped: bool = False
   buffer_bounds: Literal["logical", "padded"] = "logical"
+  # pallet's opt-in checks (not in JAX)
+  detect_nans: bool = False
+  detect_overflow: bool = False
+  detect_unwritten: bool = False
+  debug_checks: bool = False
 
   @property
   def num_cores_per_device(self) -> int:

@@ -8,8 +8,9 @@ differentiation (through the kernel's discharged, pure form).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,7 @@ from jax.interpreters import ad, batching, mlir
 from pallet import backends
 from pallet import _internals as internals
 from pallet import checks
+from pallet import checking
 from pallet import dma
 from pallet import plain_call
 from pallet import grid_mapping as gm_lib
@@ -70,13 +72,27 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *,
     # Resolved per call: a `pallet.default_backend(...)` block around the call counts.
     try:
       backend_name, run_interpret = backends.resolve(backend, interpret, compiler_params)
+      check_options = checking.options(interpret)
     except ValueError as e:
       raise PalletError(f"pallas_call of kernel '{name}': {e}") from None
-    return _launch(kernel, name, args, out_shape, grid, dynamic_sizes, in_specs, out_specs,
-                   tuple(scratch_shapes), num_scalar_prefetch, aliases, debug,
-                   backend_name, run_interpret, compiler_params, dimension_semantics,
-                   grid_names, metadata)
+    with _checking_trace(check_options):
+      return _launch(kernel, name, args, out_shape, grid, dynamic_sizes, in_specs, out_specs,
+                     tuple(scratch_shapes), num_scalar_prefetch, aliases, debug,
+                     backend_name, run_interpret, compiler_params, dimension_semantics,
+                     grid_names, metadata, check_options)
   return launch
+
+
+@contextlib.contextmanager
+def _checking_trace(options: Any) -> Iterator[None]:
+  """Checking mode traces kernels with fresh memory poisoned (and pl.debug_check on
+  where asked), as the checks expect; see pallet/checking."""
+  with contextlib.ExitStack() as stack:
+    if options is not None and options.uninitialized:
+      stack.enter_context(checks.enable_poison_buffers(True))
+    if options is not None and options.debug_checks:
+      stack.enter_context(checks.enable_debug_checks(True))
+    yield
 
 
 def _dimension_semantics(params: Any, grid: tuple[int, ...], name: str):
@@ -106,7 +122,7 @@ def _as_operand(x: Any) -> Any:
 
 def _launch(kernel, name, args, out_shape, grid, dynamic_sizes, in_specs, out_specs, scratch_shapes,
             num_scalar_prefetch, aliases, debug, backend_name, interpret,
-            compiler_params, dimension_semantics, grid_names, metadata):
+            compiler_params, dimension_semantics, grid_names, metadata, check_options=None):
   args = jax.tree_util.tree_map(_as_operand, tuple(args))
   if len(args) < num_scalar_prefetch:
     raise PalletError(f"pallas_call of kernel '{name}' expects {num_scalar_prefetch} "
@@ -164,8 +180,14 @@ def _launch(kernel, name, args, out_shape, grid, dynamic_sizes, in_specs, out_sp
     print(description.jaxpr)
   flat_prefetch = [jnp.asarray(p) for p in flat_prefetch]
   sizes = [jnp.asarray(d, jnp.int32) for d in dynamic_sizes]
-  results = pallas_call_p.bind(*sizes, *flat_prefetch, *flat_args, kernel=description,
-                               name=name, backend=backend_name, interpret=interpret)
+  if check_options is None:
+    results = pallas_call_p.bind(*sizes, *flat_prefetch, *flat_args, kernel=description,
+                                 name=name, backend=backend_name, interpret=interpret)
+  else:
+    bind = functools.partial(pallas_call_p.bind, name=name, backend=backend_name,
+                             interpret=interpret)
+    results = checking.run(description, check_options, gm_lib.kernel_parameter_names(kernel),
+                           bind, sizes, flat_prefetch, flat_args, backend_name)
   results = [_annotated(r, o, i, name, description.source)
              for i, (r, o) in enumerate(zip(results, flat_out_shapes))]
   return jax.tree_util.tree_unflatten(out_tree, results)

@@ -34,6 +34,7 @@ from pallet.backends.triton.refs import ArrayDim, MemoryRef, RegisterRef
 from pallet.backends.triton.schedule import Schedule, block_start_range, make_schedule
 from pallet.backends.triton.values import (TritonLoweringError, Value, constant, padded,
                                            python_literal, signature_dtype, tl_dtype)
+from pallet.checks import CheckMessage
 from pallet.grid_mapping import BlockMapping
 from pallet.tracing import KernelDescription
 
@@ -439,14 +440,22 @@ class KernelGenerator:
 
   def _pallet_check(self, eqn, ins):
     """A run-time check: where `ok` is False anywhere, set this check's flag (the
-    launcher raises with its message after the kernel ran)."""
-    (ok,) = ins
+    launcher raises with its message after the kernel ran). A checking-mode check
+    (with a CheckInfo) keeps the first failing grid step: the flag is the maximum of
+    2**31 - 1 - (row-major step index) over failing programs."""
+    ok, payload = ins[0], ins[1:]
     if ok.is_constant and ok.constant:
       return []
+    info = eqn.params.get("info")
     k = len(self.check_messages)
-    self.check_messages.append(eqn.params["message"])
+    self.check_messages.append(CheckMessage(eqn.params["message"], info))
+    mark = "tl.store(checks_ptr + {k}, 1)".format(k=k)
+    if info is not None:
+      strides = [math.prod(info.grid[a + 1:]) for a in range(len(info.grid))]
+      step = " + ".join(f"{v.typed} * {s}" for v, s in zip(payload[:-1], strides)) or "0"
+      mark = f"tl.atomic_max(checks_ptr + {k}, 2147483647 - ({step}))"
     if ok.is_constant:
-      self.line(f"tl.store(checks_ptr + {k}, 1)")
+      self.line(mark)
       return []
     flag = ok
     if ok.shape:

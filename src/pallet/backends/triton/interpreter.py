@@ -226,10 +226,14 @@ def _run(generated: Any, operands: Sequence[np.ndarray],
     fn[generated.launch_grid](*args)
   for b, what in zip(buffers, [o.origin for o in gm.outputs] + ["the workspace"]):
     b.check(generated.kernel, what)
-  failed = [m for m, f in zip(generated.check_messages, flags) if f]
+  failed = [(m, int(f)) for m, f in zip(generated.check_messages, flags) if f]
   if failed:
-    from pallet.checks import KernelCheckError
-    raise KernelCheckError(failed[0])
+    from pallet.checks import KernelCheckError, record_failure
+    message, flag = failed[0]
+    info = getattr(message, "info", None)
+    if info is None:
+      raise record_failure(KernelCheckError(message))
+    raise record_failure(info.error(message, info.unravel(2147483647 - flag)))
   return [_narrow(b.array, o.dtype) for b, o in zip(buffers, gm.outputs)]
 
 

@@ -125,7 +125,16 @@ def _raise_failed_checks(ctx: Any, flags: Any, kernel: KernelDescription,
   """After the kernel: each set flag fails the call with its check's message."""
   def check_all(flags):
     for k, message in enumerate(messages):
-      checks.check(flags[k] == 0, message)
+      info = getattr(message, "info", None)
+      if info is None:
+        checks.check(flags[k] == 0, message)
+        continue
+      # the flag holds 2**31 - 1 - (first failing step), see codegen._pallet_check
+      step, ids = 2147483647 - flags[k], []
+      for n in reversed(info.grid):
+        ids.insert(0, step % n)
+        step = step // n
+      checks.check(flags[k] == 0, message, info, (*ids, 0))
     return []
 
   aval = jax.core.ShapedArray((len(messages),), jnp.int32)

@@ -1,0 +1,625 @@
+"""The instrumentation pass: a kernel description in, a checked one out.
+
+The kernel's jaxpr is re-traced equation by equation (control flow re-built with
+`lax.cond`/`scan`/`while_loop`, so refs stay closed over as in user code) and
+`checks.check` is inserted before every access it can get wrong:
+
+* bounds: each index of each load, store, atomic, gather and dynamic slice;
+* shadows: an int32 array per output, scratch or `run_scoped` buffer that needs one
+  (see `_Plan`) records who wrote each element: 0 (or anything out of range, such
+  as poison or garbage) "never written", `1 + p` "stored by parallel program p",
+  `1 + P + p` "atomically updated by p", `2P + 1` "given by the caller" (aliased
+  outputs). Reads check "written" (uninitialized) and "not by another program"
+  (race); stores check "not by another program"; P counts the programs of the
+  parallel grid axes, p is the program's index among them.
+
+Output shadows are extra outputs with the output's block mapping, each aliased to
+an extra (whole-array) input holding its initial value; scratch shadows are extra
+scratch buffers, cleared when a parallel program starts. The caller
+(`checking/run.py`) supplies the initial values and checks the outputs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend.core import Literal
+
+from pallet import _internals as internals
+from pallet import checks
+from pallet.checking import bounds
+from pallet.checking.options import CheckOptions
+from pallet.grid_mapping import BlockDimension, BlockMapping
+from pallet.tracing import KernelDescription
+
+_CALLS = ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
+          "custom_vjp_call_jaxpr", "remat", "checkpoint")
+_READS = ("get", "masked_load", "addupdate", "atomic_rmw", "atomic_cas")
+_ELEMENTWISE_INT = ("add", "sub", "mul")
+_NOT_PRODUCERS = ("get", "swap", "masked_load", "atomic_rmw", "atomic_cas", "new_ref",
+                  "cond", "scan", "while", "pallet_check") + _CALLS
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Where the checked kernel's extra operands are, for the caller."""
+  shadowed_outputs: tuple[int, ...]   # original output indices with a shadow, in order
+  shadow_initial: tuple[int, ...]     # each shadow's initial value (0 or `given`)
+  given: int                          # shadow value "given by the caller" (2P + 1)
+  output_names: tuple[str, ...]
+
+
+@dataclasses.dataclass
+class _Ref:
+  name: str
+  shadow: Any = None       # the shadow ref, or None
+
+
+def ref_names(kernel: KernelDescription, param_names: Sequence[str] | None) -> list[str]:
+  """A name per kernel ref (prefetch, inputs, outputs, scratch), the parameter's where
+  the kernel's signature gives one."""
+  gm = kernel.grid_mapping
+  n = len(gm.prefetch_avals) + len(gm.inputs) + len(gm.outputs) + len(gm.scratch_avals)
+  names = list(param_names or [])
+  if len(names) >= n:
+    return names[:n]
+  fallback = ([f"scalar prefetch {i}" for i in range(len(gm.prefetch_avals))]
+              + [_origin_name(b.origin) for b in gm.inputs]
+              + [_origin_name(b.origin) for b in gm.outputs]
+              + [f"scratch {i}" for i in range(len(gm.scratch_avals))])
+  return fallback
+
+
+def _origin_name(origin: str) -> str:
+  """"input 1 ('y_ref')" -> "y_ref"."""
+  if "('" in origin:
+    return origin.split("('", 1)[1].split("')", 1)[0]
+  return origin
+
+
+# ------------------------------------------------------------------ which refs are read
+def _dropped(v: Any) -> bool:
+  return type(v).__name__ == "DropVar"
+
+
+def _used(jaxpr: Any) -> set:
+  """Variables some equation or the result of `jaxpr` reads."""
+  used = {v for v in jaxpr.outvars if not isinstance(v, Literal)}
+  for eqn in jaxpr.eqns:
+    used.update(v for v in eqn.invars if not isinstance(v, Literal))
+  return used
+
+
+def _sub_jaxprs(eqn: Any) -> list[tuple[Any, list]] | None:
+  """(open jaxpr, the eqn's operands its inputs stand for) for control flow pallet
+  re-traces; None for other primitives."""
+  name, params = eqn.primitive.name, eqn.params
+  ins = list(eqn.invars)
+  if name == "cond":
+    return [(b.jaxpr, ins[1:]) for b in params["branches"]]
+  if name == "scan":
+    jaxpr, _, _, _ = internals.scan_layout(params)
+    return [(jaxpr, ins)]
+  if name == "while":
+    nc, nb = params["cond_nconsts"], params["body_nconsts"]
+    return [(params["cond_jaxpr"].jaxpr, ins[:nc] + ins[nc + nb:]),
+            (params["body_jaxpr"].jaxpr, ins[nc:])]
+  if name in _CALLS:
+    inner = _call_jaxpr(params)
+    return None if inner is None else [(inner[0], ins)]
+  return None
+
+
+def _sub_jaxprs_mapped(eqn: Any, refs: dict[Any, int]) -> list[tuple[Any, list]] | None:
+  subs = _sub_jaxprs(eqn)
+  if subs is None:
+    return None
+  return [(j, [refs.get(v) if not isinstance(v, Literal) else None for v in args])
+          for j, args in subs]
+
+
+def _call_jaxpr(params: dict) -> tuple[Any, tuple] | None:
+  for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+    j = params.get(key)
+    if j is None:
+      continue
+    if hasattr(j, "consts"):
+      return j.jaxpr, tuple(j.consts)
+    if hasattr(j, "eqns"):
+      return j, ()
+  return None
+
+
+def read_refs(kernel: KernelDescription) -> set[int]:
+  """Positions (among the jaxpr's inputs) of the refs the kernel may read."""
+  jaxpr = kernel.jaxpr.jaxpr
+  out: set[int] = set()
+  refs = {v: i for i, v in enumerate(jaxpr.invars)}
+  _walk_reads(jaxpr, refs, out)
+  return out
+
+
+def _walk_reads(jaxpr: Any, refs: dict[Any, int], out: set[int]) -> None:
+  used = _used(jaxpr)
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    operands = [refs.get(v) if not isinstance(v, Literal) else None
+                for v in eqn.invars]
+    if name in ("swap", "masked_store"):
+      if name == "swap" and operands[0] is not None and eqn.outvars[0] in used:
+        out.add(operands[0])
+      continue
+    subs = _sub_jaxprs_mapped(eqn, refs)
+    if subs is None:
+      out.update(p for p in operands if p is not None)
+      continue
+    for sub, args in subs:
+      _walk_reads(sub, {v: p for v, p in zip(sub.invars, args) if p is not None}, out)
+
+
+# ------------------------------------------------------------------ the pass
+def _poison_fill(eqn_in: Any, producers: dict[Any, Any]) -> bool:
+  """Whether a new_ref's initial value is the poison of fresh memory (run_scoped,
+  pl.empty under checking mode): a broadcast of NaN, the integer minimum or True."""
+  eqn = producers.get(eqn_in)
+  if eqn is None or eqn.primitive.name != "broadcast_in_dim":
+    return False
+  src = eqn.invars[0]
+  if not isinstance(src, Literal):
+    return False
+  value = np.asarray(src.val)
+  if np.issubdtype(value.dtype, np.floating):
+    return bool(np.isnan(value))
+  if np.issubdtype(value.dtype, np.integer):
+    return int(value) == np.iinfo(value.dtype).min
+  return value.dtype == np.bool_ and bool(value)
+
+
+class _Instrumenter:
+  """Re-traces one kernel body with checks (see the module docstring)."""
+
+  def __init__(self, kernel: KernelDescription, opts: CheckOptions, names: list[str],
+               parallel: tuple[int, ...], guard: bool):
+    self.kernel, self.opts, self.names, self.parallel = kernel, opts, names, parallel
+    self.guard = guard   # make out-of-bounds accesses skip (Triton reads raw memory)
+    gm = kernel.grid_mapping
+    self.grid = gm.grid
+    self.num_parallel = max(1, math.prod(gm.grid[a] or 1 for a in parallel))
+    self.given = 2 * self.num_parallel + 1
+    self.refs: dict[int, _Ref] = {}
+    self.quiet = 0      # > 0 inside while-loop conditions (no effects allowed there)
+
+  # -- helpers ------------------------------------------------------------------
+  def line(self, eqn: Any) -> str:
+    src = internals.equation_source(eqn)
+    return f"{src[0]}:{src[1]}" if src else self.kernel.source
+
+  def check(self, eqn: Any, kind: str, ok: Any, message: str, ref: str | None,
+            detail: Any = None, detail_label: str = "") -> None:
+    """Inserts one check: fails with (kind, ref, line, grid index) where `ok` is False."""
+    if self.quiet:
+      return
+    if not internals.is_tracer(ok) and bool(np.all(np.asarray(ok))):
+      return
+    info = checks.CheckInfo(kind=kind, kernel=self.kernel.name, ref=ref, line=self.line(eqn),
+                            grid=tuple(self.grid), detail=detail_label)
+    detail = jnp.int32(-2**31) if detail is None else jnp.asarray(detail, jnp.int32)
+    checks.check(ok, message, info, (*self.ids, detail))
+
+  def info(self, ref: Any) -> _Ref | None:
+    return self.refs.get(id(ref))
+
+  # -- the kernel -------------------------------------------------------------------
+  def body(self, layout_counts: tuple[int, ...], *args: Any) -> list:
+    gm = self.kernel.grid_mapping
+    n_ids, n_pre, n_in, n_shadow, n_out, n_scratch, n_sscratch = layout_counts
+    it = iter(args)
+    take = lambda n: [next(it) for _ in range(n)]
+    ids, pre, ins, _, outs, out_shadows, scratch, scratch_shadows = (
+        take(n_ids), take(n_pre), take(n_in), take(n_shadow), take(n_out), take(n_shadow),
+        take(n_scratch), take(n_sscratch))
+    self.ids = ids[:len(gm.grid)]
+    self.stamp, self.atomic_stamp = self._stamps()
+    refs = pre + ins + outs + scratch
+    for r, name in zip(refs, self.names):
+      self.refs[id(r)] = _Ref(name)
+    for k, o in enumerate(self.shadowed_outputs):
+      self.refs[id(outs[o])].shadow = out_shadows[k]
+    if scratch_shadows:
+      first = self._parallel_program_start()
+      for k, s in enumerate(self.shadowed_scratch):
+        shadow = scratch_shadows[k]
+        self.refs[id(scratch[s])].shadow = shadow
+
+        def clear(shadow=shadow):
+          shadow[...] = jnp.zeros(shadow.shape, jnp.int32)
+        lax.cond(first, clear, lambda: None)
+    self.eval(self.kernel.jaxpr.jaxpr, self.kernel.jaxpr.consts, [*ids, *refs])
+    return []
+
+  def _stamps(self) -> tuple[Any, Any]:
+    par = jnp.int32(0)
+    for a in self.parallel:
+      par = par * jnp.int32(self.grid[a]) + self.ids[a]
+    return 1 + par, 1 + self.num_parallel + par
+
+  def _parallel_program_start(self) -> Any:
+    first = jnp.bool_(True)
+    for a, i in enumerate(self.ids):
+      if a not in self.parallel:
+        first = first & (i == 0)
+    return first
+
+  # -- evaluation -------------------------------------------------------------------
+  def eval(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list:
+    env: dict[Any, Any] = {}
+    producers: dict[Any, Any] = {}
+    used = _used(jaxpr)
+
+    def read(v):
+      return v.val if isinstance(v, Literal) else env[v]
+
+    for v, x in zip(jaxpr.constvars, consts):
+      env[v] = x
+    for v, x in zip(jaxpr.invars, args):
+      env[v] = x
+    for eqn in jaxpr.eqns:
+      ins = [read(v) for v in eqn.invars]
+      self.used = used
+      with internals.equation_context(eqn):
+        outs = self.equation(eqn, ins, producers)
+      if not eqn.primitive.multiple_results:
+        outs = [outs]
+      for v, x in zip(eqn.outvars, outs):
+        if not _dropped(v):
+          env[v] = x
+          producers[v] = eqn
+    return [read(v) for v in jaxpr.outvars]
+
+  def bind(self, eqn: Any, ins: Sequence[Any]) -> Any:
+    return eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
+
+  def equation(self, eqn: Any, ins: list, producers: dict) -> Any:
+    name = eqn.primitive.name
+    handler = getattr(self, f"_{name}", None)
+    if handler is not None:
+      return handler(eqn, ins, producers)
+    subs = _sub_jaxprs(eqn)
+    if name in _CALLS and subs is not None:
+      inner, consts = _call_jaxpr(eqn.params)
+      outs = self.eval(inner, consts, ins)
+      return outs if eqn.primitive.multiple_results else outs[0]
+    if self.opts.bounds and name in ("gather", "dynamic_slice", "dynamic_update_slice"):
+      self._array_bounds(eqn, ins)
+    outs = self.bind(eqn, ins)
+    for x in ins:     # refs used by primitives pallet does not follow: written, maybe
+      r = self.info(x)
+      if r is not None and r.shadow is not None and name not in _READS:
+        r.shadow[...] = jnp.full(r.shadow.shape, self.given, jnp.int32)
+    self._produced(eqn, ins, outs)
+    return outs
+
+  # -- produced values: NaN/Inf and int32 overflow (opt-in) -----------------------
+  def _produced(self, eqn: Any, ins: list, outs: Any) -> None:
+    name = eqn.primitive.name
+    if name in _NOT_PRODUCERS or self.quiet:
+      return
+    results = outs if eqn.primitive.multiple_results else [outs]
+    if self.opts.nans:
+      for out in results:
+        if hasattr(out, "dtype") and jnp.issubdtype(out.dtype, jnp.inexact):
+          finite_in = jnp.bool_(True)
+          for x in ins:
+            if hasattr(x, "dtype") and jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact):
+              x = jnp.asarray(x)
+              fx = jnp.isfinite(x)
+              finite_in = finite_in & (fx if x.shape in ((), out.shape) else jnp.all(fx))
+          ok = jnp.isfinite(out) | ~finite_in
+          self.check(eqn, "nan", ok, f"{name} produced NaN or Inf from finite operands",
+                     None)
+    if (self.opts.overflow and name in _ELEMENTWISE_INT and len(ins) == 2
+        and jnp.asarray(results[0]).dtype == jnp.int32):
+      a, b = (jnp.asarray(x, jnp.int32) for x in ins)
+      r = results[0]
+      if name == "add":
+        bad = ((a ^ r) & (b ^ r)) < 0
+      elif name == "sub":
+        bad = ((a ^ b) & (a ^ r)) < 0
+      else:
+        safe = jnp.where(a == 0, 1, a)
+        bad = (a != 0) & ((lax.div(r, safe) != b) | ((a == -1) & (b == -2**31)))
+      self.check(eqn, "overflow", ~bad, f"int32 {name} overflowed", None)
+
+  # -- ref accesses -------------------------------------------------------------------
+  def _transforms(self, eqn: Any, leaves: Sequence[Any]) -> tuple:
+    return tuple(jax.tree_util.tree_unflatten(eqn.params["tree"], list(leaves)))
+
+  def _bounds(self, eqn: Any, ref: Any, transforms: tuple, mask: Any, verb: str) -> Any:
+    """Checks the indices of an access; the conjunction (a boolean scalar) or None
+    where statically in bounds."""
+    if not self.opts.bounds:
+      return None
+    conditions = bounds.access_conditions(transforms, mask)
+    r = self.info(ref)
+    name = r.name if r else None
+    all_ok = None
+    for ok, detail, what in conditions:
+      self.check(eqn, "out_of_bounds", ok,
+                 f"{verb} '{name}' (shape {tuple(jax.typeof(ref).shape)}) out of bounds in "
+                 f"{what}", name, detail, "offending index")
+      ok = jnp.all(ok)
+      all_ok = ok if all_ok is None else all_ok & ok
+    return all_ok
+
+  def _guarded(self, ok: Any, run: Any, default: Any) -> Any:
+    """`run()` only where `ok` (Triton: an out-of-bounds access would touch raw memory)."""
+    if not self.guard or ok is None:
+      return run()
+    return lax.cond(ok, run, default)
+
+  def _shadow_access(self, eqn: Any, ref: Any, transforms: tuple, mask: Any, *,
+                     reads: bool, writes: bool, atomic: bool = False) -> None:
+    r = self.info(ref)
+    if r is None or r.shadow is None:
+      return
+    if not bounds.only_indexers(transforms):
+      if writes:   # through a bitcast or reshape: give up on this buffer's elements
+        r.shadow[...] = jnp.full(r.shadow.shape, self.given, jnp.int32)
+      return
+    view = internals.TransformedRef(r.shadow, transforms) if transforms else r.shadow
+    old = view[...]
+    enabled = jnp.bool_(True) if mask is None else mask
+    valid = (old >= 1) & (old <= self.given)
+    mine = (old == self.stamp) | (old == self.atomic_stamp) | (old == self.given)
+    if reads and self.opts.uninitialized:
+      self.check(eqn, "uninitialized", valid | ~enabled,
+                 f"reads '{r.name}' where no program has written it yet (the buffer "
+                 f"holds uninitialized memory there)", r.name)
+    if self.opts.races:
+      if atomic:
+        plain_other = (old >= 1) & (old <= self.num_parallel) & (old != self.stamp)
+        self.check(eqn, "race", ~(plain_other & enabled),
+                   f"atomic update of '{r.name}' where another program of the parallel "
+                   f"grid axes {self.parallel} stored plainly", r.name,
+                   self._writer(old, plain_other & enabled), "writer program")
+      else:
+        other = valid & ~mine & enabled
+        self.check(eqn, "race", ~other,
+                   f"{'reads' if reads and not writes else 'writes'} '{r.name}' where "
+                   f"another program of the parallel grid axes {self.parallel} wrote",
+                   r.name, self._writer(old, other), "writer program")
+    if writes:
+      stamp = self.atomic_stamp if atomic else self.stamp
+      new = jnp.broadcast_to(stamp, old.shape).astype(jnp.int32)
+      if mask is None:
+        view[...] = new
+      else:
+        view[...] = jnp.where(mask, new, old)
+
+  def _writer(self, old: Any, bad: Any) -> Any:
+    """The parallel program (0-based) that wrote the first offending element."""
+    first = jnp.argmax(jnp.broadcast_to(bad, jnp.shape(old)).reshape(-1)) if jnp.ndim(old) else 0
+    value = jnp.reshape(old, (-1,))[first] if jnp.ndim(old) else old
+    return (value - 1) % self.num_parallel
+
+  def _get(self, eqn, ins, producers):
+    ref, *leaves = ins
+    transforms = self._transforms(eqn, leaves)
+    ok = self._bounds(eqn, ref, transforms, None, "reads")
+    self._shadow_access(eqn, ref, transforms, None, reads=True, writes=False)
+    out = eqn.outvars[0].aval
+    return self._guarded(ok, lambda: self.bind(eqn, ins),
+                         lambda: jnp.zeros(out.shape, out.dtype))
+
+  def _swap(self, eqn, ins, producers):
+    ref, value, *leaves = ins
+    transforms = self._transforms(eqn, leaves)
+    ok = self._bounds(eqn, ref, transforms, None, "writes")
+    self._produced_store(eqn, value)
+    self._shadow_access(eqn, ref, transforms, None,
+                        reads=eqn.outvars[0] in self.used, writes=True)
+    out = eqn.outvars[0].aval
+    return self._guarded(ok, lambda: self.bind(eqn, ins),
+                         lambda: jnp.zeros(out.shape, out.dtype))
+
+  def _addupdate(self, eqn, ins, producers):
+    ref, value, *leaves = ins
+    transforms = self._transforms(eqn, leaves)
+    ok = self._bounds(eqn, ref, transforms, None, "updates")
+    self._shadow_access(eqn, ref, transforms, None, reads=True, writes=True)
+    return self._guarded(ok, lambda: self.bind(eqn, ins), lambda: [])
+
+  def _masked_load(self, eqn, ins, producers):
+    tree = eqn.params["tree"]
+    ref, leaves = ins[0], ins[1:1 + tree.num_leaves]
+    mask = ins[1 + tree.num_leaves]
+    transforms = self._transforms(eqn, leaves)
+    self._bounds(eqn, ref, transforms, mask, "reads")
+    self._shadow_access(eqn, ref, transforms, mask, reads=True, writes=False)
+    return self.bind(eqn, self._safe_mask(ins, 1 + tree.num_leaves, transforms, mask))
+
+  def _masked_store(self, eqn, ins, producers):
+    tree = eqn.params["tree"]
+    ref, leaves = ins[0], ins[1:1 + tree.num_leaves]
+    value, mask = ins[1 + tree.num_leaves:]
+    transforms = self._transforms(eqn, leaves)
+    self._bounds(eqn, ref, transforms, mask, "writes")
+    self._produced_store(eqn, value)
+    self._shadow_access(eqn, ref, transforms, mask, reads=False, writes=True)
+    return self.bind(eqn, self._safe_mask(ins, 2 + tree.num_leaves, transforms, mask))
+
+  def _atomic_rmw(self, eqn, ins, producers):
+    tree = eqn.params["tree"]
+    ref, leaves = ins[0], ins[1:1 + tree.num_leaves]
+    mask = ins[2 + tree.num_leaves] if eqn.params["has_mask"] else None
+    transforms = self._transforms(eqn, leaves)
+    ok = self._bounds(eqn, ref, transforms, mask, "atomically updates")
+    self._shadow_access(eqn, ref, transforms, mask, reads=True, writes=True, atomic=True)
+    if mask is not None:
+      return self.bind(eqn, self._safe_mask(ins, 2 + tree.num_leaves, transforms, mask))
+    out = eqn.outvars[0].aval
+    return self._guarded(ok, lambda: self.bind(eqn, ins),
+                         lambda: jnp.zeros(out.shape, out.dtype))
+
+  def _atomic_cas(self, eqn, ins, producers):
+    tree = eqn.params["tree"]
+    ref, leaves = ins[0], ins[1:1 + tree.num_leaves]
+    transforms = self._transforms(eqn, leaves)
+    ok = self._bounds(eqn, ref, transforms, None, "atomically updates")
+    self._shadow_access(eqn, ref, transforms, None, reads=True, writes=True, atomic=True)
+    out = eqn.outvars[0].aval
+    return self._guarded(ok, lambda: self.bind(eqn, ins),
+                         lambda: jnp.zeros(out.shape, out.dtype))
+
+  def _safe_mask(self, ins: list, at: int, transforms: tuple, mask: Any) -> list:
+    """On Triton, lanes out of bounds are masked off too (their error is reported)."""
+    if not (self.guard and self.opts.bounds):
+      return ins
+    conditions = bounds.access_conditions(transforms, mask)
+    if not conditions:
+      return ins
+    ok = jnp.bool_(True)
+    for c, _, _ in conditions:
+      ok = ok & c
+    ins = list(ins)
+    ins[at] = mask & ok
+    return ins
+
+  def _produced_store(self, eqn: Any, value: Any) -> None:
+    del eqn, value   # values are checked where produced (see `_produced`)
+
+  # -- buffers made inside the kernel ---------------------------------------------------
+  def _new_ref(self, eqn, ins, producers):
+    ref = self.bind(eqn, ins)
+    if self.opts.uninitialized and _poison_fill(eqn.invars[0], producers):
+      shadow = jax.new_ref(jnp.zeros(jnp.shape(ins[0]), jnp.int32))
+      self.refs[id(ref)] = _Ref(f"run_scoped buffer at {self.line(eqn)}", shadow)
+    return ref
+
+  # -- pl.debug_check ---------------------------------------------------------------
+  def _pallet_check(self, eqn, ins, producers):
+    if not self.opts.debug_checks or eqn.params.get("info") is not None:
+      return self.bind(eqn, ins)
+    self.check(eqn, "debug_check", ins[0], eqn.params["message"], None)
+    return []
+
+  # -- values: gathers and dynamic slices clamp silently ----------------------------
+  def _array_bounds(self, eqn: Any, ins: list) -> None:
+    name, params = eqn.primitive.name, eqn.params
+    if name == "gather":
+      mode = str(params.get("mode", ""))
+      if "PROMISE" in mode.upper():
+        return
+      conditions = bounds.gather_conditions(jnp.shape(ins[0]), ins[1],
+                                            params["dimension_numbers"],
+                                            params["slice_sizes"])
+    elif name == "dynamic_slice":
+      conditions = bounds.dynamic_slice_conditions(jnp.shape(ins[0]), ins[1:],
+                                                   params["slice_sizes"], "dynamic_slice")
+    else:
+      conditions = bounds.dynamic_slice_conditions(jnp.shape(ins[0]), ins[2:],
+                                                   jnp.shape(ins[1]), "dynamic_update_slice")
+    for ok, detail, what in conditions:
+      self.check(eqn, "out_of_bounds", ok, f"{name} out of bounds: {what}", None, detail,
+                 "offending index")
+
+  # -- control flow -------------------------------------------------------------------
+  def _cond(self, eqn, ins, producers):
+    index, operands = ins[0], ins[1:]
+    branches = [functools.partial(self._run_branch, b, operands)
+                for b in eqn.params["branches"]]
+    outs = lax.switch(index, branches)
+    return list(outs)
+
+  def _run_branch(self, closed: Any, operands: list) -> tuple:
+    return tuple(self.eval(closed.jaxpr, closed.consts, operands))
+
+  def _scan(self, eqn, ins, producers):
+    params = eqn.params
+    jaxpr, consts, num_consts, num_carry = internals.scan_layout(params)
+    const_ins = ins[:num_consts]
+    carry, xs = ins[num_consts:num_consts + num_carry], ins[num_consts + num_carry:]
+
+    def body(c, x):
+      outs = self.eval(jaxpr, consts, [*const_ins, *c, *x])
+      return outs[:num_carry], outs[num_carry:]
+
+    carry_out, ys = lax.scan(body, list(carry), list(xs), length=params["length"],
+                             reverse=params["reverse"], unroll=params["unroll"])
+    return [*carry_out, *ys]
+
+  def _while(self, eqn, ins, producers):
+    params = eqn.params
+    nc, nb = params["cond_nconsts"], params["body_nconsts"]
+    cond_consts, body_consts, init = ins[:nc], ins[nc:nc + nb], ins[nc + nb:]
+    cj, bj = params["cond_jaxpr"], params["body_jaxpr"]
+
+    def cond_fun(c):
+      self.quiet += 1
+      try:
+        return self.eval(cj.jaxpr, cj.consts, [*cond_consts, *c])[0]
+      finally:
+        self.quiet -= 1
+
+    def body_fun(c):
+      return self.eval(bj.jaxpr, bj.consts, [*body_consts, *c])
+
+    return list(lax.while_loop(cond_fun, body_fun, list(init)))
+
+
+# ------------------------------------------------------------------ building the kernel
+def _whole_mapping(b: BlockMapping, origin: str) -> BlockMapping:
+  """An int32 input holding a shadow's initial value, seen whole (never read)."""
+  ndim = len(b.array_shape)
+  n_args = len(b.index_map.in_avals)
+  index_map = jax.make_jaxpr(lambda *_: tuple(jnp.int32(0) for _ in range(ndim)))(
+      *b.index_map.in_avals) if n_args else jax.make_jaxpr(
+          lambda: tuple(jnp.int32(0) for _ in range(ndim)))()
+  return BlockMapping(origin=origin, array_shape=b.array_shape, dtype=jnp.dtype(jnp.int32),
+                      dims=tuple(BlockDimension("blocked", s) for s in b.array_shape),
+                      index_map=index_map, memory_space=b.memory_space, whole=True)
+
+
+def instrument(kernel: KernelDescription, opts: CheckOptions, names: list[str],
+               parallel: tuple[int, ...], shadowed_outputs: tuple[int, ...],
+               shadowed_scratch: tuple[int, ...], guard: bool) -> tuple[KernelDescription, Layout]:
+  """The checked kernel and where its extra operands are."""
+  gm = kernel.grid_mapping
+  n_ids = len(gm.grid) + len(gm.dynamic_axes)
+  tool = _Instrumenter(kernel, opts, names, parallel, guard)
+  tool.shadowed_outputs, tool.shadowed_scratch = shadowed_outputs, shadowed_scratch
+  n_out_names = names[len(gm.prefetch_avals) + len(gm.inputs):]
+  aliased = {o for _, o in kernel.input_output_aliases}
+  shadow_outputs = tuple(gm.outputs[o].replace(origin=f"shadow of {gm.outputs[o].origin}",
+                                               dtype=jnp.dtype(jnp.int32))
+                         for o in shadowed_outputs)
+  shadow_inputs = tuple(_whole_mapping(gm.outputs[o], f"initial shadow of output {o}")
+                        for o in shadowed_outputs)
+  shadow_scratch = tuple(jax.core.ShapedArray(gm.scratch_avals[s].shape, jnp.int32)
+                         for s in shadowed_scratch)
+  new_gm = gm.replace(inputs=gm.inputs + shadow_inputs, outputs=gm.outputs + shadow_outputs,
+                      scratch_avals=gm.scratch_avals + shadow_scratch)
+  ref_avals = ([internals.AbstractRef(a) for a in gm.prefetch_avals]
+               + [internals.AbstractRef(b.kernel_aval) for b in new_gm.inputs]
+               + [internals.AbstractRef(b.kernel_aval) for b in new_gm.outputs]
+               + [internals.AbstractRef(a) for a in new_gm.scratch_avals])
+  id_avals = [jax.core.ShapedArray((), jnp.int32)] * n_ids
+  counts = (n_ids, len(gm.prefetch_avals), len(gm.inputs), len(shadowed_outputs),
+            len(gm.outputs), len(gm.scratch_avals), len(shadowed_scratch))
+  with internals.vma_checks_off():
+    jaxpr = jax.make_jaxpr(functools.partial(tool.body, counts))(*id_avals, *ref_avals)
+  n_in = len(gm.inputs)
+  aliases = kernel.input_output_aliases + tuple(
+      (n_in + k, len(gm.outputs) + k) for k in range(len(shadowed_outputs)))
+  checked = kernel.replace(jaxpr=jaxpr, grid_mapping=new_gm, input_output_aliases=aliases)
+  layout = Layout(shadowed_outputs=shadowed_outputs,
+                  shadow_initial=tuple(tool.given if o in aliased else 0
+                                       for o in shadowed_outputs),
+                  given=tool.given, output_names=tuple(n_out_names[:len(gm.outputs)]))
+  return checked, layout
