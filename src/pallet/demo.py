@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from importlib import metadata
 
 import jax
 import jax.numpy as jnp
@@ -133,8 +135,20 @@ def run(scale: int = 0, reps: int = 7, backend: str | None = None) -> int:
   jax.numpy."""
   if backend is None:
     return _run(scale, reps)
+  if backends.canonical(backend) == "triton" and not _triton_installed():
+    print("pallet demo --backend triton needs the triton package "
+          "(pip install 'pallet[triton]')", file=sys.stderr)
+    return 2
   with backends.default_backend(backend):
     return _run(scale, reps)
+
+
+def _triton_installed() -> bool:
+  try:
+    metadata.version("triton")
+  except metadata.PackageNotFoundError:
+    return False
+  return True
 
 
 def _run(scale: int, reps: int) -> int:
