@@ -25,7 +25,10 @@ def make(name: str) -> Primitive:
     return jaxprs.run(jaxpr.jaxpr, args[:num_consts], args[num_consts:])
 
   prim.def_impl(impl)
-  prim.def_abstract_eval(lambda *avals, jaxpr, **_: list(jaxpr.out_avals))
+  # Effects on refs the body closes over are positional in the body; they are not
+  # carried (a fusible writing closed-over refs is not supported), others are.
+  prim.def_effectful_abstract_eval(lambda *avals, jaxpr, **_: (
+      list(jaxpr.out_avals), {e for e in jaxpr.effects if not hasattr(e, "input_index")}))
   mlir.register_lowering(prim, mlir.lower_fun(impl, multiple_results=True))
 
   def jvp(primals: Any, tangents: Any, **params: Any) -> tuple:
@@ -34,7 +37,7 @@ def make(name: str) -> Primitive:
     return list(out), list(tan)
 
   def batch(args: Any, dims: Any, **params: Any) -> tuple:
-    axes = [None if d is batching.not_mapped else d for d in dims]
+    axes = list(dims)   # None marks an unbatched operand
     out = jax.vmap(functools.partial(impl, **params), in_axes=axes)(*args)
     return list(out), [0] * len(out)
 

@@ -102,7 +102,7 @@ class _Body:
   """The traced function, its consts passed as the first operands."""
 
   def __init__(self, closed: Any):
-    self.jaxpr, self.out_avals = closed.jaxpr, closed.out_avals
+    self.jaxpr, self.out_avals, self.effects = closed.jaxpr, closed.out_avals, closed.effects
 
   def __repr__(self) -> str:
     return str(self.jaxpr)

@@ -114,7 +114,7 @@ class _Fused:
     eqns = [self.jaxpr.eqns[i] for i in live if not (skip_fusible and i == self.index)]
     env = dict(env)
     jaxprs.run(self.jaxpr, [], [], eqns=eqns, env=env)
-    return [v.val if jaxprs.is_literal(v) else env[v] for v in needed]
+    return jaxprs.read(needed, env)
 
   def run(self) -> list:
     jaxpr, eqn = self.jaxpr, self.eqn
@@ -185,8 +185,8 @@ class _Fused:
       used = [k for k, v in enumerate(outvars) if not jaxprs.is_literal(v) and v in dep]
       for k in used:
         if k in claimed:
-          raise ValueError("fuse: outputs must be disjoint in order to use separate output "
-                           "fusions")
+          raise ValueError("Outputs must be disjoint in order to use separate output "
+                           "fusions (fuse)")
         claimed[k] = g
       order.extend(used)
       needed = [outvars[k] for k in used]

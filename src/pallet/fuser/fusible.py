@@ -65,6 +65,7 @@ class _without_consts:
   def __init__(self, closed: Any):
     self.jaxpr = closed.jaxpr
     self.out_avals = closed.out_avals
+    self.effects = closed.effects
 
   def __repr__(self) -> str:
     return str(self.jaxpr)

@@ -44,7 +44,8 @@ Binder = Callable[[Any, Sequence[Any]], list]
 
 def run(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], binder: Binder = bind,
         eqns: Iterable[Any] | None = None, env: dict | None = None) -> list[Any]:
-  """Evaluates `jaxpr` (or just `eqns` of it), calls inlined, each other equation by `binder`."""
+  """Evaluates `jaxpr`, calls inlined, each other equation by `binder`, and returns its
+  outputs; with `eqns`, runs only those into `env` and returns nothing."""
   env = {} if env is None else env
 
   def read(atom: Any) -> Any:
@@ -63,7 +64,12 @@ def run(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], binder: Binder =
       outs = binder(eqn, invals)
     for var, value in zip(eqn.outvars, outs):
       env[var] = value
-  return [read(v) for v in jaxpr.outvars]
+  return [read(v) for v in jaxpr.outvars] if eqns is None else []
+
+
+def read(jaxpr_vars: Sequence[Any], env: dict) -> list:
+  """The values of `jaxpr_vars` (literals or vars bound in `env`)."""
+  return [v.val if is_literal(v) else env[v] for v in jaxpr_vars]
 
 
 def _abstract(x: Any) -> Any:

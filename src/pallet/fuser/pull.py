@@ -164,7 +164,9 @@ class _KernelFn:
       it = iter(blocks.load_scalar(v) for v in values)
       consts = [next(it) if m else c for c, m in zip(consts, self.mask)]
     binder = functools.partial(self._bind, tuple(program_ids), scalar_prefetch)
-    out = jaxprs.run(self.jaxpr, consts, flat_args, binder, eqns=self.eqns)
+    env: dict = {}
+    jaxprs.run(self.jaxpr, consts, flat_args, binder, eqns=self.eqns, env=env)
+    out = jaxprs.read(self.jaxpr.outvars, env)
     return jax.tree_util.tree_unflatten(self.out_tree, out)
 
   def _bind(self, program_ids: tuple, scalar_prefetch: Any, eqn: Any, invals: list) -> list:

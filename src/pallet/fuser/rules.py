@@ -293,8 +293,8 @@ def _regroup(ctx: RuleContext, src_shape: Sequence[int], dst_shape: Sequence[int
       dst_block[gd[0]] = 1
       plans.append(("unit", gs, gd, None))
       continue
-    if len(gs) == 1 and len(gd) == 1:
-      dst_block[gd[0]] = src_block[gs[0]]
+    if len(gs) == 1 and len(gd) == 1:   # a squeezed dim becomes a unit block
+      dst_block[gd[0]] = 1 if is_squeezed(src_block[gs[0]]) else src_block[gs[0]]
       plans.append(("copy", gs, gd, None))
       continue
     sizes = [src_shape[d] for d in gs]

@@ -119,7 +119,8 @@ def _values(fusion: Callable, args: tuple, kwargs: dict, stateful: bool,
       return result
     for v, value in zip(jaxpr.invars, flat):
       env[v] = value
-    out = jaxprs.run(jaxpr, [], [], eqns=eqns, env=env)
+    jaxprs.run(jaxpr, [], [], eqns=eqns, env=env)
+    out = jaxprs.read(jaxpr.outvars, env)
     return jax.tree_util.tree_unflatten(out_tree, out)
 
   written = sorted({list(jaxpr.constvars).index(e.invars[0]) for e in jaxpr.eqns
