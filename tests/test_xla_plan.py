@@ -693,3 +693,85 @@ def test_index_vectors_that_are_not_contiguous_stay_gathers():
   f = jax.vmap(pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((64,), f32)))
   assert_close(jax.jit(f)(x), x[:, np.arange(64)[::-1] * 2])
   assert "gather" in jax.jit(f).lower(x).as_text()
+
+
+# ------------------------------------------------------------------ scratch accumulators
+def _scratch_matmul(x, y, *, b=16, copy_when="last", reset_when=0, out_dtype=f32):
+  """TPU-style matmul: f32 scratch zeroed at k == reset_when, += every step, copied
+  (cast) to the output on the last step ("last"), every step ("always") or at
+  k == 0 ("first", wrong on purpose)."""
+  from pallet import tpu as pltpu
+  nk = x.shape[1] // b
+
+  def kernel(x_ref, y_ref, o_ref, acc_ref):
+    k = pl.program_id(2)
+
+    @pl.when(k == reset_when)
+    def _():
+      acc_ref[...] = jnp.zeros_like(acc_ref)
+    acc_ref[...] += jnp.dot(x_ref[...], y_ref[...], preferred_element_type=f32)
+
+    def copy():
+      o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+    if copy_when == "always":
+      copy()
+    else:
+      pl.when(k == (nk - 1 if copy_when == "last" else 0))(copy)
+  return pl.pallas_call(
+      kernel, out_shape=jax.ShapeDtypeStruct((x.shape[0], y.shape[1]), out_dtype),
+      grid=(x.shape[0] // b, y.shape[1] // b, nk),
+      in_specs=[pl.BlockSpec((b, b), lambda i, j, k: (i, k)),
+                pl.BlockSpec((b, b), lambda i, j, k: (k, j))],
+      out_specs=pl.BlockSpec((b, b), lambda i, j, k: (i, j)),
+      scratch_shapes=[pltpu.VMEM((b, b), f32)])(x, y)
+
+
+@pytest.mark.parametrize("copy_when", ["last", "always"])
+@pytest.mark.parametrize("dtype", [f32, jnp.bfloat16])
+def test_scratch_accumulator_runs_as_a_merged_contraction(copy_when, dtype):
+  x, y = random_array((48, 64), dtype), random_array((64, 32), dtype)
+  fn = functools.partial(_scratch_matmul, copy_when=copy_when, out_dtype=dtype)
+  plan = _plan(fn, x, y)
+  assert plan.merged == [2] and plan.inner == [] and plan.outer == []
+  assert "scratch buffers accumulate" in plan.describe()
+  expected = jnp.dot(x.astype(f32), y.astype(f32), precision=lax.Precision.HIGHEST)
+  got = jax.jit(fn)(x, y)
+  assert got.dtype == dtype
+  assert_close(got, expected.astype(dtype))
+
+
+@pytest.mark.parametrize("kwargs,why", [
+    (dict(copy_when="first"), "not written exactly on the last step"),
+    (dict(reset_when=1), "not zeroed exactly on the first step"),
+])
+def test_scratch_patterns_not_proven_keep_the_loop(kwargs, why):
+  x, y = random_array((32, 64)), random_array((64, 32))
+  fn = functools.partial(_scratch_matmul, **kwargs)
+  plan = _plan(fn, x, y)
+  assert plan.merged == [] and 2 in plan.inner
+  assert why in plan.describe()
+  if kwargs.get("copy_when") == "first":   # the looped plan computes what the kernel says
+    b = 16
+    assert_close(jax.jit(fn)(x, y), jnp.dot(x[:, :b], y[:b], precision=lax.Precision.HIGHEST))
+
+
+def test_scratch_row_reduction_merges_into_one_sum():
+  from pallet import tpu as pltpu
+
+  def kernel(x_ref, o_ref, acc_ref):
+    @pl.when(pl.program_id(1) == 0)
+    def _():
+      acc_ref[...] = jnp.zeros_like(acc_ref)
+    acc_ref[...] += jnp.sum(x_ref[...] * x_ref[...], axis=0)
+
+    @pl.when(pl.program_id(1) == pl.num_programs(1) - 1)
+    def _():
+      o_ref[...] = acc_ref[...] * 0.5
+  x = random_array((64, 48))
+  fn = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((48,), f32), grid=(3, 8),
+                      in_specs=[pl.BlockSpec((8, 16), lambda j, i: (i, j))],
+                      out_specs=pl.BlockSpec((16,), lambda j, i: (j,)),
+                      scratch_shapes=[pltpu.VMEM((16,), f32)])
+  plan = _plan(fn, x)
+  assert plan.merged == [1]
+  assert_close(jax.jit(fn)(x), 0.5 * jnp.sum(x * x, axis=0))

@@ -6,6 +6,7 @@ Pipeline: `plan.make_plan` analyses the grid (what to vectorize, what to loop),
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable
 
@@ -13,6 +14,7 @@ from jax.interpreters import mlir
 
 from pallet.backends.xla.executor import build
 from pallet.backends.xla.plan import ExecutionPlan, make_plan, vectorization_failure
+from pallet.backends.xla.scratch_accumulators import ScratchRewrite, rewrite
 from pallet.tracing import KernelDescription
 
 NAME = "xla"
@@ -20,7 +22,14 @@ NAME = "xla"
 
 @functools.lru_cache(maxsize=512)
 def _planned(kernel: KernelDescription) -> tuple[ExecutionPlan, Callable]:
+  scratch = rewrite(kernel) if kernel.grid_mapping.scratch_avals else None
+  if isinstance(scratch, ScratchRewrite):
+    plan, fn = _planned(scratch.kernel)
+    plan = dataclasses.replace(plan, reasons=[scratch.note] + plan.reasons)
+    return plan, lambda *args: scratch.finish(list(fn(*args)))
   plan = make_plan(kernel)
+  if scratch is not None:
+    plan.reasons.append(f"scratch buffers not run as accumulators: {scratch}")
   if kernel.debug:
     _print_plan(kernel, plan)
   fn = build(kernel, plan)
@@ -63,7 +72,8 @@ def kernel_as_function(kernel: KernelDescription) -> Callable[..., list[Any]]:
 
 
 def plan_of(kernel: KernelDescription) -> ExecutionPlan:
-  return _fallbacks[kernel][0] if kernel in _fallbacks else _planned(kernel)[0]
+  plan = _planned(kernel)[0]
+  return _fallbacks[kernel][0] if kernel in _fallbacks else plan
 
 
 def lower(ctx: Any, *args: Any, kernel: KernelDescription, interpret: bool) -> list:
