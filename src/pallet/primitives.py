@@ -214,6 +214,9 @@ def _gather(ref_value: jax.Array, offsets: jax.Array) -> jax.Array:
   return flat.at[offsets.reshape(-1)].get(mode="fill", fill_value=0).reshape(offsets.shape)
 
 
+# Discharge rules below flatten operands with `jnp.ravel`, never `x.reshape`: an operand
+# may arrive as a concrete NumPy literal (a scalar value or mask), and NumPy's reshape
+# would turn it into a jaxpr constant, which JAX's while-loop discharge rejects.
 def _split(args: Sequence[Any], counts: Sequence[int]) -> list[list[Any]]:
   out, i = [], 0
   for c in counts:
@@ -303,7 +306,7 @@ def _store_discharge(in_avals, out_avals, ref_value, *args, tree):
   flat, (value, mask) = _split(args, [tree.num_leaves, 2])
   offsets = _element_offsets(ref_value.shape, jax.tree_util.tree_unflatten(tree, flat))
   new = _scatter_into(ref_value, offsets, mask,
-                      lambda at: at.set(value.reshape(-1), mode="drop"))
+                      lambda at: at.set(jnp.ravel(value), mode="drop"))
   return (new,) + (None,) * (len(in_avals) - 1), []
 
 
@@ -395,7 +398,7 @@ def _lanes_by_target(size: int, offsets: jax.Array, mask: Any):
   targets = offsets.reshape(-1)
   valid = targets >= 0
   if mask is not None:
-    valid = valid & mask.reshape(-1)
+    valid = valid & jnp.ravel(mask)
   targets = jnp.where(valid, targets, size)
   order = jnp.argsort(targets, stable=True)
   sorted_targets = targets[order]
@@ -416,7 +419,7 @@ def _sequential_rmw(ref_value, offsets, value, mask, combine):
   if offsets.size == 0:
     return ref_value, jnp.zeros(offsets.shape, ref_value.dtype)
   order, targets, first, last = _lanes_by_target(size, offsets, mask)
-  lane_values = jnp.asarray(value).reshape(-1)[order]
+  lane_values = jnp.ravel(value)[order]
 
   def segmented(a, b):
     starts_a, va = a
@@ -442,7 +445,7 @@ def _atomic_rmw_discharge(in_avals, out_avals, ref_value, *args, tree, op, has_m
     # Same final state, but a plain scatter is far cheaper; the sort above is then
     # only kept by XLA when the kernel uses the returned old values.
     new_ref = _scatter_into(ref_value, offsets, mask,
-                            lambda at: getattr(at, op)(value.reshape(-1), mode="drop"))
+                            lambda at: getattr(at, op)(jnp.ravel(value), mode="drop"))
   return (new_ref,) + (None,) * (len(in_avals) - 1), old
 
 
@@ -477,7 +480,7 @@ def _atomic_cas_discharge(in_avals, out_avals, ref_value, *args, tree):
   offsets = _element_offsets(ref_value.shape, jax.tree_util.tree_unflatten(tree, flat))
   size = ref_value.size
   targets = jnp.where(offsets.reshape(-1) >= 0, offsets.reshape(-1), size)
-  cmp, value = jnp.asarray(cmp).reshape(-1), jnp.asarray(value).reshape(-1)
+  cmp, value = jnp.ravel(cmp), jnp.ravel(value)
 
   def lane(i, carry):
     ref_flat, old = carry
