@@ -20,6 +20,7 @@ from pallet.helpers import (align_to, empty, empty_like, empty_ref_like, estimat
                             with_scoped)
 from pallet.checks import debug_check, enable_debug_checks, enable_poison_buffers
 from pallet.dma import semaphore_read, semaphore_signal, semaphore_wait
+from pallet.grid_analysis import GridOrderWarning
 from pallet.mesh import core_map, kernel
 from pallet.refs_select import select_ref
 from pallet.export import lower_as_mlir, pallas_export_experimental

@@ -688,7 +688,7 @@ def _block_starts(gen: KernelGenerator, b: BlockMapping, name: str, ids: list[Va
 def generate(kernel: KernelDescription) -> GeneratedKernel:
   """The Triton source for `kernel` (see the module docstring for its layout)."""
   gm = kernel.grid_mapping
-  schedule = make_schedule(gm)
+  schedule = make_schedule(kernel)
   gen = KernelGenerator(kernel)
   params = _param_names(kernel)
   n_pre, n_in, n_out = len(gm.prefetch_avals), len(gm.inputs), len(gm.outputs)
@@ -720,6 +720,8 @@ def generate(kernel: KernelDescription) -> GeneratedKernel:
 
   # 1. program id -> parallel grid indices.
   gen.line(f"# {schedule.describe()}")
+  for reason in schedule.reasons:
+    gen.line(f"#   {reason}")
   gen.line("pid = tl.program_id(0)")
   ids: list[Value] = [None] * g  # type: ignore
   stride = 1
@@ -772,8 +774,9 @@ def generate(kernel: KernelDescription) -> GeneratedKernel:
   loops = [a for a in schedule.sequential if gm.grid[a] > 1]
   with contextlib.ExitStack() as stack:
     for a in loops:
-      ids[a] = Value(f"i{a}", (), np.dtype(np.int32))
       stack.enter_context(gen.block(f"for i{a} in range({gm.grid[a]}):  # grid axis {a} (sequential)"))
+      # (Triton's interpreter counts in Python ints: the index made a tensor.)
+      ids[a] = gen.let(f"i{a}", f"tl.cast(i{a}, tl.int32)", (), np.int32)
     gen.line("# block offsets of this grid step")
     in_refs = []
     for j, b in enumerate(gm.inputs):

@@ -1,11 +1,11 @@
 """Which grid axes become the launch grid and which become loops in the program.
 
-A grid axis is parallel when some output block moves along it (or the user's
-dimension_semantics say "parallel"): programs along it write disjoint blocks and
-can run concurrently, so it joins the launch grid (all parallel axes flattened
-into launch axis 0, whose limit is 2**31 - 1). Every other axis is sequential:
-it becomes a `for` loop inside each program, in grid order, so a program that
-accumulates into a resident output block over a reduction axis sees every step.
+A grid axis is parallel when `grid_analysis` lets its programs run at once (proven
+independent with some output block moving along it, or declared "parallel" and not
+proven to carry state): it joins the launch grid (all parallel axes flattened into
+launch axis 0, whose limit is 2**31 - 1). Every other axis is sequential: it becomes
+a `for` loop inside each program, in grid order, so a program that accumulates into a
+resident output block or carries scratch over a reduction axis sees every step.
 """
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ import dataclasses
 import math
 from typing import Any
 
-from pallet.grid_mapping import BlockMapping, GridMapping
+from pallet import grid_analysis
+from pallet.grid_mapping import BlockMapping
+from pallet.tracing import KernelDescription
 
 
 def _depends_on(closed_jaxpr: Any, n_inputs: int) -> list[set[int]]:
@@ -46,6 +48,7 @@ class Schedule:
   parallel: tuple[int, ...]      # launch grid axes, in grid order
   sequential: tuple[int, ...]    # loop axes, outermost first
   resident_outputs: tuple[bool, ...]   # output block fixed across all loop axes
+  reasons: tuple[str, ...] = ()        # per axis, why it runs as it does (grid_analysis)
 
   @property
   def num_programs(self) -> int:
@@ -58,17 +61,16 @@ class Schedule:
             f"sequential axes {seq} -> loops in each program")
 
 
-def make_schedule(gm: GridMapping) -> Schedule:
+def make_schedule(kernel: KernelDescription) -> Schedule:
+  gm = kernel.grid_mapping
   g = len(gm.grid)
   moves = [moving_axes(o, g) for o in gm.outputs]
-  if gm.dimension_semantics is not None:
-    parallel = [a for a in range(g) if gm.dimension_semantics[a] == "parallel"]
-  else:
-    parallel = [a for a in range(g)
-                if gm.grid[a] > 1 and any(a in m for m in moves)]
+  facts = grid_analysis.analyse(kernel)
+  parallel = list(facts.parallel)
   sequential = [a for a in range(g) if a not in parallel]
   resident = tuple(not (m & set(sequential)) for m in moves)
-  return Schedule(tuple(gm.grid), tuple(parallel), tuple(sequential), resident)
+  return Schedule(tuple(gm.grid), tuple(parallel), tuple(sequential), resident,
+                  tuple(facts.describe()))
 
 
 _MAX_EVALUATED_STEPS = 1 << 20

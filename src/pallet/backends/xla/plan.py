@@ -4,8 +4,9 @@ The plan is made at trace time from the `GridMapping` and the kernel body. Index
 maps are evaluated over the whole grid with concrete numbers, giving each operand
 a table of block positions. From the tables and `body_analysis`:
 
-* parallel axes: some output block moves along them (or the user said
-  "parallel"); the others are sequential (reduction) axes;
+* parallel axes: those `grid_analysis` lets run out of order (programs proven
+  independent and some output block moving along them, or declared "parallel" and
+  not proven to carry state); the others are sequential axes, run in grid order;
 * vectorized axes: parallel axes along which every output tiles one dimension
   exactly (block index = grid index + const, so programs write disjoint blocks)
   and every input stays put or tiles: the blocks of all programs are a reshape
@@ -44,13 +45,13 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, subjaxprs
 from jax.interpreters import batching
 
 from pallet import _internals as internals
+from pallet import grid_analysis
 from pallet.dma import DMA_PRIMITIVE_NAMES
 from pallet.backends.xla.body_analysis import (BodyFacts, analyse_body,
                                                 blocks_merge_along, evaluate_resets)
 from pallet.grid_mapping import BlockMapping, GridMapping
 from pallet.tracing import KernelDescription
 
-_SIDE_EFFECT_PRIMITIVES = ("atomic_rmw", "atomic_cas")
 # Primitives whose batching rule is known to give wrong shapes for the operands
 # kernels give them (found only when lowering, too late to re-plan): their kernels
 # never run under vmap. threefry2x32's broadcasting rule mis-shapes its result when
@@ -221,6 +222,7 @@ def make_plan(kernel: KernelDescription, unbatchable: str | None = None) -> Exec
   grid, G = gm.grid, len(gm.grid)
   dynamic = bool(gm.prefetch_avals) or bool(gm.dynamic_axes)
   reasons: list[str] = []
+  grid_facts = grid_analysis.analyse(kernel)   # warns where a declaration is overridden
 
   def operand(mapping: BlockMapping) -> OperandPlan:
     if dynamic:
@@ -250,19 +252,16 @@ def make_plan(kernel: KernelDescription, unbatchable: str | None = None) -> Exec
                    "step to the next: running the grid in exact row-major order")
     return looped(list(range(G)), _resident(outputs, list(range(G))))
 
+  # Which axes may run out of order: the analysis every backend shares (grid_analysis).
   if gm.dimension_semantics is not None:
-    parallel = [g for g in range(G) if gm.dimension_semantics[g] == "parallel"]
     reasons.append(f"dimension_semantics {gm.dimension_semantics} given")
-  else:
-    parallel = [g for g in range(G) if any(_varies(o.table, g) for o in outputs)]
-  sequential = [g for g in range(G) if g not in parallel]
-  for g in sequential:
-    reasons.append(f"axis {g} sequential: no output block moves along it")
-
-  side_effects = _uses_primitive(kernel.jaxpr.jaxpr, _SIDE_EFFECT_PRIMITIVES) or bool(gm.scratch_avals)
-  if side_effects and parallel and sequential and min(sequential) < max(parallel):
-    reasons.append("kernel has scratch or atomics and a sequential axis precedes a "
-                   "parallel one: running the grid in exact row-major order")
+  parallel, sequential = list(grid_facts.parallel), list(grid_facts.sequential)
+  reasons.extend(grid_facts.describe())
+  trusted = [g for g in parallel if not grid_facts.axes[g].independent]
+  if trusted and sequential and min(sequential) < max(parallel):
+    reasons.append(f"axes {trusted} are declared parallel without a proof of independence "
+                   f"and a sequential axis precedes a parallel one: running the grid in "
+                   f"exact row-major order")
     return looped(list(range(G)), _resident(outputs, list(range(G))))
 
   if unbatchable is None and parallel + sequential:

@@ -1,0 +1,636 @@
+"""Which grid axes may run out of order: a backend-neutral proof from the traced kernel.
+
+A grid means its row-major loop (docs/semantics.md §2). A backend may run the programs
+along an axis at once (XLA: under vmap; Triton: as separate programs) only when no
+program along it can see what another one wrote. State crosses grid steps through:
+
+* scratch buffers, and scalar-prefetch refs the kernel writes, which persist from one
+  step to the next. A step whose value of such a buffer comes from a step with other
+  indices on axes `0..a` (the buffer was last overwritten whole before the indices on
+  those axes last changed) depends on another program along `a`. Steps that overwrite
+  the whole buffer before reading it start afresh (the `pl.when(k == 0): acc[...] = 0`
+  of a reduction over a later axis). Reads and whole writes are followed in program
+  order through `pl.when`/`cond` (conditions on grid indices only are evaluated over
+  the grid), loops and calls; under conditions on data a read is assumed possible and
+  a write not certain, and the finding is marked uncertain;
+* output blocks (aliased or not): a block that steps with different indices on `a`
+  visit is shared by programs along `a`, which read or overwrite each other's writes
+  (accumulating into a resident output makes the axis a reduction);
+* DMAs and semaphores, and block positions that cannot be listed (an output index map
+  reading scalar prefetch, grid sizes computed at run time): no proof either way.
+
+`pl.run_scoped` buffers are created afresh at every call, so they carry nothing from
+one step to the next.
+
+What runs in parallel (`GridFacts.parallel`), the same on every backend:
+* no `dimension_semantics`: an axis whose programs are proven independent and along
+  which some output block moves; every other axis runs in order;
+* declared "arbitrary": in order;
+* declared "parallel": in parallel, unless the kernel certainly carries state across
+  the axis (scratch read before it is overwritten, an output block shared and written
+  whole or at fixed positions): then a `GridOrderWarning` names the kernel, axis, ref
+  and line, and the axis runs in order, as Pallas runs a parallel axis on one TPU core.
+  Findings that are only possible (no proof) leave a declaration as it is.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import warnings
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import ClosedJaxpr, Literal
+
+from pallet import _internals as internals
+from pallet.dma import uses_dmas
+from pallet.grid_mapping import BlockMapping
+from pallet.tracing import KernelDescription
+
+_CALLS = ("pjit", "jit", "closed_call", "core_call", "remat", "checkpoint",
+          "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin")
+_READS = ("get", "masked_load")
+_ATOMICS = ("atomic_rmw", "atomic_cas")
+# Ref accesses -> where their flattened indexer starts among the operands.
+_INDEX_START = {"get": 1, "masked_load": 1, "swap": 2, "addupdate": 2, "masked_store": 1,
+                "atomic_rmw": 1, "atomic_cas": 1}
+STATE_KINDS = ("scratch", "prefetch", "output")
+
+
+class GridOrderWarning(UserWarning):
+  """A grid axis declared "parallel" carries state from one program to another."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Dependence:
+  """Why the programs along an axis are not (proven) independent.
+
+  kind: "scratch" / "prefetch" (a buffer carried from step to step), "output" (a block
+  shared by programs along the axis), "dma" (DMAs or semaphores), "unlisted" (block
+  positions or grid sizes known only at run time). `index` is the scratch, prefetch
+  or output number; `certain` is False where the finding rests on conditions on data
+  or on positions that may differ per program."""
+  kind: str
+  ref: str
+  index: int | None
+  line: str
+  detail: str
+  certain: bool = True
+
+  @property
+  def overrides_parallel(self) -> bool:
+    """Whether a "parallel" declaration yields to this finding (the axis runs in order)."""
+    return self.certain and self.kind in STATE_KINDS
+
+  def __str__(self) -> str:
+    return f"{self.ref + ' ' if self.ref else ''}{self.detail} ({self.line})"
+
+
+@dataclasses.dataclass(frozen=True)
+class AxisFacts:
+  axis: int
+  size: int | None
+  declared: str | None                 # "parallel", "arbitrary" or None (inferred)
+  reasons: tuple[Dependence, ...]      # empty: programs along the axis are independent
+  parallel: bool                       # the decision: may run at once / out of order
+  moves: bool                          # some output block moves along the axis
+
+  @property
+  def independent(self) -> bool:
+    return not self.reasons
+
+  @property
+  def reason(self) -> Dependence | None:
+    return self.reasons[0] if self.reasons else None
+
+  @property
+  def overridden(self) -> Dependence | None:
+    """The finding that made a declared "parallel" axis run in order, if any."""
+    if self.declared != "parallel" or self.parallel:
+      return None
+    return next(r for r in self.reasons if r.overrides_parallel)
+
+
+@dataclasses.dataclass(frozen=True)
+class GridFacts:
+  kernel: str
+  source: str
+  axes: tuple[AxisFacts, ...]
+
+  @property
+  def parallel(self) -> tuple[int, ...]:
+    return tuple(a.axis for a in self.axes if a.parallel)
+
+  @property
+  def sequential(self) -> tuple[int, ...]:
+    return tuple(a.axis for a in self.axes if not a.parallel)
+
+  def describe(self) -> list[str]:
+    """One line per axis: how it runs and, when in order, the finding that forced it."""
+    lines = []
+    for a in self.axes:
+      why = "declared" if a.declared else "inferred"
+      if a.overridden is not None:
+        lines.append(f"axis {a.axis} runs in order although declared parallel: "
+                     f"{a.overridden}")
+      elif a.parallel:
+        lines.append(f"axis {a.axis} runs in parallel ({why})"
+                     + (f"; not proven independent: {a.reason}" if a.reason else ""))
+      elif a.declared == "arbitrary":
+        lines.append(f"axis {a.axis} runs in order (declared)"
+                     + (f"; and needs to: {a.reason}" if a.reason else ""))
+      elif a.reason is not None:
+        lines.append(f"axis {a.axis} runs in order: {a.reason}")
+      else:
+        lines.append(f"axis {a.axis} runs in order: no output block moves along it")
+    return lines
+
+
+# ------------------------------------------------------------------ helpers
+def is_var(x: Any) -> bool:
+  return not isinstance(x, Literal)
+
+
+def apply_equation(eqn: Any, args: list[Any]) -> list[Any]:
+  """Applies an equation's primitive (jax 0.10 returns (subfuns, params), 0.12 params)."""
+  bind_params = eqn.primitive.get_bind_params(eqn.params)
+  subfuns, params = bind_params if isinstance(bind_params, tuple) else ((), bind_params)
+  outs = eqn.primitive.bind(*subfuns, *args, **params)
+  return outs if eqn.primitive.multiple_results else [outs]
+
+
+def _line(eqn: Any, kernel: KernelDescription) -> str:
+  where = internals.equation_source(eqn) if eqn is not None else None
+  return f"{where[0]}:{where[1]}" if where else kernel.source
+
+
+def _steps(flat: Sequence[int], grid: Sequence[int]) -> list[tuple[int, ...]]:
+  return [tuple(int(i) for i in np.unravel_index(t, grid)) for t in flat]
+
+
+# ------------------------------------------------------------------ predicates
+class _Pred:
+  """A boolean function of the grid indices, built while walking the body."""
+
+  def __call__(self, ids: Sequence[Any], cache: dict) -> Any:
+    raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class _Const(_Pred):
+  value: bool
+
+  def __call__(self, ids, cache):
+    return jnp.bool_(self.value)
+
+
+TRUE, FALSE = _Const(True), _Const(False)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Branch(_Pred):
+  """`cond` picks `branch` (its index is clamped to the branches, as lax.cond does)."""
+  index: Callable[[Sequence[Any], dict], Any]
+  branch: int
+  n_branches: int
+
+  def __call__(self, ids, cache):
+    i = jnp.clip(jnp.asarray(self.index(ids, cache)).astype(jnp.int32), 0, self.n_branches - 1)
+    return i == self.branch
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Op(_Pred):
+  op: str
+  args: tuple[_Pred, ...]
+
+  def __call__(self, ids, cache):
+    vals = [a(ids, cache) for a in self.args]
+    if self.op == "not":
+      return jnp.logical_not(vals[0])
+    combine = jnp.logical_and if self.op == "and" else jnp.logical_or
+    return functools.reduce(combine, vals)
+
+
+def _not(a: _Pred) -> _Pred:
+  if isinstance(a, _Const):
+    return _Const(not a.value)
+  return _Op("not", (a,))
+
+
+def _and(a: _Pred, b: _Pred) -> _Pred:
+  if a is FALSE or b is FALSE:
+    return FALSE
+  if a is TRUE:
+    return b
+  return a if b is TRUE or a is b else _Op("and", (a, b))
+
+
+def _or(a: _Pred, b: _Pred) -> _Pred:
+  if a is TRUE or b is TRUE:
+    return TRUE
+  if a is FALSE:
+    return b
+  return a if b is FALSE or a is b else _Op("or", (a, b))
+
+
+def _evaluate(preds: list[_Pred], grid: tuple[int, ...]) -> list[np.ndarray]:
+  """Each predicate at every grid step, flattened in row-major order."""
+  n = math.prod(grid)
+  out: list[Any] = [np.full(n, p.value) if isinstance(p, _Const) else None for p in preds]
+  todo = [i for i, p in enumerate(preds) if out[i] is None]
+  if todo:
+    coords = [jnp.asarray(c) for c in np.indices(grid).reshape(len(grid), n).astype(np.int32)]
+
+    def at(*ids):
+      cache: dict = {}
+      return [jnp.broadcast_to(preds[i](ids, cache), ()) for i in todo]
+    with internals.eval_context():
+      values = jax.vmap(at)(*coords)
+    for i, v in zip(todo, values):
+      out[i] = np.asarray(v, bool).reshape(n)
+  return out
+
+
+# ------------------------------------------------------------------ grid-only values
+class _Scope:
+  """One jaxpr of the body; knows which of its values depend only on the grid indices."""
+
+  def __init__(self, jaxpr: Any, consts: Sequence[Any], invar_fns: Sequence[Any]):
+    self.jaxpr = jaxpr
+    self.consts = dict(zip(jaxpr.constvars, consts))
+    self.invar_fns = dict(zip(jaxpr.invars, invar_fns))
+    self.producer = {v: (eqn, k) for eqn in jaxpr.eqns for k, v in enumerate(eqn.outvars)}
+    self.fns: dict[Any, Any] = {}
+
+  def grid_only(self, x: Any) -> Callable[[Sequence[Any], dict], Any] | None:
+    """`x` as a function of the grid indices, or None when it depends on anything else."""
+    if not is_var(x):
+      val = x.val
+      return lambda ids, cache: val
+    if x in self.fns:
+      return self.fns[x]
+    fn = None
+    if x in self.consts:
+      val = self.consts[x]
+      fn = lambda ids, cache: val
+    elif x in self.invar_fns:
+      fn = self.invar_fns[x]
+    elif x in self.producer:
+      eqn, k = self.producer[x]
+      args = [self.grid_only(v) for v in eqn.invars]
+      if not eqn.effects and all(a is not None for a in args):
+        fn = functools.partial(_equation_value, (id(self), id(eqn)), eqn, k, args)
+    self.fns[x] = fn
+    return fn
+
+
+def _equation_value(key: Any, eqn: Any, k: int, args: list, ids: Sequence[Any],
+                    cache: dict) -> Any:
+  if key not in cache:
+    cache[key] = apply_equation(eqn, [a(ids, cache) for a in args])
+  return cache[key][k]
+
+
+# ------------------------------------------------------------------ the body walk
+@dataclasses.dataclass
+class _Access:
+  slot: int
+  kind: str           # "read", "write", "update" (read and write), "atomic"
+  exposed: _Pred      # steps where it may read the value the step started with
+  eqn: Any
+  exact: bool         # not under a condition on data nor in a while loop
+  fixed: bool         # indexes the ref at positions fixed for every step and program
+
+
+class _Walker:
+  """Follows reads and whole writes of the kernel's refs in program order."""
+
+  def __init__(self):
+    self.accesses: list[_Access] = []
+
+  def walk(self, scope: _Scope, refs: dict, may: _Pred, covered: dict, exact: bool) -> dict:
+    used = {v for e in scope.jaxpr.eqns for v in e.invars if is_var(v)}
+    used.update(v for v in scope.jaxpr.outvars if is_var(v))
+    covered = dict(covered)
+    for eqn in scope.jaxpr.eqns:
+      operands = [(i, refs[v]) for i, v in enumerate(eqn.invars) if is_var(v) and v in refs]
+      if not operands:
+        continue
+      name = eqn.primitive.name
+      if name in _INDEX_START and is_var(eqn.invars[0]) and eqn.invars[0] in refs:
+        slot = refs[eqn.invars[0]]
+        reads = name != "masked_store" and (name != "swap" or eqn.outvars[0] in used)
+        kind = ("atomic" if name in _ATOMICS else "read" if name in _READS
+                else "update" if reads else "write")
+        exposed = _and(may, _not(covered.get(slot, FALSE))) if reads else FALSE
+        self.accesses.append(_Access(slot, kind, exposed, eqn, exact, _fixed(scope, eqn)))
+        if name == "swap" and _whole(eqn):
+          covered[slot] = TRUE
+      elif name == "cond":
+        covered = self._cond(scope, eqn, refs, may, covered, exact)
+      elif name == "while":
+        self._while(scope, eqn, refs, may, covered)
+      elif name == "scan":
+        covered = self._scan(scope, eqn, refs, may, covered, exact)
+      elif name in _CALLS and _call_jaxpr(eqn) is not None:
+        sub = _call_jaxpr(eqn)
+        child = _child(scope, sub, eqn.invars)
+        inner = self.walk(child, _sub_refs(refs, sub.jaxpr.invars, eqn.invars), may,
+                          covered, exact)
+        covered.update(inner)
+      else:   # anything else touching a ref (DMAs, unknown primitives): a possible read
+        for _, slot in operands:
+          self.accesses.append(_Access(slot, "update", _and(may, _not(covered.get(slot, FALSE))),
+                                       eqn, False, False))
+    return covered
+
+  def _cond(self, scope, eqn, refs, may, covered, exact):
+    branches = eqn.params["branches"]
+    index = scope.grid_only(eqn.invars[0])
+    operands = eqn.invars[1:]
+    results = []
+    for b, branch in enumerate(branches):
+      sel = TRUE if index is None else _Branch(index, b, len(branches))
+      child = _child(scope, branch, operands)
+      results.append((sel, self.walk(child, _sub_refs(refs, branch.jaxpr.invars, operands),
+                                     _and(may, sel), covered, exact and index is not None)))
+    out = {}
+    for slot in set(covered) | {s for _, r in results for s in r}:
+      if index is None:   # a condition on data: covered only if every branch covers
+        out[slot] = functools.reduce(_and, [r.get(slot, FALSE) for _, r in results])
+      else:
+        out[slot] = functools.reduce(_or, [_and(sel, r.get(slot, FALSE)) for sel, r in results])
+    return out
+
+  def _while(self, scope, eqn, refs, may, covered):
+    nc, nb = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+    cond, body = eqn.params["cond_jaxpr"], eqn.params["body_jaxpr"]
+    cond_ops = eqn.invars[:nc] + eqn.invars[nc + nb:]
+    body_ops = eqn.invars[nc:nc + nb] + eqn.invars[nc + nb:]
+    for sub, ops in ((cond, cond_ops), (body, body_ops)):
+      self.walk(_child(scope, sub, ops, grid_only=False),
+                _sub_refs(refs, sub.jaxpr.invars, ops), may, covered, False)
+
+  def _scan(self, scope, eqn, refs, may, covered, exact):
+    jaxpr, consts, _, _ = internals.scan_layout(eqn.params)
+    child = _Scope(jaxpr, consts, [None] * len(jaxpr.invars))
+    inner = self.walk(child, _sub_refs(refs, jaxpr.invars, eqn.invars), may, covered, exact)
+    return inner if eqn.params.get("length", 0) > 0 else covered
+
+
+def _call_jaxpr(eqn: Any) -> Any:
+  for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+    sub = eqn.params.get(key)
+    if sub is not None and hasattr(sub, "jaxpr") and hasattr(sub, "consts"):
+      return sub
+    if sub is not None and hasattr(sub, "eqns"):
+      return ClosedJaxpr(sub, ())
+  return None
+
+
+def _child(scope: _Scope, closed: Any, operands: Sequence[Any], grid_only: bool = True) -> _Scope:
+  jaxpr = closed.jaxpr
+  fns = [scope.grid_only(v) if grid_only else None for v in operands]
+  return _Scope(jaxpr, closed.consts, fns)
+
+
+def _sub_refs(refs: dict, invars: Sequence[Any], operands: Sequence[Any]) -> dict:
+  return {inner: refs[outer] for inner, outer in zip(invars, operands)
+          if is_var(outer) and outer in refs}
+
+
+def _fixed(scope: _Scope, eqn: Any) -> bool:
+  """Whether an access indexes its ref at the same positions at every step (no mask,
+  indices that are literals or constants)."""
+  if eqn.params.get("has_mask") or eqn.primitive.name in ("masked_load", "masked_store"):
+    return False
+  start = _INDEX_START[eqn.primitive.name]
+  flat = eqn.invars[start:start + eqn.params["tree"].num_leaves]
+  return all(not is_var(v) or v in scope.consts for v in flat)
+
+
+def _whole(eqn: Any) -> bool:
+  """Whether a swap writes every element of its ref (no view, or full slices only)."""
+  ref_aval = eqn.invars[0].aval
+  shape = tuple(getattr(ref_aval, "inner_aval", ref_aval).shape)
+  transforms = jax.tree_util.tree_unflatten(eqn.params["tree"], eqn.invars[2:])
+  if not transforms:
+    return True
+  if len(transforms) != 1 or not isinstance(transforms[0], internals.NDIndexer):
+    return False
+  indexer = transforms[0]
+  if tuple(indexer.int_indexer_shape) or len(indexer.indices) != len(shape):
+    return False
+  for idx, n in zip(indexer.indices, shape):
+    if not isinstance(idx, internals.Slice):
+      return False
+    start = idx.start if not isinstance(idx.start, Literal) else idx.start.val
+    if not (isinstance(start, (int, np.integer)) and start == 0
+            and idx.size == n and idx.stride == 1):
+      return False
+  return True
+
+
+# ------------------------------------------------------------------ the analysis
+@functools.lru_cache(maxsize=512)
+def analyse(kernel: KernelDescription) -> GridFacts:
+  """Per grid axis: whether its programs are independent, why not, and how it runs.
+  Warns (once per kernel) where a declared "parallel" axis has to run in order."""
+  facts = _analyse(kernel)
+  for a in facts.axes:
+    r = a.overridden
+    if r is not None:
+      warnings.warn(
+          f"kernel '{kernel.name}' ({kernel.source}): grid axis {a.axis} is declared "
+          f"\"parallel\", but {r}. pallet runs axis {a.axis} in order (as Pallas runs a "
+          f"parallel axis on one TPU core); declare it \"arbitrary\" to silence this, or "
+          f"make its programs independent", GridOrderWarning, stacklevel=2)
+  return facts
+
+
+def _analyse(kernel: KernelDescription) -> GridFacts:
+  gm = kernel.grid_mapping
+  grid, G = gm.grid, len(gm.grid)
+  n_pre, n_in, n_out = len(gm.prefetch_avals), len(gm.inputs), len(gm.outputs)
+  n_ids = G + len(gm.dynamic_axes)
+  jaxpr = kernel.jaxpr.jaxpr
+  ref_vars = jaxpr.invars[n_ids:]
+  top = _Scope(jaxpr, kernel.jaxpr.consts,
+               [(lambda ids, cache, g=g: ids[g]) for g in range(G)]
+               + [None] * (len(jaxpr.invars) - G))
+  walker = _Walker()
+  end = walker.walk(top, {v: s for s, v in enumerate(ref_vars)}, TRUE, {}, True)
+  by_slot: dict[int, list[_Access]] = {}
+  for acc in walker.accesses:
+    by_slot.setdefault(acc.slot, []).append(acc)
+
+  def name(slot: int) -> str:
+    names = kernel.ref_names
+    pname = names[slot] if slot < len(names) and names[slot] else None
+    return f" ('{pname}')" if pname else ""
+
+  reasons: list[list[Dependence]] = [[] for _ in range(G)]
+  static = all(n is not None for n in grid)
+  if not G or (static and math.prod(grid) == 0):   # nothing to order
+    declared = gm.dimension_semantics or ("arbitrary",) * G
+    return GridFacts(kernel.name, kernel.source, tuple(
+        AxisFacts(g, grid[g], declared[g], (), declared[g] == "parallel", False)
+        for g in range(G)))
+  if not static and G:
+    for g in range(G):
+      reasons[g].append(Dependence("unlisted", "", None, kernel.source,
+                                   "grid sizes are computed at run time", certain=False))
+  if uses_dmas(jaxpr):
+    for g in range(G):
+      reasons[g].append(Dependence("dma", "", None, kernel.source,
+                                   "the kernel uses DMAs or semaphores, whose state carries "
+                                   "from one grid step to the next", certain=False))
+
+  # buffers that persist across steps: scratch, and prefetch refs the kernel writes
+  state = [(s, "scratch", s - n_pre - n_in - n_out) for s in range(n_pre + n_in + n_out,
+                                                                    len(ref_vars))]
+  state += [(s, "prefetch", s) for s in range(n_pre)
+            if any(a.kind != "read" for a in by_slot.get(s, []))]
+  if static:
+    for slot, kind, k in state:
+      found = _carried(kernel, by_slot.get(slot, []), end.get(slot, FALSE))
+      for g, (t, src, acc) in found.items():
+        steps = _steps([src, t], grid)
+        reasons[g].append(Dependence(
+            kind, f"{kind} {k}{name(slot)}", k, _line(acc.eqn, kernel),
+            f"is read at step {steps[1]} before that step overwrites it, so it sees what "
+            f"step {steps[0]} or a later one wrote (another program along axis {g})",
+            certain=all(a.exact for a in by_slot[slot])))
+    moves = _output_conflicts(kernel, by_slot, reasons, name)
+  else:
+    moves = [False] * G
+  axes = []
+  for g in range(G):
+    declared = None if gm.dimension_semantics is None else gm.dimension_semantics[g]
+    rs = tuple(reasons[g]) if grid[g] != 1 else ()
+    if declared == "parallel":
+      parallel = not any(r.overrides_parallel for r in rs)
+    elif declared is None:
+      parallel = not rs and moves[g]
+    else:
+      parallel = False
+    axes.append(AxisFacts(g, grid[g], declared, rs, parallel, moves[g]))
+  return GridFacts(kernel.name, kernel.source, tuple(axes))
+
+
+def _carried(kernel: KernelDescription, accesses: list[_Access], covered_end: _Pred
+             ) -> dict[int, tuple[int, int, _Access]]:
+  """Axis -> (step, writer step, read) for the first read that sees a value written
+  under other indices on axes 0..axis; axes not listed are free of this buffer."""
+  grid = kernel.grid_mapping.grid
+  reads = [a for a in accesses if a.exposed is not FALSE]
+  if not reads:
+    return {}
+  n = math.prod(grid)
+  exposed_each = _evaluate([a.exposed for a in reads] + [covered_end], grid)
+  covered = exposed_each.pop()
+  exposed = np.logical_or.reduce(exposed_each) if exposed_each else np.zeros(n, bool)
+  # A step that overwrites the buffer whole before reading it starts a new value.
+  kill = covered & ~exposed
+  last_kill = np.maximum.accumulate(np.where(kill, np.arange(n), 0))
+  source = np.concatenate([[0], last_kill[:-1]])
+  found = {}
+  for g in range(len(grid)):
+    stride = math.prod(grid[g + 1:])
+    bad = np.flatnonzero(exposed & (np.arange(n) // stride != source // stride))
+    if bad.size:
+      t = int(bad[0])
+      acc = next(a for a, e in zip(reads, exposed_each) if e[t])
+      found[g] = (t, int(source[t]), acc)
+  return found
+
+
+def _output_conflicts(kernel: KernelDescription, by_slot: dict, reasons: list[list[Dependence]],
+                      name: Callable[[int], str]) -> list[bool]:
+  """Adds, per axis, the output blocks that several programs along it visit; returns
+  per axis whether some output block moves along it."""
+  gm = kernel.grid_mapping
+  grid, G = gm.grid, len(gm.grid)
+  n_pre, n_in = len(gm.prefetch_avals), len(gm.inputs)
+  coords = np.indices(grid).reshape(G, -1)
+  moves = [False] * G
+  for o, mapping in enumerate(gm.outputs):
+    slot = n_pre + n_in + o
+    table = block_table(mapping, grid)
+    accesses = by_slot.get(slot, [])
+    writes = any(a.kind != "read" for a in accesses)
+    if table is None:
+      moves = [True] * G
+      if writes:
+        for g in range(G):
+          reasons[g].append(Dependence(
+              "unlisted", f"output {o}{name(slot)}", o, kernel.source,
+              "has block positions that depend on scalar-prefetch data", certain=False))
+      continue
+    for g in range(G):
+      moves[g] |= bool(np.any(table != np.take(table, [0], axis=g)))
+    if not writes:
+      continue
+    flat = table.reshape(math.prod(grid), table.shape[-1])
+    block_id = (np.unique(flat, axis=0, return_inverse=True)[1].reshape(-1) if flat.shape[1]
+                else np.zeros(len(flat), np.int64))
+    if block_id.max(initial=-1) + 1 == len(block_id):
+      continue     # every step has its own block
+    order = np.argsort(block_id, kind="stable")
+    starts = np.flatnonzero(np.r_[True, np.diff(block_id[order]) != 0])
+    ends = np.r_[starts[1:], len(order)]
+    atomic_only = all(a.kind == "atomic" for a in accesses if a.kind != "read")
+    fixed = all(a.fixed for a in accesses)
+    how = ("updates it with atomics only" if atomic_only else
+           "writes it at the same positions in every program" if fixed else
+           "writes it at positions that may differ per program")
+    for g in range(G):
+      c = coords[g][order]
+      shared = np.flatnonzero(np.minimum.reduceat(c, starts) != np.maximum.reduceat(c, starts))
+      if not shared.size:
+        continue
+      members = order[starts[shared[0]]:ends[shared[0]]]
+      other = next(m for m in members if coords[g][m] != coords[g][members[0]])
+      steps = _steps([members[0], other], grid)
+      reasons[g].append(Dependence(
+          "output", f"output {o}{name(slot)}", o, _line(accesses[0].eqn, kernel),
+          f"block {tuple(int(v) for v in flat[members[0]])} is visited by steps {steps[0]} "
+          f"and {steps[1]}, which differ along axis {g}; the kernel {how}",
+          certain=fixed and not atomic_only))
+  return moves
+
+
+def block_table(mapping: BlockMapping, grid: tuple[int, ...]) -> np.ndarray | None:
+  """The index map's results at every grid step (shape grid + (ndim,)), or None when
+  they depend on scalar-prefetch data."""
+  im = mapping.index_map
+  ndim = len(mapping.array_shape)
+  n_prefetch = len(im.jaxpr.invars) - len(grid)
+  if n_prefetch and _reads_inputs(im.jaxpr, len(grid)):
+    return None
+  n = math.prod(grid)
+  if n == 0 or ndim == 0:
+    return np.zeros((*grid, ndim), np.int64)
+  pure = internals.discharge_state(im) if n_prefetch else im
+  avals = [getattr(v.aval, "inner_aval", v.aval) for v in im.jaxpr.invars[len(grid):]]
+  dummies = [jnp.zeros(a.shape, a.dtype) for a in avals]
+  coords = np.indices(grid).reshape(len(grid), n).astype(np.int32)
+  with internals.eval_context():
+    outs = jax.vmap(lambda *ids: jax.core.eval_jaxpr(pure.jaxpr, pure.consts, *ids,
+                                                     *dummies)[:ndim])(
+        *[jnp.asarray(c) for c in coords])
+    outs = [np.broadcast_to(np.asarray(o, np.int64), (n,)) for o in outs]
+  return np.stack(outs, -1).reshape(*grid, ndim)
+
+
+def _reads_inputs(jaxpr: Any, first: int) -> bool:
+  """Whether the outputs of `jaxpr` depend on its inputs from `first` on."""
+  tainted = set(jaxpr.invars[first:])
+  for eqn in jaxpr.eqns:
+    if any(is_var(v) and v in tainted for v in eqn.invars):
+      tainted.update(eqn.outvars)
+  return any(is_var(v) and v in tainted for v in jaxpr.outvars)
