@@ -253,3 +253,33 @@ def test_cache_dir_follows_the_environment(cache_dir):
   pl.autotune.clear_cache()
   assert not pl.autotune.cache_path().exists()
   assert autotune_module.cache_dir() == cache_dir
+
+
+def test_progress_bar_only_on_a_terminal_and_only_with_tqdm(monkeypatch):
+  bars = []
+
+  class FakeBar:
+    def __init__(self, total, **options):
+      self.total, self.done, self.options = total, 0, options
+      bars.append(self)
+
+    def update(self, n):
+      self.done += n
+
+    def close(self):
+      self.closed = True
+
+  fake_tqdm = type(sys)("tqdm")
+  fake_tqdm.tqdm = FakeBar
+  monkeypatch.setitem(sys.modules, "tqdm", fake_tqdm)
+  copy = make_tuned([{"work": 1}, {"work": 2}], [], reps=3)
+  monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
+  copy(random_array((256,)))
+  assert bars == []                      # not a terminal: no bar
+  monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+  copy.tune(random_array((256,)))
+  (bar,) = bars
+  assert bar.total == bar.done == 2 + 3 and bar.closed and bar.options["delay"] > 0
+  monkeypatch.setitem(sys.modules, "tqdm", None)   # tqdm not installed: no bar, no error
+  copy.tune(random_array((256,)))
+  assert len(bars) == 1
