@@ -2,6 +2,7 @@
 what was expected."""
 from __future__ import annotations
 
+import inspect
 import re
 
 import jax
@@ -10,7 +11,7 @@ import pytest
 
 import pallet as pl
 import pallet.tpu as pltpu
-from helpers import pallas_call, random_array, sds
+from helpers import assert_close, current_test_backend, pallas_call, random_array, sds
 
 f32 = jnp.float32
 
@@ -224,3 +225,181 @@ def test_run_scoped_with_a_non_shape():
 def test_dimension_semantics_passed_directly_is_a_type_error():
   with pytest.raises(TypeError, match="dimension_semantics"):
     pl.pallas_call(copy_kernel, out_shape=sds(X), dimension_semantics=("parallel",))
+
+
+# ------------------------------------------------------------------ errors JAX used to raise
+def _line(fn, marker: str) -> str:
+  """"test_errors.py:N" of the line of `fn`'s source that contains `marker`."""
+  lines, start = inspect.getsourcelines(fn)
+  [offset] = [i for i, text in enumerate(lines) if marker in text]
+  return f"test_errors.py:{start + offset}"
+
+
+def test_storing_a_value_of_the_wrong_dtype():
+  def dtype_kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...].astype(jnp.int32)
+
+  with _raises(pl.PalletError, "kernel 'dtype_kernel'", _line(dtype_kernel, "astype"),
+               "dtype int32", "output 0 ('o_ref')", "dtype is float32",
+               "expected a float32 value"):
+    pallas_call(dtype_kernel, out_shape=sds(X))(X)
+
+
+def test_storing_a_value_of_the_wrong_shape():
+  def shape_kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[0]
+
+  with _raises(pl.PalletError, "kernel 'shape_kernel'", _line(shape_kernel, "x_ref[0]"),
+               "shape (4,)", "output 0 ('o_ref')", "expected a value of shape (8, 4)"):
+    pallas_call(shape_kernel, out_shape=sds(X))(X)
+
+
+def test_storing_a_scalar_into_a_block_says_how_to_broadcast():
+  def scalar_kernel(x_ref, o_ref):
+    o_ref[...] = jnp.sum(x_ref[...])
+
+  with _raises(pl.PalletError, "kernel 'scalar_kernel'", _line(scalar_kernel, "jnp.sum"),
+               "shape ()", "output 0 ('o_ref')", "expected a value of shape (8, 4)",
+               "jnp.broadcast_to"):
+    pallas_call(scalar_kernel, out_shape=sds(X))(X)
+
+
+def test_storing_through_a_view_names_the_indexed_shape():
+  def view_kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...]
+    o_ref.at[2:6][0, :] = x_ref[0, :2]
+
+  with _raises(pl.PalletError, "kernel 'view_kernel'", _line(view_kernel, "o_ref.at"),
+               "shape (2,)", "output 0 ('o_ref')", "expected a value of shape (4,)"):
+    pallas_call(view_kernel, out_shape=sds(X))(X)
+
+
+def test_static_slice_past_the_end():
+  def slice_kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...]
+    o_ref[pl.ds(6, 4), :] = x_ref[pl.ds(0, 4), :]
+
+  with _raises(pl.PalletError, "kernel 'slice_kernel'", _line(slice_kernel, "pl.ds(6, 4)"),
+               "output 0 ('o_ref')", "start=6, size=4", "dimension of size 8",
+               "expected a slice inside the block", "mask"):
+    pallas_call(slice_kernel, out_shape=sds(X))(X)
+
+
+def test_python_slice_past_the_end_is_clipped_and_says_so():
+  def clipped_kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...]
+    o_ref[6:10, :] = x_ref[0:4, :]
+
+  with _raises(pl.PalletError, "kernel 'clipped_kernel'", _line(clipped_kernel, "6:10"),
+               "shape (4, 4)", "output 0 ('o_ref')", "expected a value of shape (2, 4)",
+               "clipped"):
+    pallas_call(clipped_kernel, out_shape=sds(X))(X)
+
+
+def test_pl_ds_with_a_traced_size():
+  def traced_size_kernel(x_ref, o_ref):
+    n = pl.program_id(0) + 1
+    o_ref[...] = jnp.zeros_like(o_ref)
+    o_ref[0, pl.ds(0, 2)] = x_ref[0, pl.ds(0, n)]
+
+  with _raises(pl.PalletError, "kernel 'traced_size_kernel'",
+               _line(traced_size_kernel, "pl.ds(0, n)"), "input 0 ('x_ref')",
+               "pl.ds(start, size)", "traced", "expected a static size", "mask"):
+    pallas_call(traced_size_kernel, out_shape=sds(X), grid=(2,))(X)
+
+
+def test_errors_inside_a_loop_body_name_the_ref_and_line():
+  def loop_kernel(x_ref, o_ref, acc_ref):
+    def body(i, c):
+      acc_ref[...] = x_ref[...].astype(jnp.int32)
+      return c
+    jax.lax.fori_loop(0, 2, body, 0)
+    o_ref[...] = acc_ref[...]
+
+  with _raises(pl.PalletError, "kernel 'loop_kernel'", _line(loop_kernel, "astype"),
+               "dtype int32", "scratch 0 ('acc_ref')", "expected a float32 value"):
+    pallas_call(loop_kernel, out_shape=sds(X), scratch_shapes=[pltpu.VMEM((8, 4), f32)])(X)
+
+
+def test_pl_when_with_an_array_condition():
+  def when_kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...]
+
+    @pl.when(x_ref[...] > 0)
+    def _():
+      o_ref[...] = x_ref[...] * 2
+
+  with _raises(pl.PalletError, "pl.when", "kernel 'when_kernel'",
+               _line(when_kernel, "@pl.when"), "shape (8, 4)", "expected a scalar",
+               "jnp.any"):
+    pallas_call(when_kernel, out_shape=sds(X))(X)
+
+
+def test_grad_through_a_while_loop_with_a_traced_trip_count():
+  def loop_kernel(n_ref, x_ref, o_ref):
+    o_ref[...] = jax.lax.fori_loop(0, n_ref[0], lambda i, a: a * x_ref[...],
+                                   jnp.ones_like(x_ref[...]))
+
+  def f(x, n):
+    return pallas_call(loop_kernel, out_shape=sds(x))(n, x)
+
+  n = jnp.array([3], jnp.int32)
+  x = random_array((8, 4))
+  # forward mode works (and is right) ...
+  tangent = jax.jvp(lambda x: f(x, n), (x,), (jnp.ones_like(x),))[1]
+  assert_close(tangent, 3 * x ** 2, rtol=1e-4, atol=1e-4)
+  # ... reverse mode says where and why it cannot
+  with _raises(pl.PalletError, "kernel 'loop_kernel'", _line(loop_kernel, "fori_loop"),
+               "reverse-mode", "trip count", "expected a static trip count", "jax.jvp"):
+    jax.grad(lambda x: f(x, n).sum())(x)
+
+
+def test_grad_through_a_while_loop_off_the_derivative_path_works():
+  def scaled_kernel(x_ref, o_ref):
+    scale = jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * 2.0),
+                               (0, 1.0))[1]
+    o_ref[...] = x_ref[...] * scale
+
+  x = random_array((8, 4))
+  g = jax.grad(lambda x: (pallas_call(scaled_kernel, out_shape=sds(x))(x) * x).sum())(x)
+  assert_close(g, 16.0 * x)
+
+
+@pytest.mark.skipif(current_test_backend() != "xla", reason="generates Triton source itself")
+def test_unsupported_primitive_on_triton_names_its_line_and_the_xla_backend():
+  import pallet.triton as pltriton
+  from pallet.backends.triton import TritonLoweringError
+
+  def sorting_kernel(x_ref, o_ref):
+    y = x_ref[...] * 2
+    o_ref[...] = jnp.sort(y)
+
+  x = random_array((16,))
+  f = pl.pallas_call(sorting_kernel, out_shape=sds(x), backend="triton", interpret=True)
+  with _raises(TritonLoweringError, "kernel 'sorting_kernel'",
+               _line(sorting_kernel, "jnp.sort"), "primitive 'sort'",
+               "not supported by the Triton backend", "backend=\"xla\""):
+    pltriton.source(f, x)
+
+
+def test_triton_backend_without_triton_says_how_to_install(monkeypatch):
+  from pallet import backends
+  monkeypatch.setattr(backends, "triton_installed", lambda: False)
+
+  def install_kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...]
+
+  with _raises(pl.PalletError, "kernel 'install_kernel'", "backend='triton'",
+               'pip install "pallet[triton]"', "backend='xla'"):
+    pl.pallas_call(install_kernel, out_shape=sds(X), backend="triton", interpret=True)(X)
+  assert "triton" not in backends.available()
+  assert 'pip install "pallet[triton]"' in backends.unavailable_reason("triton")
+
+
+def test_pallet_info_lists_only_backends_that_run(monkeypatch, capsys):
+  from pallet import backends, cli
+  monkeypatch.setattr(backends, "triton_installed", lambda: False)
+  assert cli.main(["info"]) == 0
+  out = capsys.readouterr().out
+  assert "backends: ['xla']" in out
+  assert 'triton: not available' in out and 'pip install "pallet[triton]"' in out

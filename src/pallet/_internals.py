@@ -104,6 +104,14 @@ def equation_context(eqn: Any) -> Any:
   return stack
 
 
+def runs_on_cpu(prim: Any) -> bool:
+  """Whether XLA on the CPU can run primitive `prim` (a lowering, or a state discharge
+  rule into ones that have one): error messages point users at the XLA backend."""
+  from jax._src.interpreters import mlir as _mlir
+  return (prim in _mlir._lowerings or prim in _mlir._platform_specific_lowerings["cpu"]
+          or prim in _discharge._discharge_rules)
+
+
 # --- Triton backend: scan's parameters changed shape between JAX 0.10 and 0.12 ----
 def scan_layout(params: dict) -> tuple[Any, tuple, int, int]:
   """(open jaxpr, consts, num_consts, num_carry) of a `scan` equation."""

@@ -94,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     from pallet import backends
     print(f"pallet {pallet.__version__}, jax {jax.__version__}, devices {jax.devices()}")
     print(f"backends: {backends.available()}, default: {backends.resolve(None, False)}")
+    for name in backends.names():
+      if (reason := backends.unavailable_reason(name)) is not None:
+        print(f"  {name}: not available: {reason}")
     return 0
   return 2
 

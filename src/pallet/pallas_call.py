@@ -372,7 +372,8 @@ def _pallas_call_lowering(ctx, *args, kernel, name, backend, interpret):
   ctx = ctx.replace(avals_in=[internals.plain_aval(a) for a in ctx.avals_in],
                     avals_out=[internals.plain_aval(a) for a in ctx.avals_out])
   with internals.vma_checks_off():
-    return backends.get(backend).lower(ctx, *args, kernel=kernel, interpret=interpret)
+    return backends.get(backend, kernel).lower(ctx, *args, kernel=kernel,
+                                               interpret=interpret)
 
 
 mlir.register_lowering(pallas_call_p, _pallas_call_lowering)
@@ -493,7 +494,72 @@ def _pallas_call_jvp(primals, tangents, *, kernel, name, backend, interpret):
   if backend != "xla":
     primal_out = pallas_call_p.bind(*primals, kernel=kernel, name=name, backend=backend,
                                     interpret=interpret)
+  loop = _float_while_loop(kernel)
+  if loop is not None:
+    primal_avals = tuple(jax.core.ShapedArray(p.shape, p.dtype) for p in primals)
+    tangent_out = [_reverse_mode_guard_p.bind(t, fn=fn, kernel=kernel, loop=loop,
+                                              primal_avals=primal_avals)
+                   for t in tangent_out]
   return list(primal_out), list(tangent_out)
 
 
 ad.primitive_jvps[pallas_call_p] = _pallas_call_jvp
+
+
+def _float_while_loop(kernel: tracing.KernelDescription) -> Any:
+  """The first `while` equation of the kernel (a while_loop, or a fori_loop whose trip
+  count is traced) that carries floating-point values or refs, or None."""
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "while" and any(
+          jnp.issubdtype(getattr(v.aval, "dtype", jnp.int32), jnp.inexact)
+          for v in (*eqn.invars, *eqn.outvars)):
+        return eqn
+      for param in eqn.params.values():
+        for sub in (param if isinstance(param, (tuple, list)) else (param,)):
+          sub = getattr(sub, "jaxpr", sub)
+          if hasattr(sub, "eqns") and (found := walk(sub)) is not None:
+            return found
+    return None
+  return walk(kernel.jaxpr.jaxpr)
+
+
+# Tangents of a kernel with such a loop pass through this identity; its transpose runs
+# before JAX reaches the loop in reverse mode, and tells in the kernel's terms when
+# JAX cannot transpose the loop (forward mode is unaffected).
+_reverse_mode_guard_p = Primitive("pallet_reverse_mode_guard")
+_reverse_mode_guard_p.def_impl(lambda t, **_: t)
+_reverse_mode_guard_p.def_abstract_eval(lambda aval, **_: aval)
+mlir.register_lowering(_reverse_mode_guard_p, lambda ctx, t, **_: [t])
+batching.primitive_batchers[_reverse_mode_guard_p] = (
+    lambda args, dims, **params: (_reverse_mode_guard_p.bind(*args, **params), dims[0]))
+
+
+def _reverse_mode_guard_transpose(ct, t, *, fn, kernel, loop, primal_avals):
+  del t
+  try:
+    jax.eval_shape(functools.partial(_pullback_of_zeros, fn), *primal_avals)
+  except ValueError as e:
+    if "Reverse-mode differentiation does not work" not in str(e):
+      raise
+    src = internals.equation_source(loop)
+    line = f"{src[0]}:{src[1]}" if src else kernel.source
+    raise PalletError(
+        f"kernel '{kernel.name}' ({kernel.source}) at {line}: reverse-mode "
+        f"differentiation (jax.grad, jax.vjp) cannot go through this lax.while_loop or "
+        f"lax.fori_loop, whose trip count is only known at run time; expected a static "
+        f"trip count (fori_loop with Python int bounds, which runs as a scan), or use "
+        f"forward mode (jax.jvp, jax.jacfwd)") from None
+  return [ct]
+
+
+def _pullback_of_zeros(fn, *primals):
+  out, pullback = jax.vjp(fn, *primals)
+  return pullback(jax.tree_util.tree_map(jnp.zeros_like, out))
+
+
+ad.primitive_transposes[_reverse_mode_guard_p] = _reverse_mode_guard_transpose
+ad.primitive_jvps[_reverse_mode_guard_p] = (
+    lambda primals, tangents, **params: (_reverse_mode_guard_p.bind(*primals, **params),
+                                         _reverse_mode_guard_p.bind(
+                                             ad.instantiate_zeros(tangents[0]), **params)))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import math
 from typing import Any, Callable, Iterator, Sequence
 
@@ -564,6 +565,16 @@ def when(condition: Any) -> Callable[[Callable[[], None]], None]:
       if condition:
         body()
       return
+    if jnp.ndim(condition) != 0:
+      from pallet import checks   # checks builds on this module
+      from pallet.grid_mapping import PalletError
+      name = current_kernel_name()
+      where = f"kernel '{name}'" if name else "code outside a kernel"
+      raise PalletError(
+          f"pl.when in {where} at {checks.user_source()}: the condition has shape "
+          f"{jnp.shape(condition)} ({jnp.result_type(condition)}); expected a scalar "
+          f"(reduce it with jnp.any/jnp.all, or choose per element with jnp.where or a "
+          f"masked pl.store)")
     lax.cond(jnp.asarray(condition).astype(jnp.bool_),
              lambda: (body(), None)[1], lambda: None)
   return decorator
@@ -581,8 +592,17 @@ def run_scoped(body: Callable[..., Any], *types: Any, **kw_types: Any) -> Any:
       raise TypeError(f"pl.run_scoped: expected scratch shapes such as "
                       f"pallet.tpu.VMEM((8, 128), jnp.float32), got {tree!r}")
     return jax.tree_util.tree_map(fresh, tree, is_leaf=lambda t: isinstance(t, ScratchShape))
-  refs = [fresh_tree(t) for t in types]
-  kw_refs = {k: fresh_tree(t) for k, t in kw_types.items()}
+  def named(name, t):
+    # the scope names the buffer in checking mode's reports (pallet/checking)
+    with jax.named_scope(f"pallet_scoped.{name}"):
+      return fresh_tree(t)
+  try:
+    params = list(inspect.signature(body).parameters)
+  except (TypeError, ValueError):
+    params = []
+  refs = [named(params[i] if i < len(params) else f"scoped {i}", t)
+          for i, t in enumerate(types)]
+  kw_refs = {k: named(k, t) for k, t in kw_types.items()}
   return body(*refs, **kw_refs)
 
 

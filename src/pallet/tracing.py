@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from pallet import _internals as internals
+from pallet import kernel_errors
 from pallet import primitives
 from pallet.grid_mapping import GridMapping, PalletError, kernel_parameter_names
 
@@ -88,12 +89,22 @@ def trace_kernel(kernel: Callable, name: str, grid_mapping: GridMapping,
                + [internals.AbstractRef(a) for a in gm.scratch_avals])
   n_ids = len(gm.grid) + len(gm.dynamic_axes)
   id_avals = [jax.core.ShapedArray((), jnp.int32)] * n_ids
+  source = description_fields.get("source", "")
 
   def stateful_body(*args):
     ids, sizes, refs = args[:len(gm.grid)], list(args[len(gm.grid):n_ids]), args[n_ids:]
     grid = tuple(sizes.pop(0) if n is None else n for n in gm.grid)
     with primitives.grid_context(ids, grid, name, description_fields.get("grid_names")):
-      result = kernel(*jax.tree_util.tree_unflatten(kernel_args_tree, refs))
+      try:
+        result = kernel(*jax.tree_util.tree_unflatten(kernel_args_tree, refs))
+      except (ValueError, AssertionError) as e:
+        # Caught here, inside the trace, where the traceback still holds JAX's frames
+        # (they show which ref the failing operation was applied to).
+        error = kernel_errors.translate(e, kernel=name, source=source, refs=refs,
+                                        labels=_ref_labels(gm, kernel, kernel_args_tree))
+        if error is None:
+          raise
+        raise error from None
     if result is not None:
       raise PalletError(f"kernel '{name}' returned a value ({type(result).__name__}); "
                         f"kernels write their results into output refs and return None")
@@ -102,7 +113,6 @@ def trace_kernel(kernel: Callable, name: str, grid_mapping: GridMapping,
   try:
     jaxpr = jax.make_jaxpr(stateful_body)(*id_avals, *ref_avals)
   except jax.errors.ConcretizationTypeError as e:
-    source = description_fields.get("source", "")
     raise PalletError(
         f"kernel '{name}' ({source}) used a traced value (such as pl.program_id) where "
         f"Python needs a concrete one: a slice bound (write pl.ds(start, size) for a "
@@ -127,3 +137,16 @@ def _ref_names(kernel: Callable, kernel_args_tree: Any, n_refs: int) -> tuple[st
       for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
         names[leaf] = params[p] + jax.tree_util.keystr(path)
   return tuple(names)
+
+
+def _ref_labels(gm: GridMapping, kernel: Callable, kernel_args_tree: Any) -> list[str]:
+  """How messages name each flat kernel ref: "input 0 ('x_ref')", "scratch 1 ('acc')"."""
+  params = kernel_parameter_names(kernel) or []
+  kinds = ([("scalar prefetch", i) for i in range(len(gm.prefetch_avals))]
+           + [("input", i) for i in range(len(gm.inputs))]
+           + [("output", i) for i in range(len(gm.outputs))]
+           + [("scratch", i) for i in range(len(gm.scratch_avals))])
+  # parameter names line up with the flat refs only when every argument is one ref
+  if len(params) < len(kinds) or len(kernel_args_tree.children()) != len(kinds):
+    params = [None] * len(kinds)
+  return [f"{kind} {i}" + (f" ('{p}')" if p else "") for (kind, i), p in zip(kinds, params)]

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
+import os
 from types import ModuleType
 from typing import Any, Iterator
 
@@ -35,14 +37,39 @@ _MODULES = {"xla": "pallet.backends.xla", "triton": "pallet.backends.triton"}
 _ALIASES = {"cpu": "xla", "interpret": "xla", "xla": "xla", "triton": "triton",
             "gpu": "triton"}
 ENV_VAR = "PALLET_BACKEND"
+TRITON_INSTALL = 'pip install "pallet[triton]"'
 
 # (backend name, interpret or None), or the raw string of $PALLET_BACKEND, or None.
 _override = internals.trace_context_state(
     ENV_VAR.lower(), "pallet's global backend override (see pallet.default_backend)")
 
 
-def available() -> list[str]:
+def names() -> list[str]:
+  """Every backend pallet has, whether or not it can run here."""
   return sorted(_MODULES)
+
+
+def triton_installed() -> bool:
+  # (a directory named `triton` on sys.path is found as a namespace package: no origin)
+  spec = importlib.util.find_spec("triton")
+  return spec is not None and spec.origin is not None
+
+
+def unavailable_reason(name: str) -> str | None:
+  """Why backend `name` cannot run kernels in this process, or None when it can."""
+  if canonical(name) != "triton":
+    return None
+  if not triton_installed():
+    return f"the triton package is not installed: {TRITON_INSTALL}"
+  if not gpu_present() and os.environ.get("TRITON_INTERPRET", "") in ("", "0"):
+    return ("no GPU here, and Triton's interpreter is off (start Python with "
+            "TRITON_INTERPRET=1 to run kernels with interpret=True)")
+  return None
+
+
+def available() -> list[str]:
+  """The backends that can run kernels in this process."""
+  return [n for n in names() if unavailable_reason(n) is None]
 
 
 def gpu_present() -> bool:
@@ -56,7 +83,7 @@ def canonical(name: str) -> str:
   """The backend a name or alias stands for ("gpu" -> "triton")."""
   key = str(name).strip().lower()
   if key not in _ALIASES:
-    raise ValueError(f"unknown pallet backend {name!r}; available: {available()} "
+    raise ValueError(f"unknown pallet backend {name!r}; available: {names()} "
                      f"(aliases: {sorted(_ALIASES)})")
   return _ALIASES[key]
 
@@ -119,5 +146,12 @@ def resolve(name: str | None, interpret: bool,
   return "xla", False
 
 
-def get(name: str) -> ModuleType:
+def get(name: str, kernel: Any = None) -> ModuleType:
+  """The module of backend `name`, to compile or run `kernel` (a KernelDescription)."""
+  if name == "triton" and not triton_installed():
+    from pallet.grid_mapping import PalletError
+    what = f"kernel '{kernel.name}' ({kernel.source})" if kernel is not None else "a kernel"
+    raise PalletError(f"{what} runs on the Triton backend (backend='triton'), which needs "
+                      f"the triton package, not installed here: {TRITON_INSTALL} (or run "
+                      f"it on the XLA backend: backend='xla')")
   return importlib.import_module(_MODULES[name])

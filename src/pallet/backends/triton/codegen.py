@@ -138,6 +138,7 @@ class KernelGenerator:
     self.helpers: set[str] = set()
     self.workspace_bytes = 0
     self.eqn: Any = None
+    self.enclosing: list[Any] = []   # call equations (jit, ...) whose body is being run
     self.last_source: tuple[str, int] | None = None
     self.promoted: set[Any] = set()
     self.constants: list[np.ndarray] = []
@@ -181,14 +182,22 @@ class KernelGenerator:
     self.helpers.add(name)
 
   def where(self) -> str:
-    src = internals.equation_source(self.eqn) if self.eqn is not None else None
-    return f"{os.path.basename(src[0])}:{src[1]}" if src else self.kernel.source
+    # Inside a call (jnp.sort is a jit) only the call equation knows the user's line.
+    for eqn in (self.eqn, *reversed(self.enclosing)):
+      src = internals.equation_source(eqn) if eqn is not None else None
+      if src:
+        return f"{src[0]}:{src[1]}"
+    return self.kernel.source
 
   def fail(self, what: str) -> None:
     prim = self.eqn.primitive.name if self.eqn is not None else "kernel"
+    elsewhere = ""
+    if self.eqn is not None and internals.runs_on_cpu(self.eqn.primitive):
+      elsewhere = "; the XLA backend runs it (backend=\"xla\", the default without a GPU)"
     raise TritonLoweringError(
         f"pallet Triton backend: kernel '{self.kernel.name}' ({self.kernel.source}) at "
-        f"{self.where()}: primitive '{prim}': {what} is not supported")
+        f"{self.where()}: primitive '{prim}': {what} is not supported by the Triton "
+        f"backend{elsewhere}")
 
   def mask_padding(self, v: Value, axes: Sequence[int], identity: str) -> Value:
     """`v` with the power-of-two padding along `axes` replaced by `identity`."""
@@ -260,7 +269,11 @@ class KernelGenerator:
       return getattr(self, f"_{name}")(eqn, ins)
     if name in _CALL_PRIMITIVES:
       jaxpr, consts = _sub_jaxpr(eqn.params)
-      return self.run(jaxpr, consts, ins)
+      self.enclosing.append(eqn)
+      try:
+        return self.run(jaxpr, consts, ins)
+      finally:
+        self.enclosing.pop()
     rule = ops.RULES.get(name)
     if rule is None:
       self.fail("this primitive")

@@ -1,0 +1,127 @@
+"""JAX's errors from inside a kernel body, retold as PalletErrors.
+
+A kernel reads and writes through JAX's own refs, so a mistake there (storing a
+value of the wrong dtype or shape, a static slice past the end of a block, a
+`pl.ds` whose size is traced) is first seen deep inside JAX, whose message names
+neither the kernel nor the parameter nor the user's line. `translate` recognises
+those errors while the kernel is being traced and says which kernel, which ref,
+what was expected and where.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import types
+from typing import Any, Sequence
+
+import jax
+
+from pallet import _internals as internals
+from pallet.grid_mapping import PalletError
+
+_PALLET_DIR = os.path.dirname(os.path.abspath(__file__))
+_JAX_DIR = os.path.dirname(os.path.abspath(jax.__file__))
+_STDLIB_DIR = os.path.dirname(os.path.abspath(contextlib.__file__))
+# JAX's kernel library is user code for pallet (benchmarks/jax_ops runs it).
+_JAX_KERNELS_DIR = os.path.join(_JAX_DIR, "experimental", "pallas", "ops")
+
+_DTYPE = re.compile(r"Invalid dtype for `(?P<op>\w+)`\. Ref dtype: (?P<ref>[^.\s]+)\. "
+                    r"Value dtype: (?P<value>[^.\s]+)\.")
+_SHAPE = re.compile(r"Invalid shape for `(?P<op>\w+)`\. Ref shape: (?P<ref>\([^)]*\))\. "
+                    r"Expected shape: (?P<expected>\([^)]*\))\. "
+                    r"Value shape: (?P<value>\([^)]*\))\.")
+_SLICE = re.compile(r"Out of bound slice: start=(?P<start>-?\d+)(?:, size=(?P<size>\d+), "
+                    r"stride=(?P<stride>-?\d+))?, dim=(?P<dim>\d+)")
+_INDEX = re.compile(r"Out of bound indexer: idx=(?P<idx>-?\d+), dim=(?P<dim>\d+)")
+
+
+def _is_user_file(path: str) -> bool:
+  """Whether `path` is the user's code: outside pallet, JAX (but for JAX's kernel
+  library) and the standard library."""
+  if path.startswith("<"):          # generated code (dataclass methods, exec)
+    return False
+  path = os.path.abspath(path)
+  if path.startswith(_PALLET_DIR) or path.startswith(_STDLIB_DIR):
+    return False
+  return not path.startswith(_JAX_DIR) or path.startswith(_JAX_KERNELS_DIR)
+
+
+def _frames(tb: types.TracebackType | None) -> list[tuple[types.FrameType, int]]:
+  """(frame, line) of each level of a traceback, innermost first."""
+  frames = []
+  while tb is not None:
+    frames.append((tb.tb_frame, tb.tb_lineno))
+    tb = tb.tb_next
+  return frames[::-1]
+
+
+def _user_line(frames) -> str | None:
+  for frame, line in frames:
+    if _is_user_file(frame.f_code.co_filename):
+      return f"{os.path.abspath(frame.f_code.co_filename)}:{line}"
+  return None
+
+
+def _ref_label(frames, refs: Sequence[Any], labels: Sequence[str]) -> str | None:
+  """The kernel ref the failing operation was applied to: the innermost frame whose
+  locals hold one of the kernel's refs (or a view of one) is JAX's indexing code."""
+  by_id = {id(r): label for r, label in zip(refs, labels)}
+  for frame, _ in frames:
+    for value in frame.f_locals.values():
+      base = value.ref if isinstance(value, internals.TransformedRef) else value
+      if id(base) in by_id:
+        return by_id[id(base)]
+  return None
+
+
+def _parse_shape(text: str) -> tuple[int, ...]:
+  """"(8, 128)" -> (8, 128)."""
+  return tuple(int(d) for d in re.findall(r"\d+", text))
+
+
+def translate(error: BaseException, *, kernel: str, source: str, refs: Sequence[Any],
+              labels: Sequence[str]) -> PalletError | None:
+  """A PalletError telling what `error` (raised tracing kernel `kernel`) means, or
+  None for errors this module does not know (they propagate unchanged)."""
+  message = str(error)
+  frames = _frames(error.__traceback__)
+  ref = _ref_label(frames, refs, labels) or "a ref"
+  line = _user_line(frames) or source
+  where = f"kernel '{kernel}' ({source}) at {line}"
+  if isinstance(error, ValueError) and (m := _DTYPE.search(message)):
+    return PalletError(
+        f"{where}: storing a value of dtype {m['value']} into {ref}, whose dtype is "
+        f"{m['ref']}; "
+        f"expected a {m['ref']} value (convert it with .astype(jnp.{m['ref']}))")
+  if isinstance(error, ValueError) and (m := _SHAPE.search(message)):
+    hint = ""
+    expected, value = _parse_shape(m["expected"]), _parse_shape(m["value"])
+    if len(expected) == len(value) and any(e < v for e, v in zip(expected, value)):
+      hint = " (a slice reaching past the end of a ref is clipped there, as in NumPy)"
+    if m["value"] == "()":
+      hint = (" (a scalar does not broadcast into a ref: store "
+              f"jnp.full({m['expected']}, value) or jnp.broadcast_to(value, "
+              f"{m['expected']}))")
+    return PalletError(
+        f"{where}: storing a value of shape {m['value']} into {ref} (shape {m['ref']}), "
+        f"where the indexed part has shape {m['expected']}; expected a value of shape "
+        f"{m['expected']}{hint}")
+  if isinstance(error, ValueError) and (m := _SLICE.search(message)):
+    extent = (f"start={m['start']}, size={m['size']}, stride={m['stride']}" if m["size"]
+              else f"start={m['start']}")
+    return PalletError(
+        f"{where}: a static slice of {ref} ({extent}) reaches past the end of a "
+        f"dimension of size {m['dim']}; expected a slice inside the block (for a "
+        f"partial last block, read or write with a mask: pl.load/pl.store(..., mask=...))")
+  if isinstance(error, ValueError) and (m := _INDEX.search(message)):
+    return PalletError(
+        f"{where}: index {m['idx']} of {ref} is past the end of a dimension of size "
+        f"{m['dim']}; expected an index in [0, {m['dim']})")
+  if isinstance(error, AssertionError) and message.startswith("DShapedArray"):
+    return PalletError(
+        f"{where}: {ref} is indexed with pl.ds(start, size) whose size is a traced "
+        f"value; expected a static size (a Python int): slice a fixed maximum size and "
+        f"mask the lanes past the traced length (pl.load(ref, pl.ds(start, MAX), "
+        f"mask=jnp.arange(MAX) < n))")
+  return None
