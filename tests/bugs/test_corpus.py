@@ -16,6 +16,8 @@ import jax
 import pytest
 
 import pallet as pl
+from pallet import tpu as pltpu
+from pallet.checks import KernelCheckError
 from bugs.corpus import KINDS, OPT_IN_KINDS, Case, all_cases
 from helpers import assert_close, current_test_backend
 
@@ -25,17 +27,17 @@ BACKEND = current_test_backend()
 # Pallas's spelling of the checking mode, and what each opt-in kind adds to it.
 CHECKED = dict(detect_races=True, out_of_bounds_reads="raise", uninitialized_memory="nan")
 OPT_IN = {"nan": dict(detect_nans=True), "overflow": dict(detect_int_overflow=True),
-          "unwritten": dict(detect_unwritten_outputs=True),
-          "debug_check": dict(debug_checks=True)}
+          "unwritten": dict(detect_unwritten_outputs=True), "debug_check": dict(debug_checks=True)}
 
-# Cases the checks do not report yet: (backend, case name) -> why. Each is a strict
-# xfail, so a case that starts being reported fails until it is taken off this list.
+# What the checks do not get right yet, as strict xfails: a case that starts passing
+# fails until it is taken off these lists. (backend, case name) -> why.
 NOT_YET_REPORTED: dict[tuple[str, str], str] = {}
+FALSE_ALARMS: dict[tuple[str, str], str] = {}
 
 
-def checked(*opt_in: str) -> pl.InterpretParams:
+def checked(*opt_in: str) -> pltpu.InterpretParams:
   extra = {k: v for kind in opt_in for k, v in OPT_IN[kind].items()}
-  return pl.InterpretParams(**CHECKED, **extra)
+  return pltpu.InterpretParams(**CHECKED, **extra)
 
 
 def call_kwargs(interpret) -> dict:
@@ -51,10 +53,14 @@ def _skip_unseeable(case: Case) -> None:
     pytest.skip(f"{BACKEND} backend cannot see this bug: {case.triton}")
 
 
-def _mark_known_misses(case: Case):
-  reason = NOT_YET_REPORTED.get((BACKEND, case.name))
-  marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
-  return pytest.param(case, id=case.name, marks=marks)
+def _params(known: dict[tuple[str, str], str]) -> list:
+  """The cases, with those listed in `known` for this backend as strict xfails."""
+  out = []
+  for case in CASES:
+    reason = known.get((BACKEND, case.name))
+    marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+    out.append(pytest.param(case, id=case.name, marks=marks))
+  return out
 
 
 def _expected_line(case: Case) -> str:
@@ -67,12 +73,12 @@ def _same_line(reported: str, case: Case) -> bool:
           and os.path.abspath(path) == os.path.abspath(case.source_file))
 
 
-@pytest.mark.parametrize("case", [_mark_known_misses(c) for c in CASES])
+@pytest.mark.parametrize("case", _params(NOT_YET_REPORTED))
 def test_bug_is_reported_with_kind_ref_and_line(case: Case):
   _skip_unseeable(case)
   opt_in = [case.kind] if case.kind in OPT_IN_KINDS else []
   program = case.build(True, **call_kwargs(checked(*opt_in)))
-  with pytest.raises(pl.KernelCheckError) as info:
+  with pytest.raises(KernelCheckError) as info:
     jax.block_until_ready(program(*case.inputs()))
   err = info.value
   assert (err.kind, err.ref) == (case.kind, case.ref), str(err)
@@ -83,7 +89,7 @@ def test_bug_is_reported_with_kind_ref_and_line(case: Case):
     assert case.ref in text
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+@pytest.mark.parametrize("case", _params(FALSE_ALARMS))
 def test_fixed_twin_runs_clean_with_every_check(case: Case):
   _skip_unsupported_twin(case)
   program = case.build(False, **call_kwargs(checked(*OPT_IN_KINDS)))
@@ -127,6 +133,11 @@ def test_bug_under_jit_fails_with_the_report(name: str):
   text = str(info.value)
   assert case.kind in text and case.ref in text, text
   assert f"{os.path.basename(case.source_file)}:{case.bug_line}" in text, text
+
+
+def test_checking_mode_names_are_public():
+  assert pl.InterpretParams is pltpu.InterpretParams
+  assert pl.KernelCheckError is KernelCheckError
 
 
 def test_corpus_has_thirty_cases_covering_every_kind():
