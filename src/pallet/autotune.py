@@ -155,6 +155,7 @@ class Autotuned:
     self.fn = fn
     self.name = getattr(fn, "__qualname__", None) or repr(fn)
     self.configs = [dict(c) for c in _validated_configs(self.name, configs)]
+    self._configs_hash = hashlib.sha1(canonical(self.configs).encode()).hexdigest()[:12]
     self.signature = _signature(fn)
     self.key = None if key is None else (key,) if isinstance(key, str) else tuple(key)
     if reps < 1:
@@ -193,6 +194,10 @@ class Autotuned:
       self.last_choice = choice
       return choice
     key_text = canonical(key)
+    session = _session
+    force = force or (session is not None and session.force and key_text not in session.tuned)
+    if not force and key_text in self._memory:
+      return self._record(Choice(self._memory[key_text], "cache", key), key_text)
     shapes = {n: _shape_tree(v) for n, v in bound.items() if _has_arrays(v)}
     candidates, trials = self._fitting(shapes, key["backend"])
     if not candidates:
@@ -200,8 +205,6 @@ class Autotuned:
           f"autotune of '{self.name}': no config fits the arguments "
           f"{ {n: _shapes_text(s) for n, s in shapes.items()} }:\n"
           + "\n".join(f"  {config_text(t.config)}: {t.note}" for t in trials))
-    session = _session
-    force = force or (session is not None and session.force and key_text not in session.tuned)
     choice = None if force else self._cached(key_text, key, candidates)
     if choice is None:
       blocker = self._why_not_tune(args, kwargs)
@@ -216,18 +219,20 @@ class Autotuned:
         if self._verbose():
           print(f"pallet.autotune: {self.name} {_shapes_summary(shapes)} on "
                 f"{key['backend']}\n{choice.table()}", file=sys.stderr)
+    return self._record(choice, key_text)
+
+  def _record(self, choice: Choice, key_text: str) -> Choice:
     self.last_choice = choice
-    if session is not None:
-      session.choices.append((self.name, choice))
+    if _session is not None:
+      _session.choices.append((self.name, choice))
       if choice.source == "tuned":
-        session.tuned.add(key_text)
+        _session.tuned.add(key_text)
     return choice
 
   def _cached(self, key_text: str, key: dict, candidates: list[Config]) -> Choice | None:
-    by_text = {canonical(c): c for c in candidates}
-    if key_text in self._memory:
-      return Choice(self._memory[key_text], "cache", key)
+    """The choice stored in the cache file, if it is still one of `candidates`."""
     entry = _load().get(key_text)
+    by_text = {canonical(c): c for c in candidates}
     config = entry and by_text.get(canonical(entry.get("config")))
     if config is None:
       return None
@@ -241,9 +246,14 @@ class Autotuned:
     if os.environ.get(ENABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
       return f"tuning is off (${ENABLE_ENV}={os.environ[ENABLE_ENV]})"
     for leaf in jax.tree.leaves((args, kwargs)):
-      if internals.is_tracer(leaf) and not internals.is_staging_tracer(leaf):
+      if not internals.is_tracer(leaf):
+        continue
+      if not internals.is_staging_tracer(leaf):
         return (f"not tuning under {type(leaf).__name__} tracing (grad/jvp/vmap); "
                 f"tune with a plain or jitted call first")
+      if _extended(leaf.dtype):
+        return (f"cannot make a random input of dtype {leaf.dtype} to tune under jit; "
+                f"call the function once outside jit to tune it")
     return ""
 
   def _verbose(self) -> bool:
@@ -362,11 +372,11 @@ class Autotuned:
     for name, value in bound.items():
       if _has_arrays(value):
         if self.key is None or name in self.key:
-          shapes[name] = _shapes_text(_shape_tree(value))
+          shapes[name] = _shapes_text(value)
       elif _is_simple(value):
         static[name] = repr(value)
     return {"fn": f"{getattr(self.fn, '__module__', '?')}.{self.name}",
-            "configs": hashlib.sha1(canonical(self.configs).encode()).hexdigest()[:12],
+            "configs": self._configs_hash,
             "shapes": shapes, "static": static, **environment()}
 
   def _check_names(self) -> None:
@@ -404,6 +414,7 @@ def environment() -> dict[str, Any]:
   return env
 
 
+@functools.lru_cache(maxsize=None)
 def _version(dist: str) -> str | None:
   try:
     return metadata.version(dist)
@@ -554,9 +565,6 @@ def _inputs(examples: list[Any]) -> list[jax.Array]:
     if not internals.is_tracer(x):
       out.append(x)
       continue
-    if _extended(x.dtype):
-      raise PalletError(f"autotune: cannot make a random input of dtype {x.dtype} under "
-                        f"jit; call the function once outside jit to tune it")
     dtype = np.dtype(x.dtype)
     if np.issubdtype(dtype, np.inexact):
       value = rng.standard_normal(x.shape).astype(dtype)
