@@ -776,3 +776,81 @@ def test_scratch_row_reduction_merges_into_one_sum():
   plan = _plan(fn, x)
   assert plan.merged == [1]
   assert_close(jax.jit(fn)(x), 0.5 * jnp.sum(x * x, axis=0))
+
+
+# ------------------------------------------------------------------ widened edge axes
+def _row_kernel_call(body, x, *vectors, block=8, n_out=1):
+  """Row blocks of `x` (last one overhanging), whole vectors; `body(x, *vectors)`
+  returns the output blocks."""
+  rows, cols = x.shape
+
+  def kernel(*refs):
+    outs = body(*(r[...] for r in refs[:1 + len(vectors)]))
+    for r, v in zip(refs[1 + len(vectors):], outs):
+      r[...] = v.astype(r.dtype)
+  spec = pl.BlockSpec((block, cols), lambda i: (i, 0))
+  vec = pl.BlockSpec((cols,), lambda i: (0,))
+  return pl.pallas_call(kernel, out_shape=[sds(x)] * n_out, grid=(pl.cdiv(rows, block),),
+                        in_specs=[spec] + [vec] * len(vectors), out_specs=[spec] * n_out)
+
+
+def _softmax_rows(x):
+  e = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))
+  return e / jnp.sum(e, axis=-1, keepdims=True)
+
+
+@pytest.mark.parametrize("dtype", [f32, jnp.bfloat16])
+def test_overhanging_row_blocks_run_widened_without_padding(dtype):
+  x = random_array((37, 128), dtype)
+  fn = _row_kernel_call(lambda x: [_softmax_rows(x.astype(f32))], x)
+  plan = _plan(fn, x)
+  assert plan.merged == [0] and plan.vectorized == [] and plan.outer == []
+  assert "axis 0 widened" in plan.describe()
+  (got,) = jax.jit(fn)(x)
+  assert got.dtype == dtype
+  assert_close(got, _softmax_rows(x.astype(f32)).astype(dtype))
+  assert "stablehlo.pad" not in jax.jit(fn).lower(x).as_text()
+
+
+def test_widened_rows_broadcast_vectors_and_row_constant_outputs():
+  x, g, b = random_array((21, 64)), random_array((64,)), random_array((64,))
+
+  def body(x, g, b):
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.mean((x - mean) ** 2, axis=-1, keepdims=True)
+    return [(x - mean) * lax.rsqrt(var + 1e-5) * g + b, jnp.zeros_like(x) + g]
+  fn = _row_kernel_call(body, x, g, b, n_out=2)
+  assert _plan(fn, x, g, b).merged == [0]
+  got = jax.jit(fn)(x, g, b)
+  mean = jnp.mean(x, axis=-1, keepdims=True)
+  expected = (x - mean) * lax.rsqrt(jnp.var(x, axis=-1, keepdims=True) + 1e-5) * g + b
+  assert_close(got[0], expected)
+  assert_close(got[1], jnp.broadcast_to(g, x.shape))
+
+
+@pytest.mark.parametrize("name,body,reference,why", [
+    ("row iota", lambda x: [x * lax.broadcasted_iota(f32, x.shape, 0)],
+     lambda x: x * (jnp.arange(x.shape[0]) % 8)[:, None].astype(f32), "varies along them"),
+    ("row sum", lambda x: [x - jnp.sum(x, axis=0)], lambda x: (lambda p: (
+        p - jnp.repeat(p.reshape(-1, 8, p.shape[1]).sum(1), 8, axis=0))[:x.shape[0]])(
+            jnp.pad(x, ((0, -x.shape[0] % 8), (0, 0)))), "reduces over the rows"),
+])
+def test_row_mixing_bodies_keep_vmap_on_overhanging_blocks(name, body, reference, why):
+  x = random_array((37, 32))
+  fn = _row_kernel_call(body, x)
+  plan = _plan(fn, x)
+  assert plan.vectorized == [0] and plan.merged == []
+  assert why in plan.describe()
+  full = x.shape[0] // 8 * 8   # rows of the overhanging block would read undefined rows
+  assert_close(jax.jit(fn)(x)[0][:full], reference(x)[:full])
+
+
+def test_program_id_keeps_vmap_on_overhanging_blocks():
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] + pl.program_id(0).astype(f32)
+  x = random_array((20, 16))
+  spec = pl.BlockSpec((8, 16), lambda i: (i, 0))
+  fn = pl.pallas_call(kernel, out_shape=sds(x), grid=(3,), in_specs=[spec], out_specs=spec)
+  plan = _plan(fn, x)
+  assert plan.vectorized == [0] and "program_id" in plan.describe()
+  assert_close(jax.jit(fn)(x), x + (jnp.arange(20) // 8)[:, None].astype(f32))

@@ -15,6 +15,7 @@ from jax.interpreters import mlir
 from pallet.backends.xla.executor import build
 from pallet.backends.xla.plan import ExecutionPlan, make_plan, vectorization_failure
 from pallet.backends.xla.scratch_accumulators import ScratchRewrite, rewrite
+from pallet.backends.xla.widening import widen_plan
 from pallet.tracing import KernelDescription
 
 NAME = "xla"
@@ -27,7 +28,7 @@ def _planned(kernel: KernelDescription) -> tuple[ExecutionPlan, Callable]:
     plan, fn = _planned(scratch.kernel)
     plan = dataclasses.replace(plan, reasons=[scratch.note] + plan.reasons)
     return plan, lambda *args: scratch.finish(list(fn(*args)))
-  plan = make_plan(kernel)
+  plan = widen_plan(kernel, make_plan(kernel))
   if scratch is not None:
     plan.reasons.append(f"scratch buffers not run as accumulators: {scratch}")
   if kernel.debug:

@@ -21,29 +21,41 @@ from jax import lax
 from pallet import _internals as internals
 from pallet import checks
 from pallet.backends.xla.plan import ExecutionPlan, OperandPlan, element_scale, make_plan
+from pallet.backends.xla import widening
 from pallet.backends.xla.static_indices import fold_static_indices
+from pallet.backends.xla.widening import Widening
 from pallet.tracing import KernelDescription
 
 Body = Callable[..., tuple[list[Any], list[Any]]]
 
 
-def discharged_body(kernel: KernelDescription) -> Body:
+def discharged_body(kernel: KernelDescription, widened: Widening | None = None) -> Body:
   """`body(ids, prefetch, ins, outs, state) -> (outs, state)`, a pure function;
   `ids` holds the grid indices, then the traced grid sizes if any.
 
   `state` is what persists from one grid step to the next: the scalar-prefetch
   operands (kernels may write them, as SMEM on a TPU: ragged paged attention
   keeps its buffer index there), then the scratch buffers. The `prefetch`
-  argument is unused once the prefetch values travel in `state`.
+  argument is unused once the prefetch values travel in `state`. With `widened`,
+  the blocks of that axis arrive side by side and the body runs on all of them.
   """
   gm = kernel.grid_mapping
   n_pre, n_in, n_out = len(gm.prefetch_avals), len(gm.inputs), len(gm.outputs)
-  pure = fold_static_indices(internals.discharge_state(kernel.jaxpr))
+  if widened is not None:
+    pure = widened.pure
+    evaluate = lambda *args: widening.evaluate(pure.jaxpr, pure.consts, args, widened.tags)
+  else:
+    pure = fold_static_indices(internals.discharge_state(kernel.jaxpr))
+    evaluate = lambda *args: jax.core.eval_jaxpr(pure.jaxpr, pure.consts, *args)
 
   def body(ids, prefetch, ins, outs, state):
     del prefetch
-    finals = jax.core.eval_jaxpr(pure.jaxpr, pure.consts, *ids, *state[:n_pre], *ins, *outs,
-                                 *state[n_pre:])
+    finals = evaluate(*ids, *state[:n_pre], *ins, *outs, *state[n_pre:])
+    if widened is not None:   # outputs constant along the rows: stretched to the block
+      finals = list(finals)
+      for o, (p, out) in enumerate(zip(widened.out_dims, outs)):
+        k = n_pre + n_in + o
+        finals[k] = widening.widen_output(finals[k], p, jnp.shape(out)[p])
     return (list(finals[n_pre + n_in:n_pre + n_in + n_out]),
             list(finals[:n_pre]) + list(finals[n_pre + n_in + n_out:]))
   return body
@@ -63,9 +75,10 @@ class _Slab:
     self.sizes, view, self.batch_pos = [], [], {}
     for d, dim in enumerate(op.mapping.dims):
       g = axis_of.get(d)
-      if g in plan.merged:    # widened block, no batch axis
-        self.sizes.append(plan.chunk[g] * dim.size)
-        view.append(plan.chunk[g] * dim.size)
+      if g in plan.merged:    # widened block, no batch axis (at most the padded extent)
+        size = min(plan.chunk[g] * dim.size, op.mapping.array_shape[d] + sum(op.pad[d]))
+        self.sizes.append(size)
+        view.append(size)
         continue
       if g is not None:
         self.sizes.append(plan.chunk[g] * dim.size)
@@ -98,7 +111,8 @@ class _Slab:
     return self.raw(x, start).reshape(self.view)
 
   def batch_first_shape(self, plan: ExecutionPlan) -> tuple[int, ...]:
-    kernel = tuple(d.size for d in self.op.mapping.dims if d.kind != "squeezed")
+    batch = set(self.batch_pos.values())   # the rest: kernel dimensions (widened ones too)
+    kernel = tuple(n for k, n in enumerate(self.view) if k not in batch)
     return tuple(plan.chunk[g] for g in self.levels) + kernel
 
   def summed_raw(self, partial: jax.Array, n_summed: int, dtype: Any) -> jax.Array:
@@ -277,7 +291,7 @@ def build(kernel: KernelDescription, plan: ExecutionPlan | None = None) -> Calla
   """A pure function `(*prefetch, *inputs) -> outputs` computing the kernel's result."""
   plan = plan or make_plan(kernel)
   gm = kernel.grid_mapping
-  body = discharged_body(kernel)
+  body = discharged_body(kernel, widening.of_plan(kernel, plan))
   grid = plan.grid
   n_dyn, n_pre = len(gm.dynamic_axes), len(gm.prefetch_avals)
   aliases = dict((o, i) for i, o in kernel.input_output_aliases)
