@@ -283,3 +283,19 @@ def test_progress_bar_only_on_a_terminal_and_only_with_tqdm(monkeypatch):
   monkeypatch.setitem(sys.modules, "tqdm", None)   # tqdm not installed: no bar, no error
   copy.tune(random_array((256,)))
   assert len(bars) == 1
+
+
+def test_prng_key_arguments_under_jit_use_the_default():
+  @pl.autotune(configs=[{"block": 128}, {"block": 256}], key=("x",))
+  def noisy(x, seed_key, *, block):
+    noise = jax.random.uniform(seed_key, x.shape)
+    spec = pl.BlockSpec((block,), lambda i: (i,))
+    return pallas_call(lambda x_ref, o_ref: o_ref.__setitem__(..., x_ref[...]), sds(x),
+                       grid=(x.shape[0] // block,), in_specs=[spec], out_specs=spec)(x + noise)
+
+  x, k = random_array((512,)), jax.random.key(3)
+  assert_close(jax.jit(noisy)(x, k), x + jax.random.uniform(k, x.shape))
+  assert noisy.last_choice.source == "default"
+  assert "call the function once outside jit" in noisy.last_choice.note
+  noisy(x, k)   # outside jit the call's own key serves as input: tuned
+  assert noisy.last_choice.source == "tuned"
