@@ -163,6 +163,10 @@ class BlockSpec:
       object.__setattr__(self, "block_shape", shape)
       object.__setattr__(self, "index_map", index_map)
 
+  def replace(self, **changes: Any) -> "BlockSpec":
+    """A copy with `changes` applied (Pallas `BlockSpec.replace`)."""
+    return dataclasses.replace(self, **changes)
+
 
 class RevisitMode(enum.Enum):
   """When a TPU pipeline may revisit an output block (`Buffered(revisit=...)`):
