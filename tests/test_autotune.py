@@ -299,3 +299,15 @@ def test_prng_key_arguments_under_jit_use_the_default():
   assert "call the function once outside jit" in noisy.last_choice.note
   noisy(x, k)   # outside jit the call's own key serves as input: tuned
   assert noisy.last_choice.source == "tuned"
+
+
+def test_compare_and_fitting_leave_the_caches_alone(cache_dir):
+  traced = []
+  copy = make_tuned([{"block": 16384}, {"work": 1, "block": 128},
+                     {"work": 256, "block": 128}],
+                    traced, blocks=lambda c: {"x": (c["block"],)})
+  x = random_array((8192,))
+  assert copy.fitting(x) == [{"work": 1, "block": 128}, {"work": 256, "block": 128}]
+  trials = copy.compare(x, configs=copy.fitting(x), rounds=3)
+  assert [t.status for t in trials] == ["ok", "ok"] and trials[0].time_ms < trials[1].time_ms
+  assert copy.last_choice is None and not (cache_dir / "autotune.json").exists()

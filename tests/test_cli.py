@@ -125,6 +125,28 @@ def test_tune_measures_then_reuses_the_cache(capsys):
   assert "median ms" in capsys.readouterr().out
 
 
+def test_tune_confirm_times_default_and_choice_again(capsys, monkeypatch):
+  autotuning = sys.modules["pallet.autotune"]
+  compared = []
+  real = autotuning.Autotuned.compare
+
+  def spy(self, *args, configs=None, rounds=21, **kwargs):
+    compared.append((configs, rounds))
+    return real(self, *args, configs=configs, rounds=rounds, **kwargs)
+
+  monkeypatch.setattr(autotuning.Autotuned, "compare", spy)
+  assert cli.main(["tune", "--size", "tiny", "--only", "demo/vector_add", "--reps", "1",
+                   "--confirm", "2"]) == 0
+  out = capsys.readouterr().out
+  summary = out.splitlines()[-1]
+  if compared:   # the default lost: both timed again, 2 rounds
+    ((configs, rounds),) = compared
+    assert configs[0] == {"block": 65536} and rounds == 2
+    assert "confirmed over 2 rounds" in out and "confirmed x2" in summary
+  else:
+    assert "default is best" in summary
+
+
 def test_tune_lists_and_rejects_unknown_cases(capsys):
   assert cli.main(["tune", "--list"]) == 0
   listed = capsys.readouterr().out.split()

@@ -89,11 +89,21 @@ class Case:
 
 
 @dataclasses.dataclass
+class Recorded:
+  """One choice made inside `recording()`: by which function, for which arguments."""
+  name: str
+  choice: Choice
+  fn: Autotuned
+  args: tuple
+  kwargs: dict
+
+
+@dataclasses.dataclass
 class Session:
-  """The choices made inside `recording()`, as (function name, Choice)."""
+  """The choices made inside `recording()`."""
   force: bool
   reps: int | None = None   # overrides every function's own `reps`
-  choices: list[tuple[str, Choice]] = dataclasses.field(default_factory=list)
+  choices: list[Recorded] = dataclasses.field(default_factory=list)
   tuned: set[str] = dataclasses.field(default_factory=set)
 
 
@@ -181,6 +191,12 @@ class Autotuned:
     """The config a call with these arguments runs with (tuning now if need be)."""
     return self._choose(args, kwargs, force=False)
 
+  def fitting(self, *args: Any, **kwargs: Any) -> list[Config]:
+    """The configs that fit these arguments, in order (the first is the default)."""
+    bound = self._bind(args, kwargs)
+    shapes = {n: _shape_tree(v) for n, v in bound.items() if _has_arrays(v)}
+    return self._fitting(shapes, environment()["backend"])[0]
+
   def tune(self, *args: Any, **kwargs: Any) -> Choice:
     """Measures every config for these arguments now, ignoring both caches."""
     return self._choose(args, kwargs, force=True)
@@ -197,7 +213,8 @@ class Autotuned:
     session = _session
     force = force or (session is not None and session.force and key_text not in session.tuned)
     if not force and key_text in self._memory:
-      return self._record(Choice(self._memory[key_text], "cache", key), key_text)
+      return self._record(Choice(self._memory[key_text], "cache", key), key_text, args,
+                          kwargs)
     shapes = {n: _shape_tree(v) for n, v in bound.items() if _has_arrays(v)}
     candidates, trials = self._fitting(shapes, key["backend"])
     if not candidates:
@@ -219,12 +236,12 @@ class Autotuned:
         if self._verbose():
           print(f"pallet.autotune: {self.name} {_shapes_summary(shapes)} on "
                 f"{key['backend']}\n{choice.table()}", file=sys.stderr)
-    return self._record(choice, key_text)
+    return self._record(choice, key_text, args, kwargs)
 
-  def _record(self, choice: Choice, key_text: str) -> Choice:
+  def _record(self, choice: Choice, key_text: str, args: tuple, kwargs: dict) -> Choice:
     self.last_choice = choice
     if _session is not None:
-      _session.choices.append((self.name, choice))
+      _session.choices.append(Recorded(self.name, choice, self, args, kwargs))
       if choice.source == "tuned":
         _session.tuned.add(key_text)
     return choice
@@ -295,6 +312,27 @@ class Autotuned:
   # ---------------------------------------------------------------- measuring
   def _measure(self, args: tuple, kwargs: dict, key: dict, candidates: list[Config],
                trials: list[Trial]) -> Choice:
+    reps = (_session and _session.reps) or self.reps
+    measured = self._trials(args, kwargs, candidates, reps)
+    timed = [t for t in measured if t.status == "ok"]
+    if not timed:
+      raise PalletError(
+          f"autotune of '{self.name}': every config failed:\n"
+          + "\n".join(f"  {config_text(t.config)}: {t.status}: {t.note}" for t in measured))
+    best = min(timed, key=lambda t: t.time_ms)
+    return Choice(best.config, "tuned", key, measured + trials)
+
+  def compare(self, *args: Any, configs: Sequence[Mapping[str, Any]] | None = None,
+              rounds: int = 21, **kwargs: Any) -> list[Trial]:
+    """Times `configs` (default: all of them) on these arguments in `rounds`
+    interleaved rounds, touching neither cache: e.g. the default against the choice."""
+    chosen = [dict(c) for c in configs] if configs is not None else self.configs
+    return self._trials(args, kwargs, chosen, rounds)
+
+  def _trials(self, args: tuple, kwargs: dict, configs: list[Config],
+              reps: int) -> list[Trial]:
+    """Compiles each config, runs it `warmup` times (checking its output against the
+    first one's), then times `reps` rounds, each calling every config once."""
     leaves, treedef = jax.tree.flatten((args, kwargs))
     dynamic = [i for i, x in enumerate(leaves) if _is_array(x)]
     with internals.eval_context():
@@ -307,13 +345,12 @@ class Autotuned:
         a, kw = jax.tree.unflatten(treedef, filled)
         return self.fn(*a, **{**kw, **config})
 
-      reps = (_session and _session.reps) or self.reps
-      bar = _progress(len(candidates) + reps, f"autotune {self.name}")
+      bar = _progress(len(configs) + reps, f"autotune {self.name}")
       ran: dict[int, Any] = {}
       samples: dict[int, list[float]] = {}
       outcome: dict[int, Trial] = {}
       expected, expected_from = None, None
-      for i, config in enumerate(candidates):
+      for i, config in enumerate(configs):
         try:
           exe = jax.jit(functools.partial(run, config)).lower(*inputs).compile()
           out = jax.block_until_ready(exe(*inputs))
@@ -330,7 +367,8 @@ class Autotuned:
             outcome[i] = Trial(config, "mismatch", note=diff)
             warnings.warn(f"autotune of '{self.name}': config {config_text(config)} "
                           f"computes a different result than {config_text(expected_from)} "
-                          f"({diff}); one of them is wrong. Dropped it.", stacklevel=4)
+                          f"({diff}); one of them is wrong. Dropped it.",
+                          stacklevel=_user_stacklevel())
           else:
             if expected is None:
               expected, expected_from = out, config
@@ -346,16 +384,9 @@ class Autotuned:
           bar.update(1)
       if bar is not None:
         bar.close()
-    for i, s in samples.items():
-      outcome[i] = Trial(candidates[i], "ok", 1e3 * statistics.median(s))
-    measured = [outcome[i] for i in range(len(candidates))]
-    timed = [t for t in measured if t.status == "ok"]
-    if not timed:
-      raise PalletError(
-          f"autotune of '{self.name}': every config failed:\n"
-          + "\n".join(f"  {config_text(t.config)}: {t.status}: {t.note}" for t in measured))
-    best = min(timed, key=lambda t: t.time_ms)
-    return Choice(best.config, "tuned", key, measured + trials)
+    for i, times in samples.items():
+      outcome[i] = Trial(configs[i], "ok", 1e3 * statistics.median(times))
+    return [outcome[i] for i in range(len(configs))]
 
   # ---------------------------------------------------------------- arguments and keys
   def _bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -617,6 +648,14 @@ def config_text(config: Config | None) -> str:
 def _describe(e: BaseException) -> str:
   text = str(e).strip().splitlines()
   return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+def _user_stacklevel() -> int:
+  """The `stacklevel` that points a warning at the first frame outside this module."""
+  frame, level = sys._getframe(1), 1
+  while frame is not None and frame.f_code.co_filename == __file__:
+    frame, level = frame.f_back, level + 1
+  return level
 
 
 def _progress(total: int, desc: str) -> Any:

@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
   tune.add_argument("--backend", choices=("xla", "triton"), default=None,
                     help="pallet backend to tune on (default: pallet's default for "
                          "this machine)")
+  tune.add_argument("--confirm", type=_positive_int, default=None, metavar="ROUNDS",
+                    help="after tuning, time the default and the chosen config again in "
+                         "ROUNDS interleaved rounds of their own (default: off)")
   tune.add_argument("--clear-cache", action="store_true",
                     help="delete the autotune cache file first (default: off)")
   sub.add_parser("info", help="versions and available backends")
@@ -87,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
   if args.command == "tune":
     from pallet import tune as tune_lib
     return tune_lib.run(only=args.only, list_only=args.list, size=args.size, reps=args.reps,
-                        force=args.force, backend=args.backend, clear=args.clear_cache)
+                        force=args.force, backend=args.backend, clear=args.clear_cache,
+                        confirm=args.confirm or 0)
   if args.command == "info":
     import jax
     import pallet

@@ -3,13 +3,16 @@
 The cases come from `pallet.ops.tuning_cases(size)` where pallet.ops provides it, and
 from the demo gallery (`pallet.demo.tuning_cases`). Each case calls autotuned code on
 example inputs; every choice made meanwhile is reported: the table of configs tried,
-and the default (first fitting) config's time beside the chosen one's.
+and the default (first fitting) config's time beside the chosen one's, timed again
+in rounds of their own with `--confirm N`.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 
@@ -52,7 +55,7 @@ def _matches(name: str, wanted: str) -> bool:
 
 def run(*, only: Sequence[str] = (), list_only: bool = False, size: str = "full",
         reps: int | None = None, force: bool = False, backend: str | None = None,
-        clear: bool = False) -> int:
+        clear: bool = False, confirm: int = 0) -> int:
   """Tunes the selected cases; 0 when every case ran, 1 otherwise."""
   context = backends.default_backend(backend) if backend else contextlib.nullcontext()
   with context:
@@ -84,43 +87,80 @@ def run(*, only: Sequence[str] = (), list_only: bool = False, size: str = "full"
           print(f"    failed: {type(e).__name__}: {e}")
           failures += 1
           continue
-      for name, choice in _distinct(session.choices):
-        rows.append((case.name, name, choice))
+      for record in _distinct(session.choices):
+        choice = record.choice
         if choice.source == "tuned":
           print("    " + choice.table().replace("\n", "\n    "))
         else:
-          print(f"    {name}: {choice.source} {autotuning.config_text(choice.config)}"
+          print(f"    {record.name}: {choice.source} "
+                f"{autotuning.config_text(choice.config)}"
                 + (f" ({choice.note})" if choice.note else ""))
+        row = Row.of(case.name, record)
+        if confirm:
+          row = row.confirmed(record, confirm)
+        rows.append(row)
   print()
   print(summary(rows))
   return 1 if failures else 0
 
 
-def _distinct(choices: list) -> list:
+def _distinct(records: list) -> list:
   seen, out = set(), []
-  for name, choice in choices:
-    ident = (name, autotuning.canonical(choice.key))
+  for record in records:
+    ident = (record.name, autotuning.canonical(record.choice.key))
     if ident not in seen:
       seen.add(ident)
-      out.append((name, choice))
+      out.append(record)
   return out
 
 
-def summary(rows: list) -> str:
+@dataclasses.dataclass
+class Row:
+  """One tuned function of a case: the default (first fitting) config beside the
+  chosen one, with their times from the tuning rounds or, confirmed, from rounds
+  of their own."""
+  case: str
+  function: str
+  default: dict | None
+  default_ms: float | None
+  chosen: dict
+  chosen_ms: float | None
+  how: str
+
+  @classmethod
+  def of(cls, case: str, record: Any) -> Row:
+    choice = record.choice
+    timed = {autotuning.canonical(t.config): t.time_ms for t in choice.trials
+             if t.status == "ok"}
+    default = next((t.config for t in choice.trials if t.status != "pruned"), None)
+    return cls(case, record.name.split(".")[-1], default,
+               timed.get(autotuning.canonical(default)), choice.config,
+               timed.get(autotuning.canonical(choice.config)), choice.source)
+
+  def confirmed(self, record: Any, rounds: int) -> Row:
+    """Times the default and the chosen config again, interleaved, `rounds` times."""
+    default = record.fn.fitting(*record.args, **record.kwargs)[0]
+    if default == self.chosen:
+      return dataclasses.replace(self, default=default, how="default is best")
+    trials = record.fn.compare(*record.args, configs=[default, self.chosen], rounds=rounds,
+                               **record.kwargs)
+    d_ms, c_ms = (t.time_ms for t in trials)
+    print(f"    confirmed over {rounds} rounds: default {autotuning.config_text(default)} "
+          f"{_ms(d_ms)} ms, chosen {autotuning.config_text(self.chosen)} {_ms(c_ms)} ms")
+    return dataclasses.replace(self, default=default, default_ms=d_ms, chosen_ms=c_ms,
+                               how=f"confirmed x{rounds}")
+
+
+def summary(rows: list[Row]) -> str:
   """One line per tuned function: default config and time, chosen config and time."""
-  lines = [f"{'case':<22}{'function':<24}{'default':<22}{'ms':>9}  {'chosen':<22}"
-           f"{'ms':>9}{'speed-up':>10}"]
-  for case, name, choice in rows:
-    timed = {autotuning.canonical(t.config): t for t in choice.trials if t.status == "ok"}
-    default = next((t for t in choice.trials if t.status != "pruned"), None)
-    best = timed.get(autotuning.canonical(choice.config))
-    d_ms = default.time_ms if default is not None and default.status == "ok" else None
-    b_ms = best.time_ms if best is not None else None
-    speedup = f"{d_ms / b_ms:.2f}x" if d_ms and b_ms else choice.source
-    lines.append(f"{case:<22}{name.split('.')[-1]:<24}"
-                 f"{autotuning.config_text(default.config) if default else '-':<22}"
-                 f"{_ms(d_ms):>9}  {autotuning.config_text(choice.config):<22}"
-                 f"{_ms(b_ms):>9}{speedup:>10}")
+  lines = [f"{'case':<22}{'function':<22}{'default':<24}{'ms':>9}  {'chosen':<24}"
+           f"{'ms':>9}{'speed-up':>10}  timed"]
+  for r in rows:
+    speedup = f"{r.default_ms / r.chosen_ms:.2f}x" if r.default_ms and r.chosen_ms else "-"
+    default = autotuning.config_text(r.default) if r.default is not None else "-"
+    lines.append(f"{r.case:<22}{r.function:<22}{default:<24}{_ms(r.default_ms):>9}  "
+                 f"{autotuning.config_text(r.chosen):<24}{_ms(r.chosen_ms):>9}"
+                 f"{speedup:>10}  {r.how}")
   return "\n".join(lines)
 
 
