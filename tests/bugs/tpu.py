@@ -13,7 +13,10 @@ from helpers import random_array
 
 F32 = jnp.float32
 NO_TRITON_DMA = "DMAs and semaphores run on the XLA backend only"
-MATMUL_INPUTS = lambda: (random_array((64, 128)), random_array((128, 128)))  # noqa: E731
+
+
+def _matmul_inputs():
+  return random_array((64, 128)), random_array((128, 128))
 
 
 def _matmul_reference(x, y):
@@ -32,7 +35,7 @@ def _tpu_matmul(kernel, **call):
           dimension_semantics=("parallel", "parallel", "arbitrary")), **call)
 
 
-@bug_case(kind="uninitialized", ref="acc_ref", inputs=MATMUL_INPUTS,
+@bug_case(kind="uninitialized", ref="acc_ref", inputs=_matmul_inputs,
           reference=_matmul_reference, matmul=True)
 def scratch_accumulator_never_zeroed(bug, **call):
   """A TPU matmul accumulating in VMEM scratch without zeroing it at k == 0."""
@@ -52,7 +55,7 @@ def scratch_accumulator_never_zeroed(bug, **call):
   return _tpu_matmul(kernel, **call)
 
 
-@bug_case(kind="uninitialized", ref="acc_ref", inputs=MATMUL_INPUTS,
+@bug_case(kind="uninitialized", ref="acc_ref", inputs=_matmul_inputs,
           reference=_matmul_reference, matmul=True)
 def scratch_accumulator_zeroed_on_wrong_step(bug, **call):
   """The accumulator is zeroed at the last k step instead of the first."""
@@ -73,7 +76,7 @@ def scratch_accumulator_zeroed_on_wrong_step(bug, **call):
   return _tpu_matmul(kernel, **call)
 
 
-@bug_case(kind="race", ref="acc_ref", inputs=MATMUL_INPUTS,
+@bug_case(kind="race", ref="acc_ref", inputs=_matmul_inputs,
           reference=_matmul_reference, matmul=True)
 def scratch_accumulator_zeroed_on_wrong_axis(bug, **call):
   """The accumulator is zeroed when i == 0 (a parallel axis) instead of when k == 0."""
