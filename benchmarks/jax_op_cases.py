@@ -154,11 +154,20 @@ def _key_inputs(key):
 
 
 # ------------------------------------------------------------------ GPU ops
+def _softmax_f32(x):
+  """The op on bf16: computed in f32, the result cast back (so is the twin)."""
+  return _softmax(x.astype(jnp.float32)).astype(x.dtype)
+
+
 def _gpu_rowwise(size: Size) -> list[Benchmark]:
   b, t, n = {"full": (4, 1024, 1024), "small": (2, 128, 256), "tiny": (2, 4, 128)}[size]
   shapes = f"{b}x{t}x{n} f32, one kernel instance per row"
   norm_inputs = lambda key: _normal(key, 3, (b, t, n), (n,), (n,))
+  bf16_inputs = lambda key: tuple(x.astype(jnp.bfloat16) for x in _normal(key, 1, (b, t, n)))
   return [
+      _case("op_gpu_softmax_bf16", "gpu/softmax", gpu=True, grid=(b * t,),
+            shapes=shapes.replace("f32", "bf16"), make_inputs=bf16_inputs, twin=_softmax_f32,
+            run=lambda m, x, **kw: m.softmax(x, **kw), rtol=1e-2, atol=1e-2),
       _case("op_gpu_softmax", "gpu/softmax", gpu=True, grid=(b * t,), shapes=shapes,
             make_inputs=lambda key: _normal(key, 1, (b, t, n)), twin=_softmax,
             run=lambda m, x, **kw: m.softmax(x, **kw), rtol=1e-5, atol=1e-6),
@@ -209,6 +218,28 @@ def _gpu_decode(size: Size) -> Benchmark:
 
   return _case("op_gpu_decode_gqa", "gpu/decode_attention", gpu=True, grid=(b, hkv, 1, splits),
                shapes=f"B{b} Hq{hq} Hkv{hkv} S{s} D{d} f32, kv_seq_len, {splits} splits",
+               make_inputs=make_inputs, twin=twin, run=run)
+
+
+def _gpu_decode_mqa(size: Size) -> Benchmark:
+  b, h, s, d, splits, block_k = {"full": (8, 32, 4096, 128, 16, 128),
+                                 "small": (2, 8, 512, 64, 4, 64),
+                                 "tiny": (2, 8, 64, 32, 4, 16)}[size]
+
+  def make_inputs(key):
+    q, k, v = _normal(key, 3, (b, h, d), (b, s, d), (b, s, d))
+    return q, k, v, jnp.arange(b, dtype=jnp.int32) * (s // (2 * b)) + s // 2
+
+  run = lambda m, q, k, v, lengths, **kw: m.mqa(q, k, v, None, lengths, block_h=16,
+                                                block_k=block_k, k_splits=splits, **kw)
+
+  def twin(q, k, v, lengths):
+    mask = (jnp.arange(s)[None, :] < lengths[:, None])[:, None, None, :]
+    out = _attend(q[:, :, None], k[:, None], v[:, None], mask, d ** -0.5)
+    return out[:, :, 0]
+
+  return _case("op_gpu_decode_mqa", "gpu/decode_attention", gpu=True, grid=(b, 1, splits),
+               shapes=f"B{b} H{h} S{s} D{d} f32 (one kv head), kv_seq_len, {splits} splits",
                make_inputs=make_inputs, twin=twin, run=run)
 
 
@@ -335,6 +366,14 @@ def _tpu_splash(size: Size) -> Benchmark:
                twin=lambda q, k, v: _attend(q, k, v, _causal(t, t)), run=run)
 
 
+def _tpu_example(size: Size) -> Benchmark:
+  shape = {"full": (1024, 1024), "small": (512, 512), "tiny": (64, 128)}[size]
+  return _case("op_tpu_example_double", "tpu/example_kernel", gpu=False, grid=(1,),
+               shapes=f"{shape[0]}x{shape[1]} f32, one grid-less call",
+               make_inputs=lambda key: _normal(key, 1, shape), twin=lambda x: 2 * x,
+               run=lambda m, x: m.double(x), rtol=0, atol=0)
+
+
 def _tpu_random(size: Size) -> list[Benchmark]:
   shape = {"full": (1024, 1024), "small": (512, 512), "tiny": (256, 512)}[size]
   grid = (shape[0] // 256, shape[1] // 256)
@@ -351,7 +390,8 @@ def _tpu_random(size: Size) -> list[Benchmark]:
 
 _ROWS: tuple[tuple[str, Callable[[Size], Benchmark | list[Benchmark]]], ...] = (
     ("gpu/softmax", _gpu_rowwise), ("gpu/attention", _gpu_mha),
-    ("gpu/decode_attention", _gpu_decode), ("gpu/paged_attention", _gpu_paged),
+    ("gpu/decode_attention", _gpu_decode), ("gpu/decode_attention", _gpu_decode_mqa),
+    ("gpu/paged_attention", _gpu_paged), ("tpu/example_kernel", _tpu_example),
     ("tpu/matmul", _tpu_matmul), ("tpu/flash_attention", _tpu_flash),
     ("tpu/megablox/gmm", _tpu_gmm), ("tpu/paged_attention", _tpu_paged),
     ("tpu/splash_attention", _tpu_splash), ("tpu/random/philox", _tpu_random),

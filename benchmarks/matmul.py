@@ -3,6 +3,10 @@
 This is the canonical Pallas reduction-over-the-grid pattern: the output block
 index ignores k, the block is zeroed at k == 0 with `pl.when` and `+=` at every
 step, so a backend must keep the block resident across the k axis.
+
+`matmul_scratch` is the TPU form of the same product (JAX's ops/tpu/matmul.py and
+the Pallas TPU docs): an f32 scratch buffer is zeroed at k == 0 and `+=` every
+step, and the output block is written from it (a cast) on the last k step only.
 """
 from __future__ import annotations
 
@@ -36,6 +40,25 @@ def matmul_kernel(pl: ModuleType):
   return kernel
 
 
+def scratch_matmul_kernel(pl: ModuleType):
+  """acc += x[i, k] @ y[k, j] in a scratch buffer; o = acc on the last k step."""
+
+  def kernel(x_ref, y_ref, o_ref, acc_ref):
+    k = pl.program_id(2)
+
+    @pl.when(k == 0)
+    def _zero():
+      acc_ref[...] = jnp.zeros(acc_ref.shape, acc_ref.dtype)
+
+    acc_ref[...] += jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32)
+
+    @pl.when(k == pl.num_programs(2) - 1)
+    def _store():
+      o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+
+  return kernel
+
+
 def blocked_matmul(pl: ModuleType, *, m: int, n: int, k: int, block: int,
                    **call_kwargs: Any):
   return pl.pallas_call(
@@ -45,6 +68,20 @@ def blocked_matmul(pl: ModuleType, *, m: int, n: int, k: int, block: int,
       in_specs=[pl.BlockSpec((block, block), lambda i, j, kk: (i, kk)),
                 pl.BlockSpec((block, block), lambda i, j, kk: (kk, j))],
       out_specs=pl.BlockSpec((block, block), lambda i, j, kk: (i, j)),
+      **call_kwargs,
+  )
+
+
+def scratch_matmul(pl: ModuleType, *, m: int, n: int, k: int, block: int,
+                   **call_kwargs: Any):
+  return pl.pallas_call(
+      scratch_matmul_kernel(pl),
+      out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32),
+      grid=(m // block, n // block, k // block),
+      in_specs=[pl.BlockSpec((block, block), lambda i, j, kk: (i, kk)),
+                pl.BlockSpec((block, block), lambda i, j, kk: (kk, j))],
+      out_specs=pl.BlockSpec((block, block), lambda i, j, kk: (i, j)),
+      scratch_shapes=[pl.tpu.VMEM((block, block), jnp.float32)],
       **call_kwargs,
   )
 
@@ -62,16 +99,15 @@ def _inputs(m: int, n: int, k: int, key: jax.Array) -> tuple[jax.Array, ...]:
 def benchmarks(size: Size) -> list[Benchmark]:
   s = SIZES[size]
   m, n, k, b = s["m"], s["n"], s["k"], s["block"]
-  return [Benchmark(
-      name="matmul",
-      family="matmul",
-      grid=(m // b, n // b, k // b),
-      shapes=f"{m}x{k} @ {k}x{n} f32, {b}x{b} blocks",
-      make_inputs=functools.partial(_inputs, m, n, k),
-      reference=matmul_reference,
-      build_pallas=functools.partial(blocked_matmul, **s),
-      # f32 sums of k products of unit normals: entries ~ sqrt(k), summed in a
-      # different order than XLA's dot.
-      rtol=1e-4,
-      atol=1e-4 * k ** 0.5,
-  )]
+  # f32 sums of k products of unit normals: entries ~ sqrt(k), summed in a different
+  # order than XLA's dot.
+  common = dict(family="matmul", grid=(m // b, n // b, k // b),
+                make_inputs=functools.partial(_inputs, m, n, k), reference=matmul_reference,
+                rtol=1e-4, atol=1e-4 * k ** 0.5)
+  return [
+      Benchmark(name="matmul", shapes=f"{m}x{k} @ {k}x{n} f32, {b}x{b} blocks",
+                build_pallas=functools.partial(blocked_matmul, **s), **common),
+      Benchmark(name="matmul_scratch",
+                shapes=f"{m}x{k} @ {k}x{n} f32, {b}x{b} blocks, f32 scratch accumulator",
+                build_pallas=functools.partial(scratch_matmul, **s), **common),
+  ]

@@ -11,8 +11,9 @@ from typing import Any
 from benchmarks.runner import BenchmarkResult, VariantResult
 
 # Targets for the backend (issue 3); the suite reports them, it does not enforce them.
-GEOMEAN_TARGET = 1.2
-MAX_RATIO_TARGET = 2.0
+GEOMEAN_TARGET = 1.1        # issue 10: over the whole suite, JAX's kernel library included
+MAX_RATIO_TARGET = 1.5
+COMPILE_RATIO_TARGET = 2.0  # first call (trace + compile) against jax.numpy's
 PEER_SPEEDUP_TARGET = 100.0
 PEER_SPEEDUP_MIN_STEPS = 256
 
@@ -31,7 +32,9 @@ class Columns:
   @property
   def header(self) -> tuple[str, ...]:
     r, s, p = self.reference, self.subject, self.peer
-    return ("kernel", "grid steps", f"{r} ms", f"{s} ms", f"{s}/{r}", f"{p} ms", f"{p}/{s}")
+    return ("kernel", "grid steps", f"{r} ms", f"{s} ms", f"{s}/{r}", f"{p} ms", f"{p}/{s}",
+            f"{r} compile s", f"{s} compile s", f"{s}/{r} compile", f"{p} compile s",
+            f"{r} MiB", f"{s} MiB")
 
 
 CPU_COLUMNS = Columns()
@@ -49,6 +52,8 @@ class Summary:
   # PEER_SPEEDUP_TARGET of the reference, so even reference speed misses that target.
   peer_bound: tuple[tuple[str, float], ...] = ()
   cols: Columns = CPU_COLUMNS
+  compile_geomean: float | None = None
+  compile_max: tuple[str, float] | None = None
 
   def lines(self, targets: bool = True) -> list[str]:
     """Summary lines; with `targets`, each says whether the CPU target is met."""
@@ -68,6 +73,11 @@ class Summary:
       name, value = self.max_ratio
       out.append(f"{sub_ref} max: {value:.2f} ({name}) "
                  f"(target <= {MAX_RATIO_TARGET}: {verdict(value <= MAX_RATIO_TARGET)})")
+    if self.compile_max is not None:
+      name, value = self.compile_max
+      out.append(f"{sub_ref} compile time (first call: trace + compile) geomean "
+                 f"{self.compile_geomean:.2f}, max {value:.2f} ({name}) (target <= "
+                 f"{COMPILE_RATIO_TARGET}: {verdict(value <= COMPILE_RATIO_TARGET)})")
     if self.min_peer_speedup is None:
       out.append(f"{peer_sub} min over kernels with >= {PEER_SPEEDUP_MIN_STEPS} "
                  "grid steps: n/a (none timed)")
@@ -97,16 +107,32 @@ def split_library(results: Sequence[BenchmarkResult]
   return [r for r in results if r not in library], library
 
 
+def compile_ratio(r: BenchmarkResult, numerator: str, denominator: str) -> float | None:
+  """compile seconds of numerator / denominator, None unless both compiled."""
+  num, den = r.variants.get(numerator), r.variants.get(denominator)
+  if num is None or den is None or num.status in ("error", "skipped") or \
+      den.status in ("error", "skipped") or not num.compile_s or not den.compile_s:
+    return None
+  return num.compile_s / den.compile_s
+
+
+def _geomean(values: Sequence[float]) -> float | None:
+  return math.exp(sum(math.log(x) for x in values) / len(values)) if values else None
+
+
 def summarize(results: Sequence[BenchmarkResult], cols: Columns = CPU_COLUMNS) -> Summary:
   ratios = [(r.bench.name, r.ratio(cols.subject, cols.reference)) for r in results]
   timed = [(n, x) for n, x in ratios if x is not None]
+  compiles = [(r.bench.name, x) for r in results
+              if (x := compile_ratio(r, cols.subject, cols.reference)) is not None]
   speedups = [(r.bench.name, r.ratio(cols.peer, cols.subject)) for r in results
               if r.bench.grid_steps >= PEER_SPEEDUP_MIN_STEPS]
   speedups = [(n, x) for n, x in speedups if x is not None]
   return Summary(
-      geomean=(math.exp(sum(math.log(x) for _, x in timed) / len(timed))
-               if timed else None),
+      geomean=_geomean([x for _, x in timed]),
       count=len(timed),
+      compile_geomean=_geomean([x for _, x in compiles]),
+      compile_max=max(compiles, key=lambda t: t[1]) if compiles else None,
       max_ratio=max(timed, key=lambda t: t[1]) if timed else None,
       min_peer_speedup=min(speedups, key=lambda t: t[1]) if speedups else None,
       peer_count=len(speedups),
@@ -144,6 +170,18 @@ def _ratio_cell(value: float | None, suffix: str = "") -> str:
   return "-" if value is None else _format_number(value) + suffix
 
 
+def _compile_cell(result: VariantResult | None) -> str:
+  if result is None or result.compile_s is None or result.status in ("error", "skipped"):
+    return "-"
+  return _format_number(result.compile_s)
+
+
+def _memory_cell(result: VariantResult | None) -> str:
+  if result is None or result.peak_bytes is None:
+    return "-"
+  return _format_number(result.peak_bytes / 2 ** 20)
+
+
 def table_rows(results: Sequence[BenchmarkResult],
                cols: Columns = CPU_COLUMNS) -> list[tuple[str, ...]]:
   rows = []
@@ -153,7 +191,11 @@ def table_rows(results: Sequence[BenchmarkResult],
                  time_cell(v.get(cols.subject)),
                  _ratio_cell(r.ratio(cols.subject, cols.reference)),
                  time_cell(v.get(cols.peer)),
-                 _ratio_cell(r.ratio(cols.peer, cols.subject), "x")))
+                 _ratio_cell(r.ratio(cols.peer, cols.subject), "x"),
+                 _compile_cell(v.get(cols.reference)), _compile_cell(v.get(cols.subject)),
+                 _ratio_cell(compile_ratio(r, cols.subject, cols.reference)),
+                 _compile_cell(v.get(cols.peer)),
+                 _memory_cell(v.get(cols.reference)), _memory_cell(v.get(cols.subject))))
   return rows
 
 
@@ -189,7 +231,7 @@ def footnotes(results: Sequence[BenchmarkResult], limit: int = 600) -> list[str]
 
 def to_json(results: Sequence[BenchmarkResult], meta: dict[str, Any],
             cols: Columns = CPU_COLUMNS) -> dict[str, Any]:
-  summary = summarize(split_library(results)[0], cols)
+  summary = summarize(results, cols)
   sub_ref, peer_sub = (f"{cols.subject}_over_{cols.reference}",
                        f"{cols.peer}_over_{cols.subject}")
   return {
@@ -197,6 +239,8 @@ def to_json(results: Sequence[BenchmarkResult], meta: dict[str, Any],
       "summary": {
           f"{sub_ref}_geomean": summary.geomean,
           f"{sub_ref}_max": summary.max_ratio,
+          f"{sub_ref}_compile_geomean": summary.compile_geomean,
+          f"{sub_ref}_compile_max": summary.compile_max,
           f"{peer_sub}_min_ge_{PEER_SPEEDUP_MIN_STEPS}_steps": summary.min_peer_speedup,
           f"{cols.subject}_untimed": list(summary.untimed_subject),
       },
@@ -207,12 +251,14 @@ def to_json(results: Sequence[BenchmarkResult], meta: dict[str, Any],
           "grid": list(r.bench.grid),
           "grid_steps": r.bench.grid_steps,
           sub_ref: r.ratio(cols.subject, cols.reference),
+          f"{sub_ref}_compile": compile_ratio(r, cols.subject, cols.reference),
           peer_sub: r.ratio(cols.peer, cols.subject),
           "variants": {name: {
               "status": v.status,
               "median_ms": v.median_ms,
               "samples_ms": [1e3 * s for s in v.samples_s],
               "compile_s": v.compile_s,
+              "peak_bytes": v.peak_bytes,
               "message": v.message,
           } for name, v in r.variants.items()},
       } for r in results],

@@ -2,7 +2,10 @@
 
 Timing method (also in docs/performance.md):
   * Each variant is compiled ahead of time (`jax.jit(...).lower(...).compile()`),
-    so compilation is never inside a timed call; compile seconds are recorded.
+    so compilation is never inside a timed call; those seconds (trace + lower +
+    compile: what a first call costs beyond its run) are recorded, and so is the
+    compiled program's peak memory from XLA's memory analysis (arguments +
+    outputs + temporaries - aliased bytes).
   * One untimed warm-up call per variant; its output is checked against the
     jax.numpy output, and a mismatch stops that variant from being timed.
   * Then `reps` rounds; each round calls every variant once, in a fixed order,
@@ -36,6 +39,7 @@ class VariantResult:
   status: Status
   samples_s: list[float] = dataclasses.field(default_factory=list)
   compile_s: float | None = None
+  peak_bytes: int | None = None
   message: str = ""
 
   @property
@@ -79,6 +83,19 @@ def describe_exception(e: BaseException) -> str:
   return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
+def peak_memory(compiled: Any) -> int | None:
+  """Bytes a compiled program holds at once, per XLA's memory analysis (None where
+  the backend gives none)."""
+  try:
+    m = compiled.memory_analysis()
+  except Exception:  # noqa: BLE001 - an analysis is optional per backend
+    return None
+  if m is None:
+    return None
+  return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+             - m.alias_size_in_bytes)
+
+
 def _time_once(fn: Callable[..., Any], args: Sequence[jax.Array]) -> tuple[float, Any]:
   start = time.perf_counter()
   out = jax.block_until_ready(fn(*args))
@@ -110,8 +127,10 @@ def run_benchmark(bench: Benchmark, variants: Sequence[Variant], *, reps: int,
       continue
     start = time.perf_counter()
     try:
-      compiled[v] = jax.jit(variant.build(bench)).lower(*args).compile()
-      results[v] = VariantResult("ok")
+      program = variant.build(bench)   # imports and op-module loading: not a first call
+      start = time.perf_counter()
+      compiled[v] = jax.jit(program).lower(*args).compile()
+      results[v] = VariantResult("ok", peak_bytes=peak_memory(compiled[v]))
     except Exception as e:  # noqa: BLE001 - any failure is reported per variant
       results[v] = VariantResult("error", message=f"compile: {describe_exception(e)}")
     results[v].compile_s = time.perf_counter() - start
