@@ -44,6 +44,7 @@ class BlockMapping:
   index_map: Any                    # closed jaxpr: (*grid_ids, *prefetch refs) -> ndim int32
   memory_space: specs_lib.MemorySpace | None
   whole: bool                       # no BlockSpec given: the kernel sees the whole array
+  index_map_source: str = ""        # "file:line" of the user's index map, for messages
 
   @property
   def block_shape(self) -> tuple[int, ...]:
@@ -283,7 +284,15 @@ def block_mapping(spec: Any, aval: jax.core.ShapedArray, origin: str,
   jaxpr = trace_index_map(spec.index_map, grid, prefetch_avals, len(shape), where,
                           prefetch_tree, slice_dims)
   return BlockMapping(origin=origin, array_shape=shape, dtype=aval.dtype, dims=dims,
-                      index_map=jaxpr, memory_space=memory_space, whole=whole)
+                      index_map=jaxpr, memory_space=memory_space, whole=whole,
+                      index_map_source=_function_source(spec.index_map))
+
+
+def _function_source(fn: Any) -> str:
+  try:
+    return f"{inspect.getsourcefile(fn)}:{inspect.getsourcelines(fn)[1]}"
+  except (TypeError, OSError):
+    return ""
 
 
 def _is_spec_leaf(x: Any) -> bool:

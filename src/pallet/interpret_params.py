@@ -8,8 +8,8 @@ index, `uninitialized_memory="nan"` poisons fresh memory and reports reads of it
 `detect_races=True` reports programs of parallel grid axes touching the same
 element. The fields are accepted with JAX 0.12's names and defaults; the
 simulator's other knobs (DMA timing, vector clocks, ...) have no counterpart here.
-pallet adds opt-in checks: `detect_nans`, `detect_overflow` (int32 add/sub/mul),
-`detect_unwritten` (output elements no program wrote) and `debug_checks` (every
+pallet adds opt-in checks: `detect_nans`, `detect_int_overflow` (int32 add/sub/mul),
+`detect_unwritten_outputs` (output elements no program wrote) and `debug_checks` (every
 failed `pl.debug_check`).
 """
 from __future__ import annotations
@@ -45,8 +45,8 @@ class InterpretParams:
   buffer_bounds: Literal["logical", "padded"] = "logical"
   # pallet's opt-in checks (not in JAX)
   detect_nans: bool = False
-  detect_overflow: bool = False
-  detect_unwritten: bool = False
+  detect_int_overflow: bool = False
+  detect_unwritten_outputs: bool = False
   debug_checks: bool = False
 
   @property

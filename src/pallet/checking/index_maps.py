@@ -20,11 +20,12 @@ from pallet.tracing import KernelDescription
 
 
 def _line(mapping: BlockMapping, kernel: KernelDescription) -> str:
+  """The line computing the index map's result, else where the index map is defined."""
   for eqn in mapping.index_map.jaxpr.eqns:
     src = internals.equation_source(eqn)
     if src:
       return f"{src[0]}:{src[1]}"
-  return kernel.source
+  return mapping.index_map_source or kernel.source
 
 
 def _outside(mapping: BlockMapping, indices: Sequence[Any], xp: Any) -> Any:

@@ -33,7 +33,8 @@ from jax.extend.core import Literal
 
 from pallet import _internals as internals
 from pallet import checks
-from pallet.checking import bounds
+from pallet import primitives
+from pallet.checking import bounds, padding
 from pallet.checking.options import CheckOptions
 from pallet.grid_mapping import BlockDimension, BlockMapping
 from pallet.tracing import KernelDescription
@@ -59,6 +60,7 @@ class Layout:
 class _Ref:
   name: str
   shadow: Any = None       # the shadow ref, or None
+  scratch: bool = False    # a scratch buffer (persists across grid steps)
 
 
 def ref_names(kernel: KernelDescription, param_names: Sequence[str] | None) -> list[str]:
@@ -84,15 +86,19 @@ def _origin_name(origin: str) -> str:
 
 
 # ------------------------------------------------------------------ which refs are read
+def _literal(v: Any) -> bool:
+  return isinstance(v, Literal) or hasattr(v, "val")
+
+
 def _dropped(v: Any) -> bool:
   return type(v).__name__ == "DropVar"
 
 
 def _used(jaxpr: Any) -> set:
   """Variables some equation or the result of `jaxpr` reads."""
-  used = {v for v in jaxpr.outvars if not isinstance(v, Literal)}
+  used = {v for v in jaxpr.outvars if not _literal(v)}
   for eqn in jaxpr.eqns:
-    used.update(v for v in eqn.invars if not isinstance(v, Literal))
+    used.update(v for v in eqn.invars if not _literal(v))
   return used
 
 
@@ -120,7 +126,7 @@ def _sub_jaxprs_mapped(eqn: Any, refs: dict[Any, int]) -> list[tuple[Any, list]]
   subs = _sub_jaxprs(eqn)
   if subs is None:
     return None
-  return [(j, [refs.get(v) if not isinstance(v, Literal) else None for v in args])
+  return [(j, [refs.get(v) if not _literal(v) else None for v in args])
           for j, args in subs]
 
 
@@ -149,7 +155,7 @@ def _walk_reads(jaxpr: Any, refs: dict[Any, int], out: set[int]) -> None:
   used = _used(jaxpr)
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
-    operands = [refs.get(v) if not isinstance(v, Literal) else None
+    operands = [refs.get(v) if not _literal(v) else None
                 for v in eqn.invars]
     if name in ("swap", "masked_store"):
       if name == "swap" and operands[0] is not None and eqn.outvars[0] in used:
@@ -167,7 +173,7 @@ def _walk_reads(jaxpr: Any, refs: dict[Any, int], out: set[int]) -> None:
 def _poison_fill(eqn_in: Any, producers: dict[Any, Any]) -> bool:
   """Whether a new_ref's initial value is the poison of fresh memory (run_scoped,
   pl.empty under checking mode): a broadcast of NaN, the integer minimum or True."""
-  eqn = producers.get(eqn_in)
+  eqn = None if _literal(eqn_in) else producers.get(eqn_in)
   if eqn is None or eqn.primitive.name != "broadcast_in_dim":
     return False
   src = eqn.invars[0]
@@ -181,6 +187,16 @@ def _poison_fill(eqn_in: Any, producers: dict[Any, Any]) -> bool:
   return value.dtype == np.bool_ and bool(value)
 
 
+def _scoped_name(eqn: Any) -> str:
+  """The `run_scoped` body's parameter a buffer is for (pl.run_scoped names its
+  allocations with a named scope `pallet_scoped.<name>`)."""
+  stack = str(eqn.source_info.name_stack)
+  for part in reversed(stack.split("/")):
+    if part.startswith("pallet_scoped."):
+      return part[len("pallet_scoped."):]
+  return "run_scoped buffer"
+
+
 class _Instrumenter:
   """Re-traces one kernel body with checks (see the module docstring)."""
 
@@ -192,7 +208,11 @@ class _Instrumenter:
     self.grid = gm.grid
     self.num_parallel = max(1, math.prod(gm.grid[a] or 1 for a in parallel))
     self.given = 2 * self.num_parallel + 1
+    self.stale = self.given + 1       # scratch written by an earlier parallel program
+    self.in_flight = self.given + 2   # a DMA destination before its wait
     self.refs: dict[int, _Ref] = {}
+    self.taints: dict[int, tuple[Any, padding.Taint]] = {}   # id(value) -> (value, taint)
+    self.extents: dict[int, list] = {}                        # id(input ref) -> extents
     self.quiet = 0      # > 0 inside while-loop conditions (no effects allowed there)
 
   # -- helpers ------------------------------------------------------------------
@@ -229,6 +249,11 @@ class _Instrumenter:
     refs = pre + ins + outs + scratch
     for r, name in zip(refs, self.names):
       self.refs[id(r)] = _Ref(name)
+    if self.opts.uninitialized:
+      for r, mapping in zip(ins, gm.inputs):
+        extents = padding.block_extents(mapping, self.ids, pre)
+        if extents is not None:
+          self.extents[id(r)] = extents
     for k, o in enumerate(self.shadowed_outputs):
       self.refs[id(outs[o])].shadow = out_shadows[k]
     if scratch_shadows:
@@ -236,10 +261,13 @@ class _Instrumenter:
       for k, s in enumerate(self.shadowed_scratch):
         shadow = scratch_shadows[k]
         self.refs[id(scratch[s])].shadow = shadow
+        self.refs[id(scratch[s])].scratch = True
 
-        def clear(shadow=shadow):
-          shadow[...] = jnp.zeros(shadow.shape, jnp.int32)
-        lax.cond(first, clear, lambda: None)
+        def restart(shadow=shadow):
+          # scratch does not carry from one parallel program to the next
+          old = shadow[...]
+          shadow[...] = jnp.where((old >= 1) & (old <= self.given), self.stale, 0)
+        lax.cond(first, restart, lambda: None)
     self.eval(self.kernel.jaxpr.jaxpr, self.kernel.jaxpr.consts, [*ids, *refs])
     return []
 
@@ -263,7 +291,7 @@ class _Instrumenter:
     used = _used(jaxpr)
 
     def read(v):
-      return v.val if isinstance(v, Literal) else env[v]
+      return v.val if _literal(v) else env[v]
 
     for v, x in zip(jaxpr.constvars, consts):
       env[v] = x
@@ -298,12 +326,45 @@ class _Instrumenter:
     if self.opts.bounds and name in ("gather", "dynamic_slice", "dynamic_update_slice"):
       self._array_bounds(eqn, ins)
     outs = self.bind(eqn, ins)
+    self._padding(eqn, ins, outs)
     for x in ins:     # refs used by primitives pallet does not follow: written, maybe
       r = self.info(x)
       if r is not None and r.shadow is not None and name not in _READS:
         r.shadow[...] = jnp.full(r.shadow.shape, self.given, jnp.int32)
     self._produced(eqn, ins, outs)
     return outs
+
+  # -- edge-block padding ----------------------------------------------------------
+  def _taint(self, x: Any) -> padding.Taint | None:
+    entry = self.taints.get(id(x))
+    return entry[1] if entry is not None and entry[0] is x else None
+
+  def _padding(self, eqn: Any, ins: list, outs: Any) -> None:
+    if not self.taints or self.quiet:
+      return
+    taints = [self._taint(x) for x in ins]
+    if not any(t is not None for t in taints):
+      return
+    results = list(outs) if eqn.primitive.multiple_results else [outs]
+    new, ok, ref = padding.propagate(eqn, ins, results, taints)
+    if ok is not None:
+      self.check(eqn, "uninitialized", ok,
+                 f"{eqn.primitive.name} mixes the edge-block padding of '{ref}' (lanes past "
+                 f"the end of the array, which hold no data) into lanes that hold data; mask "
+                 f"them first (jnp.where on the element positions)", ref)
+    for x, t in zip(results, new):
+      self.taints[id(x)] = (x, t)
+
+  def _loaded(self, ref: Any, transforms: tuple, value: Any, mask: Any = None) -> None:
+    extents = self.extents.get(id(ref))
+    if extents is None or self.quiet:
+      return
+    taint = padding.loaded(extents, transforms, jnp.shape(value))
+    if taint is None:
+      return
+    if mask is not None:
+      taint = taint & mask
+    self.taints[id(value)] = (value, padding.Taint(taint, self.info(ref).name))
 
   # -- produced values: NaN/Inf and int32 overflow (opt-in) -----------------------
   def _produced(self, eqn: Any, ins: list, outs: Any) -> None:
@@ -373,14 +434,24 @@ class _Instrumenter:
         r.shadow[...] = jnp.full(r.shadow.shape, self.given, jnp.int32)
       return
     view = internals.TransformedRef(r.shadow, transforms) if transforms else r.shadow
-    old = view[...]
+    flat, tree = jax.tree_util.tree_flatten(transforms)
+    # masked accesses may point past the buffer in masked-off lanes: masked here too
+    old = view[...] if mask is None else primitives.load_p.bind(
+        r.shadow, *flat, mask, jnp.full(jnp.shape(mask), self.given, jnp.int32), tree=tree,
+        has_other=True)
     enabled = jnp.bool_(True) if mask is None else mask
     valid = (old >= 1) & (old <= self.given)
     mine = (old == self.stamp) | (old == self.atomic_stamp) | (old == self.given)
+    if reads and self.opts.races and r.scratch:
+      self.check(eqn, "race", (old != self.stale) | ~enabled,
+                 f"reads scratch '{r.name}' last written by another program of the "
+                 f"parallel grid axes {self.parallel} (scratch does not carry from one "
+                 f"parallel program to another)", r.name)
     if reads and self.opts.uninitialized:
-      self.check(eqn, "uninitialized", valid | ~enabled,
-                 f"reads '{r.name}' where no program has written it yet (the buffer "
-                 f"holds uninitialized memory there)", r.name)
+      stale_is_race = self.opts.races and r.scratch
+      self.check(eqn, "uninitialized", valid | ((old == self.stale) & stale_is_race) | ~enabled,
+                 f"reads '{r.name}' where nothing has been written yet (uninitialized "
+                 f"memory, or a DMA into it not yet waited for)", r.name)
     if self.opts.races:
       if atomic:
         plain_other = (old >= 1) & (old <= self.num_parallel) & (old != self.stamp)
@@ -396,11 +467,13 @@ class _Instrumenter:
                    r.name, self._writer(old, other), "writer program")
     if writes:
       stamp = self.atomic_stamp if atomic else self.stamp
+      if atomic:   # a plain store of this program stays visible to others' atomics
+        stamp = jnp.where(old == self.stamp, old, stamp)
       new = jnp.broadcast_to(stamp, old.shape).astype(jnp.int32)
       if mask is None:
         view[...] = new
       else:
-        view[...] = jnp.where(mask, new, old)
+        primitives.store_p.bind(r.shadow, *flat, new, mask, tree=tree)
 
   def _writer(self, old: Any, bad: Any) -> Any:
     """The parallel program (0-based) that wrote the first offending element."""
@@ -414,8 +487,10 @@ class _Instrumenter:
     ok = self._bounds(eqn, ref, transforms, None, "reads")
     self._shadow_access(eqn, ref, transforms, None, reads=True, writes=False)
     out = eqn.outvars[0].aval
-    return self._guarded(ok, lambda: self.bind(eqn, ins),
-                         lambda: jnp.zeros(out.shape, out.dtype))
+    value = self._guarded(ok, lambda: self.bind(eqn, ins),
+                          lambda: jnp.zeros(out.shape, out.dtype))
+    self._loaded(ref, transforms, value)
+    return value
 
   def _swap(self, eqn, ins, producers):
     ref, value, *leaves = ins
@@ -442,7 +517,9 @@ class _Instrumenter:
     transforms = self._transforms(eqn, leaves)
     self._bounds(eqn, ref, transforms, mask, "reads")
     self._shadow_access(eqn, ref, transforms, mask, reads=True, writes=False)
-    return self.bind(eqn, self._safe_mask(ins, 1 + tree.num_leaves, transforms, mask))
+    value = self.bind(eqn, self._safe_mask(ins, 1 + tree.num_leaves, transforms, mask))
+    self._loaded(ref, transforms, value, mask)
+    return value
 
   def _masked_store(self, eqn, ins, producers):
     tree = eqn.params["tree"]
@@ -494,12 +571,36 @@ class _Instrumenter:
   def _produced_store(self, eqn: Any, value: Any) -> None:
     del eqn, value   # values are checked where produced (see `_produced`)
 
+  # -- DMAs (TPU kernels) -----------------------------------------------------------
+  def _dma_start(self, eqn, ins, producers):
+    src, src_t, dst, dst_t, *_ = jax.tree_util.tree_unflatten(eqn.params["tree"], ins)
+    src_t, dst_t = tuple(src_t or ()), tuple(dst_t or ())
+    ok_src = self._bounds(eqn, src, src_t, None, "copies from")
+    ok_dst = self._bounds(eqn, dst, dst_t, None, "copies into")
+    self._shadow_access(eqn, src, src_t, None, reads=True, writes=False)
+    r = self.info(dst)
+    if r is not None and r.shadow is not None and bounds.only_indexers(dst_t):
+      view = internals.TransformedRef(r.shadow, dst_t) if dst_t else r.shadow
+      view[...] = jnp.full(view.shape, self.in_flight, jnp.int32)
+    ok = ok_src if ok_dst is None else (ok_dst if ok_src is None else ok_src & ok_dst)
+    return self._guarded(ok, lambda: self.bind(eqn, ins), lambda: [])
+
+  def _dma_wait(self, eqn, ins, producers):
+    ref, ref_t, *_ = jax.tree_util.tree_unflatten(eqn.params["tree"], ins)
+    ref_t = tuple(ref_t or ())
+    r = self.info(ref)
+    if r is not None and r.shadow is not None and bounds.only_indexers(ref_t):
+      view = internals.TransformedRef(r.shadow, ref_t) if ref_t else r.shadow
+      old = view[...]
+      view[...] = jnp.where(old == self.in_flight, self.stamp, old)
+    return self.bind(eqn, ins)
+
   # -- buffers made inside the kernel ---------------------------------------------------
   def _new_ref(self, eqn, ins, producers):
     ref = self.bind(eqn, ins)
     if self.opts.uninitialized and _poison_fill(eqn.invars[0], producers):
       shadow = jax.new_ref(jnp.zeros(jnp.shape(ins[0]), jnp.int32))
-      self.refs[id(ref)] = _Ref(f"run_scoped buffer at {self.line(eqn)}", shadow)
+      self.refs[id(ref)] = _Ref(_scoped_name(eqn), shadow, scratch=True)
     return ref
 
   # -- pl.debug_check ---------------------------------------------------------------

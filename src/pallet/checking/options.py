@@ -36,8 +36,8 @@ def from_interpret_params(params: InterpretParams) -> CheckOptions:
   return CheckOptions(bounds=params.out_of_bounds_reads == "raise",
                       uninitialized=params.uninitialized_memory == "nan",
                       races=bool(params.detect_races), nans=bool(params.detect_nans),
-                      overflow=bool(params.detect_overflow),
-                      unwritten=bool(params.detect_unwritten),
+                      overflow=bool(params.detect_int_overflow),
+                      unwritten=bool(params.detect_unwritten_outputs),
                       debug_checks=bool(params.debug_checks))
 
 

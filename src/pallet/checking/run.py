@@ -94,11 +94,10 @@ def run(kernel: KernelDescription, opts: CheckOptions, param_names: Sequence[str
   if opts.bounds:
     index_maps.check_static(kernel, names)
   checked, layout = checked_kernel(kernel, opts, names, backend != "xla")
-  gm = kernel.grid_mapping
-  if opts.bounds:
-    index_maps.check_at_run_time(kernel, names, prefetch)
   eager = not any(internals.is_tracer(x) for x in (*sizes, *prefetch, *args))
   with _check_errors(eager):
+    if opts.bounds:
+      index_maps.check_at_run_time(kernel, names, prefetch)
     return _launch(kernel, opts, checked, layout, bind, sizes, prefetch, args, eager)
 
 
