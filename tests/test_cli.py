@@ -147,10 +147,23 @@ def test_tune_confirm_times_default_and_choice_again(capsys, monkeypatch):
     assert "default is best" in summary
 
 
+def test_tune_reaches_the_benchmark_suite(capsys):
+  from pallet import tune
+  assert tune.block_configs({"block": 128}) == [
+      {"block": 128}, {"block": 32}, {"block": 64}, {"block": 256}, {"block": 512}]
+  both = tune.block_configs({"block_q": 2, "block_k": 64})
+  assert both[0] == {"block_q": 2, "block_k": 64} and {"block_q": 1, "block_k": 64} in both
+  assert all(c["block_q"] >= 1 for c in both) and len(both) == len({str(c) for c in both})
+  assert cli.main(["tune", "--size", "tiny", "--only", "bench/matmul", "--reps", "1"]) == 0
+  out = capsys.readouterr().out
+  assert "[1/1] bench/matmul" in out and "{block=16}" in out
+  assert out.splitlines()[-1].startswith("bench/matmul")
+
+
 def test_tune_lists_and_rejects_unknown_cases(capsys):
   assert cli.main(["tune", "--list"]) == 0
   listed = capsys.readouterr().out.split()
-  assert {"demo/matmul", "demo/vector_add"} <= set(listed)
+  assert {"demo/matmul", "demo/vector_add", "bench/matmul", "bench/flash_attention"} <= set(listed)
   assert cli.main(["tune", "--only", "nope"]) == 2
   assert "no case 'nope'" in capsys.readouterr().out
   with pytest.raises(SystemExit):

@@ -332,7 +332,8 @@ class Autotuned:
   def _trials(self, args: tuple, kwargs: dict, configs: list[Config],
               reps: int) -> list[Trial]:
     """Compiles each config, runs it `warmup` times (checking its output against the
-    first one's), then times `reps` rounds, each calling every config once."""
+    first one's), then times `reps` rounds, each calling every config once, each
+    round starting with the next config."""
     leaves, treedef = jax.tree.flatten((args, kwargs))
     dynamic = [i for i, x in enumerate(leaves) if _is_array(x)]
     with internals.eval_context():
@@ -375,8 +376,11 @@ class Autotuned:
             ran[i], samples[i] = exe, []
         if bar is not None:
           bar.update(1)
-      for _ in range(reps):
-        for i, exe in ran.items():
+      order = list(ran.items())
+      for r in range(reps):
+        # Each round starts one config later, so no config always runs first.
+        shift = r % len(order) if order else 0
+        for i, exe in order[shift:] + order[:shift]:
           start = time.perf_counter()
           jax.block_until_ready(exe(*inputs))
           samples[i].append(time.perf_counter() - start)

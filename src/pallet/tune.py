@@ -1,7 +1,9 @@
 """`pallet tune`: autotune the library's kernels on this machine, once, into the cache.
 
-The cases come from `pallet.ops.tuning_cases(size)` where pallet.ops provides it, and
-from the demo gallery (`pallet.demo.tuning_cases`). Each case calls autotuned code on
+The cases come from `pallet.ops.tuning_cases(size)` where pallet.ops provides it,
+from the demo gallery (`pallet.demo.tuning_cases`) and from the benchmark suite's
+kernels whose block sizes are builder keywords (bench/<name>: the suite's blocks are
+the default, the others are them scaled by 1/4 to 4). Each case calls autotuned code on
 example inputs; every choice made meanwhile is reported: the table of configs tried,
 and the default (first fitting) config's time beside the chosen one's, timed again
 in rounds of their own with `--confirm N`.
@@ -10,11 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 import pallet as pl
 from pallet import backends, demo
@@ -35,7 +40,72 @@ def cases(size: str) -> list:
   if make is not None:
     found += [c if "/" in c.name else autotuning.Case(f"ops/{c.name}", c.run)
               for c in make(size)]
-  return found + demo.tuning_cases(size)
+  return found + demo.tuning_cases(size) + bench_cases(size)
+
+
+# ------------------------------------------------------------------ the benchmark suite
+FACTORS = (0.25, 0.5, 2, 4)
+
+
+def bench_cases(size: str) -> list:
+  """The benchmark suite's kernels whose block sizes are keyword arguments of their
+  builder (`benchmarks` ships with pallet), as cases named bench/<name>; empty when
+  the suite cannot be imported."""
+  try:
+    from benchmarks import catalog
+  except ImportError:
+    return []
+  found = []
+  for bench in catalog.all_benchmarks(size):
+    build = bench.build_pallas
+    keywords = getattr(build, "keywords", None) or {}
+    blocks = {k: v for k, v in keywords.items()
+              if k.startswith("block") and type(v) is int}
+    if isinstance(build, functools.partial) and blocks:
+      run = functools.partial(_run_bench, bench, _tuned_bench(bench, blocks))
+      found.append(autotuning.Case(f"bench/{bench.name}", run))
+  return found
+
+
+def block_configs(blocks: dict[str, int]) -> list[dict[str, int]]:
+  """The benchmark's own blocks first, then each block (and all of them together)
+  scaled by FACTORS, kept to whole numbers."""
+  configs = [dict(blocks)]
+  scaled = [[k] for k in blocks] + ([list(blocks)] if len(blocks) > 1 else [])
+  for names in scaled:
+    for f in FACTORS:
+      config = {k: int(v * f) if k in names else v for k, v in blocks.items()}
+      if all(v >= 1 and v * f == int(v * f) for k, v in blocks.items() if k in names):
+        configs.append(config)
+  return list({autotuning.canonical(c): c for c in configs}.values())
+
+
+def _tuned_bench(bench: Any, blocks: dict[str, int]) -> Any:
+  build = bench.build_pallas
+
+  def program(*args: Any, **chosen: int) -> Any:
+    return build(pl, **chosen)(*args)
+
+  program.__module__, program.__qualname__ = "benchmarks", f"bench.{bench.name}"
+  return pl.autotune(program, configs=block_configs(blocks))
+
+
+def _run_bench(bench: Any, tuned: Any) -> Any:
+  """Runs the chosen config and checks it against the benchmark's jax.numpy reference."""
+  args = bench.make_inputs(jax.random.key(0))
+  with warnings.catch_warnings():
+    # A scaled block that does not divide the problem computes something else; the
+    # table shows it as "mismatch", no need to warn here.
+    warnings.filterwarnings("ignore", message="autotune of .* computes a different result")
+    out = tuned(*args)
+  want = bench.reference(*args)
+  for got, ref in zip(jax.tree.leaves(out), jax.tree.leaves(want)):
+    if not np.allclose(np.asarray(got, np.float64), np.asarray(ref, np.float64),
+                       rtol=bench.rtol, atol=bench.atol, equal_nan=True):
+      raise AssertionError(f"{bench.name}: the chosen config "
+                           f"{autotuning.config_text(tuned.last_choice.config)} differs "
+                           f"from jax.numpy")
+  return out
 
 
 def select(every: Sequence, names: Sequence[str]) -> list:
