@@ -22,6 +22,10 @@ class UnfusibleError(NotImplementedError):
     self.reason = reason
 
 
+class UnfusibleValueError(UnfusibleError, ValueError):
+  """An UnfusibleError where Pallas raises ValueError (conflicting blocks)."""
+
+
 class _Debug(threading.local):
   on: bool = False
 

@@ -9,7 +9,7 @@ import jax
 
 from pallet.fuser import blocks, jaxprs, rules, usage as usage_lib
 from pallet.fuser.blocks import BlockIndexTransform
-from pallet.fuser.errors import UnfusibleError
+from pallet.fuser.errors import UnfusibleError, UnfusibleValueError
 from pallet.specs import BlockSpec, no_block_spec
 
 
@@ -45,10 +45,13 @@ def _same_transform(a: BlockIndexTransform, b: BlockIndexTransform, n_out: list[
 class _Scalars:
   """Computes an equation's index operands from the kernel's scalar prefetch."""
 
-  def __init__(self, jaxpr: Any, live: list[int], mask: list[bool], eqn: Any, handler: Any):
+  def __init__(self, jaxpr: Any, live: list[int], use: dict, mask: list[bool], eqn: Any,
+               handler: Any):
     self.jaxpr, self.mask, self.eqn, self.handler = jaxpr, mask, eqn, handler
-    self.eqns = [jaxpr.eqns[i] for i in jaxprs.live_eqns(jaxpr, eqn.invars)
-                 if i in set(live)]
+    self.needed = [jaxprs.is_literal(v) or usage_lib.SCALAR in use.get(v, ())
+                   for v in eqn.invars]
+    scalars = [v for v, n in zip(eqn.invars, self.needed) if n]
+    self.eqns = [jaxpr.eqns[i] for i in jaxprs.live_eqns(jaxpr, scalars) if i in set(live)]
 
   def __call__(self) -> list:
     prefetch = blocks.current_scalar_prefetch()
@@ -63,7 +66,8 @@ class _Scalars:
     for var, value in zip(self.jaxpr.constvars, consts):
       env[var] = value
     jaxprs.run(self.jaxpr, [], [], eqns=self.eqns, env=env)
-    return [v.val if jaxprs.is_literal(v) else env.get(v) for v in self.eqn.invars]
+    return [(v.val if jaxprs.is_literal(v) else env.get(v)) if n else None
+            for v, n in zip(self.eqn.invars, self.needed)]
 
 
 def select_scalar_prefetch(handler: Any, prefetch: Any, expected: int) -> tuple:
@@ -132,7 +136,7 @@ def _pull(jaxpr: Any, live: list[int], use: dict, mask: list[bool], out_specs: l
       raise UnfusibleError(eqn.primitive.name, "pallet has no block rule for it", eqn)
     scalars = None
     if any(usage_lib.SCALAR in use.get(v, ()) for v in eqn.invars if not jaxprs.is_literal(v)):
-      scalars = _Scalars(jaxpr, live, mask, eqn, handler)
+      scalars = _Scalars(jaxpr, live, use, mask, eqn, handler)
     ctx = rules.RuleContext(eqn, tuple(v.aval for v in eqn.invars),
                             tuple(v.aval for v in eqn.outvars), scalars)
     ins = rule(ctx, outs if eqn.primitive.multiple_results else outs[0], **eqn.params)
@@ -140,9 +144,10 @@ def _pull(jaxpr: Any, live: list[int], use: dict, mask: list[bool], out_specs: l
       if jaxprs.is_literal(v) or t is None:
         continue
       if v in env and not _same_transform(env[v], t, n_out, strict):
-        raise UnfusibleError(eqn.primitive.name, "the fusion uses one value with two "
-                             f"different blocks ({env[v].block_shape} and {t.block_shape}); "
-                             "a fusion that is a DAG needs the same block on every path", eqn)
+        raise UnfusibleValueError(
+            eqn.primitive.name, "the fusion is a DAG whose paths need different blocks of "
+            f"one value ({env[v].block_shape} and {t.block_shape}), so pallet cannot "
+            "uniquely pull block specs", eqn)
       env[v] = t
   return env
 

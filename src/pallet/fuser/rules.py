@@ -18,7 +18,7 @@ from jax import lax
 
 from pallet.fuser import blocks
 from pallet.fuser.blocks import BlockIndexTransform, is_squeezed, dim_size, ref_axis, ref_shape
-from pallet.fuser.errors import UnfusibleError
+from pallet.fuser.errors import UnfusibleError, UnfusibleValueError
 from pallet.primitives import Slice
 from pallet.specs import BlockSpec, BoundedSlice, Element, no_block_spec
 
@@ -41,6 +41,9 @@ class RuleContext:
 
   def fail(self, reason: str) -> UnfusibleError:
     return UnfusibleError(self.name, reason, self.eqn)
+
+  def fail_value(self, reason: str) -> UnfusibleValueError:
+    return UnfusibleValueError(self.name, reason, self.eqn)
 
   def scalars(self) -> list:
     if self.scalar_values is None:
@@ -139,12 +142,12 @@ def _elementwise_push(ctx: RuleContext, *specs: Any, **_: Any) -> Any:
     if spec is no_block_spec or spec is None:
       continue
     if aval.shape != out_shape:
-      raise ctx.fail(f"an operand of shape {aval.shape} with a block spec is broadcast "
+      raise ctx.fail_value(f"an operand of shape {aval.shape} with a block spec is broadcast "
                      f"to {out_shape}")
     if chosen is not None and chosen is not spec and (
         blocks.canonical(chosen.block_shape) != blocks.canonical(spec.block_shape)
         or chosen.index_map is not spec.index_map):
-      raise ctx.fail("its operands arrive with different block specs")
+      raise ctx.fail_value("its operands arrive with different block specs")
     chosen = spec
   return no_block_spec if chosen is None else chosen
 

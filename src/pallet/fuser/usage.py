@@ -30,9 +30,8 @@ def compute(jaxpr: Any, live: list[int]) -> dict:
     for k, v in enumerate(eqn.invars):
       if k in index_positions:
         add(v, {SCALAR})
-      elif (eqn.primitive.name == "broadcast_in_dim" and k == 0 and v.aval.ndim == 0
-            and v in jaxpr.constvars):
-        add(v, {SCALAR})    # a closed-over scalar filling a block: prefetch it
+      elif eqn.primitive.name == "broadcast_in_dim" and k == 0 and v.aval.ndim == 0:
+        add(v, {SCALAR})    # a scalar filling a block: prefetch it
       else:
         add(v, out)
   return usage

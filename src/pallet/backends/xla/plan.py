@@ -47,6 +47,7 @@ from jax.interpreters import batching
 from pallet import _internals as internals
 from pallet import grid_analysis
 from pallet.dma import DMA_PRIMITIVE_NAMES
+from pallet.backends.xla import grid_eval
 from pallet.backends.xla.body_analysis import (BodyFacts, analyse_body,
                                                 blocks_merge_along, evaluate_resets)
 from pallet.grid_mapping import BlockMapping, GridMapping
@@ -112,8 +113,13 @@ def _index_table(mapping: BlockMapping, grid: tuple[int, ...]) -> np.ndarray:
   n = int(np.prod(grid, dtype=np.int64))
   if n == 0 or ndim == 0:
     return np.zeros((*grid, ndim), np.int64)
-  coords = np.indices(grid).reshape(len(grid), n).astype(np.int32)
   im = mapping.index_map
+  try:   # NumPy first: eager JAX ops would compile a small XLA program per primitive
+    outs = grid_eval.over_grid(im.jaxpr, im.consts, grid)
+    return np.stack([o.astype(np.int64) for o in outs], -1).reshape(*grid, ndim)
+  except grid_eval.Unsupported:
+    pass
+  coords = np.indices(grid).reshape(len(grid), n).astype(np.int32)
   with internals.eval_context():
     outs = jax.vmap(lambda *ids: jax.core.eval_jaxpr(im.jaxpr, im.consts, *ids))(
         *[jnp.asarray(c) for c in coords]) if grid else \

@@ -1,0 +1,104 @@
+"""Scalar functions of the grid indices evaluated over the whole grid with NumPy.
+
+The planner evaluates index maps (and other functions of `program_id` alone) at
+every grid point. Doing that with JAX ops dispatches each primitive eagerly, and
+every new primitive/shape pair compiles a small XLA program: about half a second
+of a kernel's first call. Index maps are almost always a handful of integer
+scalar operations, which NumPy evaluates for all grid points at once in
+microseconds. `evaluate` handles jaxprs whose every value is a scalar per grid
+point and whose primitives are in `_UNARY`/`_BINARY`/the few below; anything else
+raises `Unsupported` and the caller takes its JAX path.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+from jax.extend.core import Literal
+
+
+class Unsupported(Exception):
+  """The jaxpr needs more than scalar NumPy arithmetic."""
+
+
+def _int_div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+  if np.issubdtype(np.result_type(a, b), np.integer):
+    q = np.floor_divide(a, b)
+    return np.where((np.remainder(a, b) != 0) & ((a < 0) != (b < 0)), q + 1, q)  # toward 0
+  return np.true_divide(a, b)
+
+
+_BINARY = {
+    "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": _int_div,
+    "rem": np.fmod, "max": np.maximum, "min": np.minimum, "eq": np.equal, "ne": np.not_equal,
+    "lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal,
+    "and": np.bitwise_and, "or": np.bitwise_or, "xor": np.bitwise_xor,
+    "shift_left": np.left_shift, "shift_right_arithmetic": np.right_shift,
+}
+_UNARY = {"neg": np.negative, "abs": np.abs, "sign": np.sign, "not": np.invert,
+          "floor": np.floor, "ceil": np.ceil}
+_CALLS = ("pjit", "jit", "closed_call", "core_call")
+_SCALAR_SHAPES = ("broadcast_in_dim", "reshape", "squeeze", "copy", "copy_p")
+
+
+def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[np.ndarray]:
+  """`jaxpr` applied to `args` (arrays of one value per grid point, or scalars)."""
+  env: dict = {}
+  for v, c in zip(jaxpr.constvars, consts):
+    if np.ndim(c):
+      raise Unsupported("a non-scalar constant")
+    env[v] = np.asarray(c)
+  env.update(zip(jaxpr.invars, args))
+
+  def read(x: Any) -> Any:
+    if isinstance(x, Literal):
+      return np.asarray(x.val, getattr(x.aval, "dtype", None))
+    return env[x]
+
+  for eqn in jaxpr.eqns:
+    for v, o in zip(eqn.outvars, apply_equation(eqn, [read(x) for x in eqn.invars])):
+      env[v] = o
+  return [read(x) for x in jaxpr.outvars]
+
+
+def apply_equation(eqn: Any, ins: Sequence[Any]) -> list[np.ndarray]:
+  """One equation on NumPy values (one per grid point); raises Unsupported."""
+  if any(getattr(v.aval, "shape", None) != () for v in eqn.outvars):
+    raise Unsupported("a non-scalar value")
+  name = eqn.primitive.name
+  if name in _CALLS and "jaxpr" in eqn.params:
+    inner = eqn.params["jaxpr"]
+    outs = evaluate(inner.jaxpr, inner.consts, ins)
+  else:
+    outs = [_apply(name, [np.asarray(x) for x in ins], eqn.params)]
+  return [np.asarray(o).astype(v.aval.dtype, copy=False) for v, o in zip(eqn.outvars, outs)]
+
+
+def _apply(name: str, ins: list, params: dict) -> Any:
+  with np.errstate(all="ignore"):   # int32 wraps as in XLA; division by zero is the user's
+    if name in _BINARY:
+      return _BINARY[name](*ins)
+    if name in _UNARY:
+      return _UNARY[name](ins[0])
+    if name == "convert_element_type":
+      return ins[0].astype(params["new_dtype"])
+    if name in _SCALAR_SHAPES:
+      return ins[0]
+    if name == "select_n":
+      which, cases = ins[0], np.broadcast_arrays(*ins[1:])
+      return np.choose(which.astype(np.int32), cases) if len(cases) > 2 else \
+          np.where(which, cases[1], cases[0])
+    if name == "integer_pow":
+      return ins[0] ** params["y"]
+    if name == "clamp":
+      return np.clip(ins[1], ins[0], ins[2])
+  raise Unsupported(name)
+
+
+def over_grid(jaxpr: Any, consts: Sequence[Any], grid: tuple[int, ...],
+              extra: Sequence[Any] = ()) -> list[np.ndarray]:
+  """`jaxpr(*grid ids, *extra)` at every grid point: arrays of shape `grid`."""
+  n = int(np.prod(grid, dtype=np.int64))
+  coords = list(np.indices(grid, dtype=np.int32).reshape(len(grid), n)) if grid else []
+  outs = evaluate(jaxpr, consts, coords + list(extra))
+  return [np.broadcast_to(o, (n,)).reshape(grid) for o in outs]
