@@ -30,6 +30,7 @@ def _reference(bench: Benchmark) -> Program:
 
 def _pallet_cpu(bench: Benchmark) -> Program:
   import pallet
+  import pallet.backends.xla  # noqa: F401 - imported on a first call: not compile time
   import pallet.tpu  # noqa: F401 - kernels with scratch buffers use pl.tpu.VMEM
   # pallet's default backend is the CPU one unless a GPU is present; the CPU suite
   # names it only in that case, so on a CPU machine the call is the plain default.
