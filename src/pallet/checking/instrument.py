@@ -210,13 +210,17 @@ class _Instrumenter:
     self.given = 2 * self.num_parallel + 1
     self.stale = self.given + 1       # scratch written by an earlier parallel program
     self.in_flight = self.given + 2   # a DMA destination before its wait
+    self.shared = self.given + 3      # atomically updated by several programs
     self.refs: dict[int, _Ref] = {}
     self.taints: dict[int, tuple[Any, padding.Taint]] = {}   # id(value) -> (value, taint)
     self.extents: dict[int, list] = {}                        # id(input ref) -> extents
     self.quiet = 0      # > 0 inside while-loop conditions (no effects allowed there)
+    self.call_line: str | None = None
 
   # -- helpers ------------------------------------------------------------------
   def line(self, eqn: Any) -> str:
+    if self.call_line:    # inside a jitted function the user called (jnp.take, ...)
+      return self.call_line
     src = internals.equation_source(eqn)
     return f"{src[0]}:{src[1]}" if src else self.kernel.source
 
@@ -321,7 +325,11 @@ class _Instrumenter:
     subs = _sub_jaxprs(eqn)
     if name in _CALLS and subs is not None:
       inner, consts = _call_jaxpr(eqn.params)
-      outs = self.eval(inner, consts, ins)
+      outer, self.call_line = self.call_line, self.call_line or self.line(eqn)
+      try:
+        outs = self.eval(inner, consts, ins)
+      finally:
+        self.call_line = outer
       return outs if eqn.primitive.multiple_results else outs[0]
     if self.opts.bounds and name in ("gather", "dynamic_slice", "dynamic_update_slice"):
       self._array_bounds(eqn, ins)
@@ -440,7 +448,7 @@ class _Instrumenter:
         r.shadow, *flat, mask, jnp.full(jnp.shape(mask), self.given, jnp.int32), tree=tree,
         has_other=True)
     enabled = jnp.bool_(True) if mask is None else mask
-    valid = (old >= 1) & (old <= self.given)
+    valid = ((old >= 1) & (old <= self.given)) | (old == self.shared)
     mine = (old == self.stamp) | (old == self.atomic_stamp) | (old == self.given)
     if reads and self.opts.races and r.scratch:
       self.check(eqn, "race", (old != self.stale) | ~enabled,
@@ -468,7 +476,9 @@ class _Instrumenter:
     if writes:
       stamp = self.atomic_stamp if atomic else self.stamp
       if atomic:   # a plain store of this program stays visible to others' atomics
-        stamp = jnp.where(old == self.stamp, old, stamp)
+        others = (((old > self.num_parallel) & (old < self.given) & (old != stamp))
+                  | (old == self.shared))
+        stamp = jnp.where(old == self.stamp, old, jnp.where(others, self.shared, stamp))
       new = jnp.broadcast_to(stamp, old.shape).astype(jnp.int32)
       if mask is None:
         view[...] = new
