@@ -6,6 +6,7 @@ then runs with `interpret=True`).
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Callable
 
@@ -24,12 +25,22 @@ def current_test_backend() -> str:
 
 
 def pallas_call(kernel: Callable[..., None], out_shape: Any, **kwargs: Any) -> Callable:
-  """`pl.pallas_call` on the backend under test (interpreted where the backend needs a GPU)."""
+  """`pl.pallas_call` on the backend under test: on the GPU where one is present, else
+  interpreted (Triton's interpreter)."""
   backend = current_test_backend()
   kwargs.setdefault("backend", backend)
   if backend != "xla":
-    kwargs.setdefault("interpret", True)
+    kwargs.setdefault("interpret", not runs_on_gpu())
   return pl.pallas_call(kernel, out_shape, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def runs_on_gpu() -> bool:
+  """True when JAX's default device is a GPU and TRITON_INTERPRET does not force the
+  interpreter: kernel tests then run the generated Triton code on the hardware."""
+  if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    return False
+  return jax.devices()[0].platform in ("gpu", "cuda", "rocm")
 
 
 # ------------------------------------------------------------------ inputs

@@ -16,11 +16,12 @@ DTYPES = (jnp.float32, jnp.bfloat16)
 
 
 def on_test_backend() -> contextlib.AbstractContextManager:
-  """Runs the ops' pallas_calls on the backend under test (Triton: interpreted)."""
+  """Runs the ops' pallas_calls on the backend under test (Triton: on the GPU where one
+  is present, else interpreted)."""
   backend = current_test_backend()
   if backend == "xla":
     return contextlib.nullcontext()
-  return pl.default_backend(backend, interpret=True)
+  return pl.default_backend(backend, interpret=None)
 
 
 def assert_close_scaled(actual: Any, expected: Any, *, scale: float = 1.0) -> None:

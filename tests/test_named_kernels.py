@@ -12,18 +12,18 @@ import pytest
 
 import pallet as pl
 import pallet.named as pn
-from helpers import assert_close, current_test_backend, random_array
+from helpers import assert_close, current_test_backend, random_array, runs_on_gpu
 
 Batch, Head, Seq, Feature = pn.make_axes(batch=2, head=3, seq=32, feature=16)
 Key = pn.Axis("key", 32)
 
 
 def named_call(kernel, out_shape, **kwargs):
-  """pn.pallas_call on the backend under test (interpreted where it needs a GPU)."""
+  """pn.pallas_call on the backend under test (interpreted where there is no GPU)."""
   backend = current_test_backend()
   kwargs.setdefault("backend", backend)
   if backend != "xla":
-    kwargs.setdefault("interpret", True)
+    kwargs.setdefault("interpret", not runs_on_gpu())
   return pn.pallas_call(kernel, out_shape, **kwargs)
 
 

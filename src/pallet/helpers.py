@@ -173,6 +173,13 @@ def run_state(f: Callable[[Any], None]) -> Callable[[Any], Any]:
 
 
 # ------------------------------------------------------------------ cost estimates
+def _single(analysis: Any) -> dict:
+  """One cost-analysis dict (older JAX gives one per computation)."""
+  if isinstance(analysis, (list, tuple)):
+    analysis = analysis[0] if analysis else {}
+  return analysis or {}
+
+
 def estimate_cost(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> CostEstimate:
   """XLA's cost analysis of `fun(*args, **kwargs)` as a `pl.CostEstimate`.
 
@@ -183,10 +190,11 @@ def estimate_cost(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> CostEst
     return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) if not hasattr(x, "dtype") \
         else jax.ShapeDtypeStruct(tuple(x.shape), x.dtype)
   structs = jax.tree_util.tree_map(as_struct, args)
-  analysis = jax.jit(functools.partial(fun, **kwargs)).lower(*structs).cost_analysis()
-  if isinstance(analysis, (list, tuple)):  # older JAX: one dict per computation
-    analysis = analysis[0] if analysis else {}
-  analysis = analysis or {}
+  # Counted on the CPU lowering, so an estimate does not depend on the device at hand;
+  # where the uncompiled module gives no counts (seen with a GPU present), the compiled one.
+  lowered = jax.jit(functools.partial(fun, **kwargs)).trace(*structs).lower(
+      lowering_platforms=("cpu",))
+  analysis = _single(lowered.cost_analysis()) or _single(lowered.compile().cost_analysis())
   return CostEstimate(flops=int(analysis.get("flops", 0)),
                       transcendentals=int(analysis.get("transcendentals", 0)),
                       bytes_accessed=int(analysis.get("bytes accessed", 0)))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
+import jax
 import pytest
 
 # (tests/ is on sys.path, so without the real package `import triton` would find
@@ -39,3 +40,11 @@ def pytest_collection_modifyitems(config, items):
     elif not interpreted and INTERPRETING:
       item.add_marker(pytest.mark.skip(
           reason="compiles with Triton, which TRITON_INTERPRET=1 turns off"))
+
+
+@pytest.fixture(autouse=True)
+def _default_matmul_precision():
+  """These tests check what pallet generates by default (TF32 float32 dots), also on a
+  GPU, where tests/conftest.py asks for full-precision dots everywhere else."""
+  with jax.default_matmul_precision("tensorfloat32"):
+    yield

@@ -28,9 +28,14 @@ NAME = "triton"
 DUMP_DIR_ENV = "PALLET_TRITON_DUMP_DIR"
 
 
-@functools.lru_cache(maxsize=512)
 def generated(kernel: KernelDescription) -> GeneratedKernel:
-  """The generated kernel for a description (generated once per description)."""
+  """The generated kernel for a description (generated once per description and
+  default matmul precision, which decides how float32 dots round their inputs)."""
+  return _generated(kernel, jax.config.jax_default_matmul_precision)
+
+
+@functools.lru_cache(maxsize=512)
+def _generated(kernel: KernelDescription, matmul_precision: Any) -> GeneratedKernel:
   result = generate(kernel)
   if kernel.debug:
     print(f"--- pallet Triton source for '{kernel.name}' ---\n{result.source}")
@@ -39,10 +44,15 @@ def generated(kernel: KernelDescription) -> GeneratedKernel:
   return result
 
 
-@functools.lru_cache(maxsize=512)
 def generated_for_interpreter(kernel: KernelDescription) -> GeneratedKernel:
   """The kernel as generated for Triton's interpreter: the same program, except
   that bf16 values are held in float32 (the interpreter's bf16 is broken)."""
+  return _generated_for_interpreter(kernel, jax.config.jax_default_matmul_precision)
+
+
+@functools.lru_cache(maxsize=512)
+def _generated_for_interpreter(kernel: KernelDescription,
+                               matmul_precision: Any) -> GeneratedKernel:
   with for_interpreter():
     result = generate(kernel)
   if kernel.debug:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import jax
+
 import numpy as np
 
 from pallet.backends.triton.values import (Value, bit_width, constant,
@@ -769,6 +771,10 @@ def _cumulative(gen, eqn, x):
 
 # ------------------------------------------------------------------ dot_general
 _PRECISIONS = {"HIGHEST": "ieee", "HIGH": "tf32x3", "DEFAULT": "tf32"}
+# A dot with no precision follows `jax_default_matmul_precision`, as XLA's does, so a
+# kernel and its jax.numpy twin round float32 inputs alike (unset: TF32, XLA's GPU default).
+_CONFIG_PRECISIONS = {"highest": "ieee", "float32": "ieee", "high": "tf32x3",
+                      "bfloat16_3x": "tf32x3", "tensorfloat32": "tf32"}
 
 
 def input_precision(precision: Any, a: Value, b: Value) -> str | None:
@@ -780,7 +786,7 @@ def input_precision(precision: Any, a: Value, b: Value) -> str | None:
     if p is not None:
       names.append(getattr(p, "name", str(p)).upper())
   if not names:
-    return "tf32"     # what XLA does for float32 matmuls on GPUs by default
+    return _CONFIG_PRECISIONS.get(str(jax.config.jax_default_matmul_precision).lower(), "tf32")
   best = max(names, key=["DEFAULT", "HIGH", "HIGHEST"].index)
   return _PRECISIONS.get(best, "ieee")
 
