@@ -46,10 +46,15 @@ def matmul_k_loop_kernel(pl: ModuleType, *, block_k: int):
   return kernel
 
 
+# The k-loop's step: a 128x128 f32 tile pair per step, pipelined over Triton's default 3
+# stages, asks for 384 KiB of shared memory, more than an H100 has (227 KiB).
+GPU_BLOCK_K = 32
+
+
 def matmul_k_loop(pl: ModuleType, *, m: int, n: int, k: int, block: int,
                   **call_kwargs: Any):
   return pl.pallas_call(
-      matmul_k_loop_kernel(pl, block_k=block),
+      matmul_k_loop_kernel(pl, block_k=min(block, GPU_BLOCK_K)),
       out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32),
       grid=(m // block, n // block),
       in_specs=[pl.BlockSpec((block, k), lambda i, j: (i, 0)),
@@ -139,7 +144,12 @@ def main(argv: list[str] | None = None) -> int:
                  help="timed rounds per benchmark (default 21)")
   p.add_argument("--out", type=Path, default=SCRATCH_DIR, metavar="DIR",
                  help="where perf_gpu.json goes (default: bench_out/ in the repository)")
+  p.add_argument("--matmul-precision", default="highest", choices=("highest", "default"),
+                 help="jax_default_matmul_precision for every variant (default highest: "
+                 "float32 dots in full precision everywhere, so results compare at float32 "
+                 "tolerances; 'default' times TF32, XLA's and pallet's GPU default)")
   args = p.parse_args(argv)
+  jax.config.update("jax_default_matmul_precision", args.matmul_precision)
   benches = gpu_benchmarks()
   try:
     selected = catalog.select(benches, args.only)
@@ -162,7 +172,9 @@ def main(argv: list[str] | None = None) -> int:
   args.out.mkdir(parents=True, exist_ok=True)
   report.write_json(args.out / "perf_gpu.json", results, {"device": str(device),
                                                             "jax": jax.__version__,
-                                                            "reps": args.reps}, GPU_COLUMNS)
+                                                            "reps": args.reps,
+                                                            "matmul_precision": args.matmul_precision},
+                     GPU_COLUMNS)
   print(f"\nwrote {args.out / 'perf_gpu.json'}")
   return exit_code(results)
 

@@ -214,7 +214,7 @@ def test_compiling_for_the_cpu_is_a_clear_error():
 
   f = call(kernel, sds(x), False)
   with pytest.raises(TritonLoweringError, match="runs on CUDA and ROCm GPUs.*backend='xla'"):
-    jax.jit(f).lower(x)
+    jax.jit(f).trace(x).lower(lowering_platforms=("cpu",))
 
 
 def test_arrays_of_2_to_the_31_elements_get_64_bit_offsets():
@@ -272,3 +272,39 @@ def test_inline_assembly_is_passed_to_triton():
   f = call(asm_kernel, sds(x), False)
   assert "tl.inline_asm_elementwise('tanh.approx.f32 $0, $1;', '=f,f'" in plt.source(f, x)
   assert "tanh.approx.f32" in compile_for(kernels_of(f, x)[0], "sm80").asm["ptx"]
+
+
+def _k_loop_matmul(block: int, **call_kwargs):
+  """128x128 float32 tiles loaded in an in-kernel k loop: Triton pipelines these loads."""
+  m = n = k = 512
+  x, y = random_array((m, k)), random_array((k, n))
+
+  def kernel(x_ref, y_ref, o_ref):
+    def step(kk, acc):
+      return acc + jnp.dot(x_ref[:, pl.ds(kk * block, block)], y_ref[pl.ds(kk * block, block), :],
+                           preferred_element_type=jnp.float32)
+    o_ref[...] = jax.lax.fori_loop(0, k // block, step, jnp.zeros(o_ref.shape, jnp.float32))
+
+  f = call(kernel, jax.ShapeDtypeStruct((m, n), jnp.float32), False, grid=(m // block, n // block),
+           in_specs=[pl.BlockSpec((block, k), lambda i, j: (i, 0)),
+                     pl.BlockSpec((k, block), lambda i, j: (0, j))],
+           out_specs=pl.BlockSpec((block, block), lambda i, j: (i, j)), **call_kwargs)
+  (kd,) = kernels_of(f, x, y)
+  return kd
+
+
+@pytest.mark.parametrize("target", ["sm80", "sm90"])
+def test_default_pipeline_depth_shrinks_to_fit_shared_memory(target):
+  # Found on an H100: 3 stages of 128x128 float32 tile pairs ask for 384 KiB.
+  from pallet.backends.triton import compiler
+  compiled = compile_for(_k_loop_matmul(128), target)
+  arch = TARGETS[target][1]
+  assert 0 < compiled.metadata.shared <= compiler.SHARED_MEMORY_LIMITS[("cuda", arch)]
+
+
+def test_num_stages_the_user_chose_that_does_not_fit_is_a_clear_error():
+  kd = _k_loop_matmul(128, compiler_params=plt.CompilerParams(num_stages=3))
+  with pytest.raises(TritonLoweringError,
+                     match=r"kernel 'kernel' \(.*test_compile.py:\d+\) needs \d+ bytes of shared "
+                           r"memory with num_stages=3.*smaller num_stages"):
+    compile_for(kd, "sm90")

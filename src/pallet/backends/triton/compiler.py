@@ -72,13 +72,42 @@ def options_of(kernel_params: Any, default_warps: int = DEFAULT_NUM_WARPS) -> tu
   return int(warps), int(stages)
 
 
+# Shared memory (CUDA) or LDS (AMD) one program may use, in bytes, by target: CUDA's
+# opt-in per-block maxima and AMD CDNA's LDS. Targets not listed are not checked here.
+SHARED_MEMORY_LIMITS = {
+    ("cuda", 75): 65536, ("cuda", 80): 166912, ("cuda", 86): 101376, ("cuda", 87): 166912,
+    ("cuda", 89): 101376, ("cuda", 90): 232448, ("cuda", 100): 232448,
+    ("cuda", 120): 101376, ("hip", "gfx90a"): 65536, ("hip", "gfx942"): 65536,
+}
+
+
 def compile_kernel(generated: GeneratedKernel, target: Any, num_warps: int | None = None,
                    num_stages: int | None = None) -> Any:
-  """The `triton.compile`d kernel for `target` (a triton GPUTarget)."""
-  warps, stages = options_of(generated.kernel.compiler_params, generated.default_num_warps)
-  return _compile(generated.source, generated.function_name,
-                  tuple(generated.signature.items()), _target_key(target),
-                  num_warps or warps, num_stages or stages)
+  """The `triton.compile`d kernel for `target` (a triton GPUTarget).
+
+  Triton pipelines loads inside loops over `num_stages` buffers. Where the user did not
+  choose `num_stages` and the default asks for more shared memory than the target has
+  (a 128x128 float32 tile pair over 3 stages is 384 KiB), fewer stages are used, as
+  Triton's autotuner would prune that config; a choice the user made is an error."""
+  kernel = generated.kernel
+  warps, stages = options_of(kernel.compiler_params, generated.default_num_warps)
+  chosen = num_stages or getattr(kernel.compiler_params, "num_stages", None)
+  key = _target_key(target)
+  limit = SHARED_MEMORY_LIMITS.get((target.backend, target.arch))
+  for tried in range(int(chosen or stages), 0, -1):
+    compiled = _compile(generated.source, generated.function_name,
+                        tuple(generated.signature.items()), key, num_warps or warps, tried)
+    used = getattr(compiled.metadata, "shared", 0) or 0
+    if limit is None or used <= limit:
+      return compiled
+    if chosen:
+      break
+  from pallet.backends.triton.values import TritonLoweringError
+  raise TritonLoweringError(
+      f"pallet Triton backend: kernel '{kernel.name}' ({kernel.source}) needs {used} bytes "
+      f"of shared memory with num_stages={tried}, more than {target.backend} "
+      f"{target.arch} has ({limit}); use smaller blocks"
+      + ("" if not chosen else " or a smaller num_stages in pallet.triton.CompilerParams"))
 
 
 def _target_key(target: Any) -> tuple:
