@@ -854,3 +854,13 @@ def test_program_id_keeps_vmap_on_overhanging_blocks():
   plan = _plan(fn, x)
   assert plan.vectorized == [0] and "program_id" in plan.describe()
   assert_close(jax.jit(fn)(x), x + (jnp.arange(20) // 8)[:, None].astype(f32))
+
+
+def test_bf16_row_blocks_run_widened_even_when_they_divide():
+  x = random_array((32, 128), jnp.bfloat16)
+  fn = _row_kernel_call(lambda x: [_softmax_rows(x.astype(f32))], x)
+  plan = _plan(fn, x)
+  assert plan.merged == [0] and plan.vectorized == []
+  assert_close(jax.jit(fn)(x)[0], _softmax_rows(x.astype(f32)).astype(jnp.bfloat16))
+  f32_plan = _plan(_row_kernel_call(lambda x: [_softmax_rows(x)], x.astype(f32)), x.astype(f32))
+  assert f32_plan.vectorized == [0] and f32_plan.merged == []
