@@ -37,7 +37,7 @@ def halo_reads_next_block_past_end(bug, **call):
 
 
 @bug_case(kind="out_of_bounds", ref="x_ref", inputs=lambda: (random_array((64,)),),
-          reference=lambda x: x.reshape(4, 2, 8).sum(1).reshape(-1))
+          reference=lambda x: x.reshape(4, 2, 8).sum(1).reshape(-1), static=True)
 def static_ds_start_off_by_one(bug, **call):
   """Adds the two halves of each 16-element block; the second half starts at 8."""
   def kernel(x_ref, o_ref):
@@ -51,7 +51,8 @@ def static_ds_start_off_by_one(bug, **call):
 
 
 @bug_case(kind="out_of_bounds", ref="x_ref", inputs=lambda: (random_array((512,)),),
-          reference=lambda x: (x.reshape(4, 128) - x.reshape(4, 128)[:, 127:]).reshape(-1))
+          reference=lambda x: (x.reshape(4, 128) - x.reshape(4, 128)[:, 127:]).reshape(-1),
+          static=True)
 def static_index_of_last_element_off_by_one(bug, **call):
   """Subtracts the block's last element, indexed as x_ref[128] instead of x_ref[127]."""
   def kernel(x_ref, o_ref):

@@ -30,6 +30,9 @@ class Case:
   reference: Callable            # jax.numpy program the fixed twin must match
   triton: str | None = None      # why the Triton backend cannot see this bug (skip)
   triton_runs: bool = True       # whether the Triton backend runs the kernel at all
+  # Visible when the kernel is traced: a PalletError naming the ref and the line (which
+  # pallet raises even unchecked) is as good a report as a KernelCheckError.
+  static: bool = False
   matmul: bool = False           # looser tolerance for the twin's comparison
 
   @property
@@ -51,14 +54,14 @@ CASES: list[Case] = []
 
 def bug_case(*, kind: str, ref: str | None, inputs: Callable[[], tuple],
              reference: Callable, triton: str | None = None, triton_runs: bool = True,
-             matmul: bool = False) -> Callable[[Callable], Callable]:
+             static: bool = False, matmul: bool = False) -> Callable[[Callable], Callable]:
   """Registers the decorated `build(bug, **call)` as a corpus case."""
   if kind not in KINDS:
     raise ValueError(f"unknown kind {kind!r}")
 
   def register(build: Callable) -> Callable:
     CASES.append(Case(build.__name__, kind, ref, build, inputs, reference, triton,
-                      triton_runs, matmul))
+                      triton_runs, static, matmul))
     return build
 
   return register

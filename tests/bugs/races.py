@@ -89,22 +89,22 @@ def carry_across_declared_parallel_axis(bug, **call):
 
 
 def _smoothed(x):
-  nxt = jnp.concatenate([x[1:], x[-1:]])
-  return 0.5 * (x + nxt)
+  prev = jnp.concatenate([x[:1], x[:-1]])
+  return 0.5 * (x + prev)
 
 
 @bug_case(kind="race", ref="o_ref", inputs=lambda: (random_array((128,)),),
           reference=_smoothed)
 def reads_neighbour_output_written_by_another_program(bug, **call):
-  """Smooths with the next element, read from the output another program writes."""
+  """Smooths with the previous element, read from the output another program wrote."""
   n, b = 128, 32
 
   def kernel(x_ref, o_ref):
     i = pl.program_id(0)
     o_ref[pl.ds(i * b, b)] = x_ref[pl.ds(i * b, b)]
-    nxt = jnp.minimum(i * b + 1 + jnp.arange(b), n - 1)
+    prev = jnp.maximum(i * b - 1 + jnp.arange(b), 0)
     src = o_ref if bug else x_ref
-    o_ref[pl.ds(i * b, b)] = 0.5 * (o_ref[pl.ds(i * b, b)] + src[nxt])  # BUG: next block
+    o_ref[pl.ds(i * b, b)] = 0.5 * (o_ref[pl.ds(i * b, b)] + src[prev])  # BUG: block i - 1
 
   return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((n,), F32),
                         grid=(n // b,), compiler_params=PARALLEL, **call)

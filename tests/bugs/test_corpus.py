@@ -31,13 +31,20 @@ OPT_IN = {"nan": dict(detect_nans=True), "overflow": dict(detect_int_overflow=Tr
 
 # What the checks do not get right yet, as strict xfails: a case that starts passing
 # fails until it is taken off these lists. (backend, case name) -> why.
-NOT_YET_REPORTED: dict[tuple[str, str], str] = {}
+NOT_YET_REPORTED: dict[tuple[str, str], str] = {
+    ("xla", "static_index_of_last_element_off_by_one"):
+        "x_ref[128] on a 128-element block fails while tracing with JAX's own "
+        "IndexError, naming neither the ref nor the line",
+    ("xla", "histogram_zeroed_with_plain_store"):
+        "reported at the other programs' pl.atomic_add, not at the plain store that "
+        "is the bug (the message names the storing program but not its line)",
+}
 FALSE_ALARMS: dict[tuple[str, str], str] = {}
 
 
-def checked(*opt_in: str) -> pltpu.InterpretParams:
+def checked(*opt_in: str) -> pl.InterpretParams:
   extra = {k: v for kind in opt_in for k, v in OPT_IN[kind].items()}
-  return pltpu.InterpretParams(**CHECKED, **extra)
+  return pl.InterpretParams(**CHECKED, **extra)
 
 
 def call_kwargs(interpret) -> dict:
@@ -77,10 +84,13 @@ def _same_line(reported: str, case: Case) -> bool:
 def test_bug_is_reported_with_kind_ref_and_line(case: Case):
   _skip_unseeable(case)
   opt_in = [case.kind] if case.kind in OPT_IN_KINDS else []
-  program = case.build(True, **call_kwargs(checked(*opt_in)))
-  with pytest.raises(KernelCheckError) as info:
-    jax.block_until_ready(program(*case.inputs()))
+  reports = (pl.KernelCheckError, pl.PalletError) if case.static else pl.KernelCheckError
+  with pytest.raises(reports) as info:
+    jax.block_until_ready(case.build(True, **call_kwargs(checked(*opt_in)))(*case.inputs()))
   err = info.value
+  if not isinstance(err, pl.KernelCheckError):   # found when the kernel was traced
+    assert case.ref in str(err) and _expected_line(case) in str(err), str(err)
+    return
   assert (err.kind, err.ref) == (case.kind, case.ref), str(err)
   assert _same_line(err.line, case), f"reported {err.line}, expected {_expected_line(case)}"
   text = str(err)
