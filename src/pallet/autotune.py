@@ -39,6 +39,8 @@ CACHE_DIR_ENV = "PALLET_CACHE_DIR"
 VERBOSE_ENV = "PALLET_AUTOTUNE_VERBOSE"
 ENABLE_ENV = "PALLET_AUTOTUNE"
 CACHE_FILE = "autotune.json"
+# A config replaces the default (the first that fits) only when it is this much faster.
+DEFAULT_MARGIN = 0.03
 _FORMAT = 1
 
 log = logging.getLogger("pallet.autotune")
@@ -320,6 +322,9 @@ class Autotuned:
           f"autotune of '{self.name}': every config failed:\n"
           + "\n".join(f"  {config_text(t.config)}: {t.status}: {t.note}" for t in measured))
     best = min(timed, key=lambda t: t.time_ms)
+    default = measured[0]
+    if default.status == "ok" and best.time_ms > default.time_ms * (1 - DEFAULT_MARGIN):
+      best = default   # within noise of the default: keep the author's choice
     return Choice(best.config, "tuned", key, measured + trials)
 
   def compare(self, *args: Any, configs: Sequence[Mapping[str, Any]] | None = None,

@@ -223,15 +223,18 @@ class Row:
 
 def summary(rows: list[Row]) -> str:
   """One line per tuned function: default config and time, chosen config and time."""
-  lines = [f"{'case':<22}{'function':<22}{'default':<24}{'ms':>9}  {'chosen':<24}"
-           f"{'ms':>9}{'speed-up':>10}  timed"]
+  table = [("case", "function", "default", "ms", "chosen", "ms", "speed-up", "timed")]
   for r in rows:
     speedup = f"{r.default_ms / r.chosen_ms:.2f}x" if r.default_ms and r.chosen_ms else "-"
-    default = autotuning.config_text(r.default) if r.default is not None else "-"
-    lines.append(f"{r.case:<22}{r.function:<22}{default:<24}{_ms(r.default_ms):>9}  "
-                 f"{autotuning.config_text(r.chosen):<24}{_ms(r.chosen_ms):>9}"
-                 f"{speedup:>10}  {r.how}")
-  return "\n".join(lines)
+    table.append((r.case, r.function,
+                  autotuning.config_text(r.default) if r.default is not None else "-",
+                  _ms(r.default_ms), autotuning.config_text(r.chosen), _ms(r.chosen_ms),
+                  speedup, r.how))
+  widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+  numeric = {3, 5, 6}
+  return "\n".join("  ".join(cell.rjust(w) if i in numeric else cell.ljust(w)
+                             for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
+                   for row in table)
 
 
 def _ms(value: float | None) -> str:
