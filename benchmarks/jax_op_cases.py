@@ -111,9 +111,13 @@ def _paged_twin(q, k_pages, v_pages, tables, lengths):
   """q [B, Hq, D]; pages [Hkv, P, page, D]; tables [B, n]; keys past `lengths` ignored."""
   h, _, page, d = k_pages.shape
   b, n = tables.shape
-  gather = lambda p: jnp.swapaxes(p[:, tables].reshape(h, b, n * page, d), 0, 1)
+  hq = q.shape[1]
+  gather = lambda p: p[:, tables].reshape(h, b, n * page, d)    # [Hkv, B, S, D]
+  qg = q.reshape(b, h, hq // h, d)
+  logits = jnp.einsum("bhgd,hbsd->bhgs", qg, gather(k_pages), precision=HIGHEST)
   mask = (jnp.arange(n * page)[None, :] < lengths[:, None])[:, None, None, :]
-  return _attend(q[:, :, None], gather(k_pages), gather(v_pages), mask)[:, :, 0]
+  p = jax.nn.softmax(jnp.where(mask, logits, -1e30), axis=-1)
+  return jnp.einsum("bhgs,hbsd->bhgd", p, gather(v_pages), precision=HIGHEST).reshape(b, hq, d)
 
 
 _PHILOX_M = (0xD2511F53, 0xCD9E8D57)
@@ -212,9 +216,12 @@ def _gpu_decode(size: Size) -> Benchmark:
                                                 block_k=block_k, k_splits=splits, **kw)
 
   def twin(q, k, v, lengths):
+    # grouped heads contract against their kv head directly (no repeated K/V copies)
+    qg = q.reshape(b, hkv, hq // hkv, d)
+    logits = jnp.einsum("bhgd,bshd->bhgs", qg, k, precision=HIGHEST) * d ** -0.5
     mask = (jnp.arange(s)[None, :] < lengths[:, None])[:, None, None, :]
-    out = _attend(q[:, :, None], jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), mask, d ** -0.5)
-    return out[:, :, 0]
+    p = jax.nn.softmax(jnp.where(mask, logits, -1e30), axis=-1)
+    return jnp.einsum("bhgs,bshd->bhgd", p, v, precision=HIGHEST).reshape(b, hq, d)
 
   return _case("op_gpu_decode_gqa", "gpu/decode_attention", gpu=True, grid=(b, hkv, 1, splits),
                shapes=f"B{b} Hq{hq} Hkv{hkv} S{s} D{d} f32, kv_seq_len, {splits} splits",
@@ -234,9 +241,10 @@ def _gpu_decode_mqa(size: Size) -> Benchmark:
                                                 block_k=block_k, k_splits=splits, **kw)
 
   def twin(q, k, v, lengths):
-    mask = (jnp.arange(s)[None, :] < lengths[:, None])[:, None, None, :]
-    out = _attend(q[:, :, None], k[:, None], v[:, None], mask, d ** -0.5)
-    return out[:, :, 0]
+    logits = jnp.einsum("bhd,bsd->bhs", q, k, precision=HIGHEST) * d ** -0.5
+    mask = (jnp.arange(s)[None, :] < lengths[:, None])[:, None, :]
+    p = jax.nn.softmax(jnp.where(mask, logits, -1e30), axis=-1)
+    return jnp.einsum("bhs,bsd->bhd", p, v, precision=HIGHEST)
 
   return _case("op_gpu_decode_mqa", "gpu/decode_attention", gpu=True, grid=(b, 1, splits),
                shapes=f"B{b} H{h} S{s} D{d} f32 (one kv head), kv_seq_len, {splits} splits",
