@@ -128,8 +128,11 @@ def run_benchmark(bench: Benchmark, variants: Sequence[Variant], *, reps: int,
     start = time.perf_counter()
     try:
       program = variant.build(bench)   # imports and op-module loading: not a first call
+      # a fresh function: rows sharing a twin (matmul, matmul_scratch) must not hit
+      # the compilation cache of an earlier row
+      fresh = lambda *a, program=program: program(*a)
       start = time.perf_counter()
-      compiled[v] = jax.jit(program).lower(*args).compile()
+      compiled[v] = jax.jit(fresh).lower(*args).compile()
       results[v] = VariantResult("ok", peak_bytes=peak_memory(compiled[v]))
     except Exception as e:  # noqa: BLE001 - any failure is reported per variant
       results[v] = VariantResult("error", message=f"compile: {describe_exception(e)}")
