@@ -119,7 +119,51 @@ def _normalization(size: Size) -> list[Benchmark]:
               shapes=shapes, make_inputs=lambda k: _normal(k, (n, d), (d,)), out_shapes=_like))
 
 
-FAMILIES = (_normalization,)
+def _softmax(size: Size) -> list[Benchmark]:
+  from pallet.ops import softmax as m
+  n, d = _NORM[size]
+  br = m.rows_per_block(d, n)
+  return _rows("softmax", "softmax", "softmax", m.softmax_reference, grid=(math.ceil(n / br),),
+               shapes=f"{n}x{d} f32, {br}-row blocks",
+               make_inputs=lambda k: tuple(3 * a for a in _normal(k, (n, d))), out_shapes=_like,
+               rtol=1e-5, atol=1e-6)
+
+
+_CE = {"full": (2048, 512, 8192), "small": (256, 128, 2048), "tiny": (32, 32, 256)}
+
+
+def _cross_entropy(size: Size) -> list[Benchmark]:
+  from pallet.ops import cross_entropy as m
+  n, hidden, vocab = _CE[size]
+
+  def make_inputs(key):
+    kh, kw, kl = jax.random.split(key, 3)
+    h, w = _normal(kh, (n, hidden))[0], _normal(kw, (hidden, vocab))[0] / math.sqrt(hidden)
+    return h, w, jax.random.randint(kl, (n,), 0, vocab, jnp.int32)
+
+  rows = _rows("linear_cross_entropy", "cross_entropy", "linear_cross_entropy",
+               m.linear_cross_entropy_reference, grid=(math.ceil(n / 128), math.ceil(vocab / 512)),
+               shapes=f"{n} rows x hidden {hidden} x vocabulary {vocab} f32, 128x512 blocks",
+               make_inputs=make_inputs, out_shapes=lambda h, *_: jax.ShapeDtypeStruct(
+                   h.shape[:1], jnp.float32), grad=False)
+  rows.append(Benchmark(
+      name="op_linear_cross_entropy_grad", family=FAMILY, grid=rows[0].grid,
+      shapes=rows[0].shapes + ", fwd+bwd (dh, dW)",
+      make_inputs=lambda k: (*make_inputs(k), jax.random.normal(k, (n,), jnp.float32)),
+      reference=_ce_vjp(m.linear_cross_entropy_reference),
+      build_pallas=_builder("cross_entropy", "linear_cross_entropy", _ce_vjp),
+      rtol=1e-3, atol=1e-3))
+  return rows
+
+
+def _ce_vjp(fn: Callable) -> Callable:
+  def program(h, w, labels, g):
+    _, pullback = jax.vjp(lambda h, w: fn(h, w, labels), h, w)
+    return pullback(g)
+  return program
+
+
+FAMILIES = (_normalization, _softmax, _cross_entropy)
 
 
 def benchmarks(size: Size) -> list[Benchmark]:

@@ -10,6 +10,7 @@ import pytest
 
 from compiled import TARGETS, compile_for, kernels_of, spill_bytes
 from helpers import random_array
+import pallet as pl
 from pallet import ops
 
 BF16 = jnp.bfloat16
@@ -31,8 +32,16 @@ def _norm_case(op, residual):
   return _grad_of(op, 0, 1), (x, w)
 
 
+def _cross_entropy_case():
+  h, w = random_array((2048, 512), BF16), random_array((512, 8192), BF16)
+  labels = jnp.arange(2048, dtype=jnp.int32) % 8192
+  return _grad_of(lambda h, w: ops.linear_cross_entropy(h, w, labels), 0, 1), (h, w)
+
+
 # name -> () -> (program, args); each program may launch several kernels.
 CASES = {
+    "softmax": lambda: (_grad_of(ops.softmax, 0), (random_array((4096, 1024), BF16),)),
+    "linear_cross_entropy": _cross_entropy_case,
     "layer_norm": lambda: _norm_case(ops.layer_norm, False),
     "layer_norm_residual": lambda: _norm_case(ops.layer_norm, True),
     "rms_norm": lambda: _norm_case(ops.rms_norm, False),
@@ -44,7 +53,9 @@ def _kernels():
   params = []
   for name, make in CASES.items():
     fn, args = make()
-    for kd in kernels_of(fn, *args):
+    with pl.default_backend("triton"):  # the ops' GPU block-size defaults
+      kernels = kernels_of(fn, *args)
+    for kd in kernels:
       params.append(pytest.param(kd, id=f"{name}-{kd.name}"))
   return params
 

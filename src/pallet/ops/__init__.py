@@ -2,3 +2,5 @@
 reference and a custom VJP whose backward pass runs as kernels too."""
 from pallet.ops.normalization import (layer_norm, layer_norm_reference, rms_norm,
                                       rms_norm_reference)
+from pallet.ops.softmax import softmax, softmax_reference
+from pallet.ops.cross_entropy import linear_cross_entropy, linear_cross_entropy_reference

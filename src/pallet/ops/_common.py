@@ -64,3 +64,10 @@ def row_mask(block_rows: int, total_rows: int, step: Any) -> jax.Array:
   """(block_rows, 1) bool: which rows of grid step `step`'s block are inside the array."""
   rows = step * block_rows + jax.lax.broadcasted_iota(jnp.int32, (block_rows, 1), 0)
   return rows < total_rows
+
+
+def target_backend() -> str:
+  """The backend a pallas_call made here would run on ("xla" or "triton"): some block
+  sizes differ per backend (a GPU program's registers versus XLA's whole arrays)."""
+  from pallet.backends import resolve
+  return resolve(None, False)[0]

@@ -1,0 +1,256 @@
+"""Fused linear + cross-entropy: loss_i = logsumexp(h_i W) - (h_i W)[label_i], without
+ever holding the (rows, vocabulary) logits.
+
+Forward: grid (row blocks, vocabulary blocks); each step multiplies a block of rows of
+h by one (hidden, block_v) slab of W and folds it into a running max, a running sum
+of exponentials (online logsumexp) and the label's logit, all kept per row across the
+vocabulary axis (sequential; row blocks are independent).
+Backward: with p = softmax(logits) recomputed one slab at a time,
+d logits = (p - onehot(label)) * g, and two kernels contract it:
+  dh = d logits @ W^T  (grid: row blocks x vocabulary blocks, vocabulary sequential),
+  dW = h^T @ d logits  (grid: vocabulary blocks x row blocks, rows sequential).
+Labels < 0 are ignored (loss 0, no gradient), as with ignore_index=-100 elsewhere.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import pallet as pl
+from pallet.ops._common import F32, cdiv, check_block, check_float, check_shape, fail
+from pallet.ops._common import target_backend
+
+__all__ = ["linear_cross_entropy", "linear_cross_entropy_reference"]
+
+_CONTRACT_LAST = (((1,), (1,)), ((), ()))    # a @ b^T
+_CONTRACT_FIRST = (((0,), (0,)), ((), ()))   # a^T @ b
+
+
+def linear_cross_entropy_reference(h: jax.Array, w: jax.Array, labels: jax.Array) -> jax.Array:
+  """jax.numpy twin: per-row loss (float32) from the full logits h @ w (float32 math:
+  XLA's CPU runtime has no bf16 x bf16 -> f32 product for the transposed dots)."""
+  logits = jnp.dot(h.astype(F32), w.astype(F32))
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  picked = jnp.take_along_axis(logits, jnp.maximum(labels, 0)[:, None], axis=-1)[:, 0]
+  return jnp.where(labels >= 0, lse - picked, 0.0)
+
+
+def _columns(block_n: int, block_v: int, step):
+  return step * block_v + lax.broadcasted_iota(jnp.int32, (block_n, block_v), 1)
+
+
+def _logits(h_ref, w_ref, block_h: int) -> jax.Array:
+  """h @ w for one block in float32, `block_h` hidden units at a time (a GPU program
+  then holds (rows, block_h) and (block_h, block_v) tiles, not whole hidden rows)."""
+  hidden = h_ref.shape[1]
+  if block_h >= hidden:
+    return jnp.dot(h_ref[...], w_ref[...], preferred_element_type=F32)
+
+  def step(k, acc):
+    part = pl.ds(k * block_h, block_h)
+    return acc + jnp.dot(h_ref[:, part], w_ref[part, :], preferred_element_type=F32)
+
+  init = jnp.zeros((h_ref.shape[0], w_ref.shape[1]), F32)
+  return lax.fori_loop(0, hidden // block_h, step, init)
+
+
+def _over_hidden(block_h: int, hidden: int, update) -> None:
+  """update(slice) for each `block_h` chunk of the hidden axis (one whole chunk when
+  block_h covers it)."""
+  if block_h >= hidden:
+    update(slice(None))
+    return
+
+  def step(k, carry):
+    update(pl.ds(k * block_h, block_h))
+    return carry
+
+  lax.fori_loop(0, hidden // block_h, step, 0)
+
+
+def _forward_kernel(vocab: int, block_v: int, block_h: int):
+  def kernel(h_ref, w_ref, labels_ref, m_ref, l_ref, t_ref):
+    j = pl.program_id(1)
+
+    @pl.when(j == 0)
+    def _():
+      m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, F32)
+      l_ref[...] = jnp.zeros(l_ref.shape, F32)
+      t_ref[...] = jnp.zeros(t_ref.shape, F32)
+
+    s = _logits(h_ref, w_ref, block_h)
+    cols = _columns(s.shape[0], block_v, j)
+    if vocab % block_v:
+      s = jnp.where(cols < vocab, s, -jnp.inf)
+    m_old = m_ref[...]
+    m_new = jnp.maximum(m_old, jnp.max(s, axis=1))
+    l_ref[...] = l_ref[...] * jnp.exp(m_old - m_new) + jnp.sum(jnp.exp(s - m_new[:, None]),
+                                                               axis=1)
+    m_ref[...] = m_new
+    t_ref[...] += jnp.sum(jnp.where(cols == labels_ref[...][:, None], s, 0.0), axis=1)
+
+  return kernel
+
+
+def _dlogits(h_ref, w_ref, labels_ref, lse_ref, g_ref, v_step, block_v, block_h):
+  """(p - onehot) * g for one (rows, vocabulary slab) block, and its column indices."""
+  s = _logits(h_ref, w_ref, block_h)
+  cols = _columns(s.shape[0], block_v, v_step)
+  p = jnp.exp(s - lse_ref[...][:, None])
+  onehot = (cols == labels_ref[...][:, None]).astype(F32)
+  return (p - onehot) * g_ref[...][:, None], cols
+
+
+def _dh_kernel(vocab: int, block_v: int, block_h: int):
+  def kernel(h_ref, w_ref, labels_ref, lse_ref, g_ref, dh_ref):
+    j = pl.program_id(1)
+
+    @pl.when(j == 0)
+    def _():
+      dh_ref[...] = jnp.zeros(dh_ref.shape, F32)
+
+    d, cols = _dlogits(h_ref, w_ref, labels_ref, lse_ref, g_ref, j, block_v, block_h)
+    ragged = vocab % block_v != 0
+    if ragged:  # the slab's columns past the vocabulary are unspecified
+      d = jnp.where(cols < vocab, d, 0.0)
+    d = d.astype(w_ref.dtype)
+
+    def update(part):
+      w = w_ref[part, :]
+      if ragged:
+        w = jnp.where(cols[:1] < vocab, w, jnp.zeros_like(w))
+      dh_ref[:, part] += lax.dot_general(d, w, _CONTRACT_LAST, preferred_element_type=F32)
+
+    _over_hidden(block_h, h_ref.shape[1], update)
+
+  return kernel
+
+
+def _dw_kernel(rows: int, block_n: int, block_v: int, block_h: int, upcast: bool):
+  def kernel(h_ref, w_ref, labels_ref, lse_ref, g_ref, dw_ref):
+    i = pl.program_id(1)
+
+    @pl.when(i == 0)
+    def _():
+      dw_ref[...] = jnp.zeros(dw_ref.shape, F32)
+
+    d, _ = _dlogits(h_ref, w_ref, labels_ref, lse_ref, g_ref, pl.program_id(0), block_v,
+                    block_h)
+    # On the CPU, float32 operands: XLA's CPU runtime cannot run the bf16 x bf16 -> f32
+    # product this contraction over rows becomes once the backend widens the row blocks.
+    dtype = F32 if upcast else h_ref.dtype
+    ragged = rows % block_n != 0
+    valid = i * block_n + lax.broadcasted_iota(jnp.int32, (block_n, 1), 0) < rows
+    if ragged:  # the block's rows past the array are unspecified
+      d = jnp.where(valid, d, 0.0)
+
+    def update(part):
+      h = h_ref[:, part]
+      if ragged:
+        h = jnp.where(valid, h, jnp.zeros_like(h))
+      dw_ref[part, :] += lax.dot_general(h.astype(dtype), d.astype(dtype), _CONTRACT_FIRST,
+                                         preferred_element_type=F32)
+
+    _over_hidden(block_h, h_ref.shape[1], update)
+
+  return kernel
+
+
+def _specs(n_axis: int, v_axis: int, block_n: int, block_v: int, hidden: int):
+  """BlockSpecs for (h, w, per-row vectors) on a 2-D grid with the given axis roles."""
+  rows = pl.BlockSpec((block_n, hidden), lambda *g: (g[n_axis], 0))
+  slab = pl.BlockSpec((hidden, block_v), lambda *g: (0, g[v_axis]))
+  vector = pl.BlockSpec((block_n,), lambda *g: (g[n_axis],))
+  return rows, slab, vector
+
+
+def _forward(h, w, labels, block_n, block_v, block_h):
+  n, hidden = h.shape
+  vocab = w.shape[1]
+  rows, slab, vector = _specs(0, 1, block_n, block_v, hidden)
+  stat = jax.ShapeDtypeStruct((n,), F32)
+  m, l, t = pl.pallas_call(
+      _forward_kernel(vocab, block_v, block_h), out_shape=[stat] * 3,
+      grid=(cdiv(n, block_n), cdiv(vocab, block_v)), in_specs=[rows, slab, vector],
+      out_specs=[vector] * 3, name="linear_cross_entropy_fwd",
+      compiler_params=pl.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+  )(h, w, labels)
+  lse = m + jnp.log(l)
+  return jnp.where(labels >= 0, lse - t, 0.0), lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _loss(h, w, labels, block_n, block_v, block_h):
+  return _forward(h, w, labels, block_n, block_v, block_h)[0]
+
+
+def _loss_fwd(h, w, labels, block_n, block_v, block_h):
+  loss, lse = _forward(h, w, labels, block_n, block_v, block_h)
+  return loss, (h, w, labels, lse)
+
+
+def _loss_bwd(block_n, block_v, block_h, saved, g):
+  h, w, labels, lse = saved
+  n, hidden = h.shape
+  vocab = w.shape[1]
+  g = jnp.where(labels >= 0, g.astype(F32), 0.0)
+  nb, vb = cdiv(n, block_n), cdiv(vocab, block_v)
+  rows, slab, vector = _specs(0, 1, block_n, block_v, hidden)
+  dh = pl.pallas_call(
+      _dh_kernel(vocab, block_v, block_h), out_shape=jax.ShapeDtypeStruct((n, hidden), F32),
+      grid=(nb, vb), in_specs=[rows, slab, vector, vector, vector], out_specs=rows,
+      name="linear_cross_entropy_dh",
+      compiler_params=pl.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+  )(h, w, labels, lse, g)
+  rows, slab, vector = _specs(1, 0, block_n, block_v, hidden)
+  dw = pl.pallas_call(
+      _dw_kernel(n, block_n, block_v, block_h, target_backend() == "xla"), out_shape=jax.ShapeDtypeStruct((hidden, vocab), F32),
+      grid=(vb, nb), in_specs=[rows, slab, vector, vector, vector], out_specs=slab,
+      name="linear_cross_entropy_dw",  # 8 warps: a (block_h, block_v) f32 update per step
+      compiler_params=pl.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
+                                        num_warps=8),
+  )(h, w, labels, lse, g)
+  return dh.astype(h.dtype), dw.astype(w.dtype), None
+
+
+_loss.defvjp(_loss_fwd, _loss_bwd)
+
+
+def linear_cross_entropy(h: jax.Array, w: jax.Array, labels: jax.Array, *,
+                         block_n: int | None = None, block_v: int | None = None,
+                         block_h: int | None = None) -> jax.Array:
+  """Per-row cross-entropy loss (float32, shape (rows,)) of logits h @ w against
+  integer `labels`, computed without materializing the logits.
+
+  h: (rows, hidden); w: (hidden, vocabulary); labels: (rows,) ints, < 0 to ignore a row.
+  `block_n` rows and `block_v` vocabulary entries per grid step; products over the
+  hidden axis go `block_h` units at a time (must divide hidden; the whole axis at
+  once if not). Defaults: (16, 128, 64) on Triton, (128, 512, hidden) on the CPU.
+  Differentiable in h and w (the backward pass recomputes the logits slab by slab in
+  two kernels).
+  """
+  op = "linear_cross_entropy"
+  check_float(op, "h", h)
+  check_float(op, "w", w)
+  if h.ndim != 2 or w.ndim != 2:
+    raise fail(op, f"h and w must be 2-D (rows, hidden) and (hidden, vocabulary), got "
+                   f"shapes {h.shape} and {w.shape}")
+  if w.shape[0] != h.shape[1]:
+    raise fail(op, f"w has shape {w.shape}, expected ({h.shape[1]}, vocabulary) to match "
+                   f"h's hidden size {h.shape[1]}")
+  if not jnp.issubdtype(labels.dtype, jnp.integer):
+    raise fail(op, f"labels must be integers, got {labels.dtype}")
+  check_shape(op, "labels", labels, (h.shape[0],))
+  hidden = h.shape[1]
+  gpu = target_backend() != "xla"
+  block_n = block_n or (16 if gpu else 128)
+  block_v = block_v or (128 if gpu else 512)
+  block_h = block_h or (64 if gpu else hidden)
+  for name, value in (("block_n", block_n), ("block_v", block_v), ("block_h", block_h)):
+    check_block(op, name, value)
+  if hidden % block_h:
+    block_h = hidden
+  return _loss(h, w, labels.astype(jnp.int32), block_n, block_v, block_h)

@@ -1,0 +1,64 @@
+"""pallet.ops softmax and fused linear + cross-entropy against jax.numpy references."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import random_array
+from pallet import PalletError, ops
+from ops_testing import DTYPES, check_op, inputs
+
+DTYPE_IDS = lambda d: jnp.dtype(d).name  # noqa: E731
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("shape,block_rows", [((37, 100), 8), ((2, 3, 64), None), ((5, 257), 2)])
+def test_softmax(shape, block_rows, dtype):
+  (x,) = inputs([shape], dtype)
+  check_op(ops.softmax, ops.softmax_reference, (3 * x,), blocks=dict(block_rows=block_rows))
+
+
+def _labels(n, vocab, seed, ignored=True):
+  labels = np.random.default_rng(seed).integers(0, vocab, n)
+  if ignored:
+    labels[::7] = -100
+  return jnp.asarray(labels, jnp.int32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("n,hidden,vocab,block_n,block_v,block_h", [
+    (37, 48, 300, 16, 64, 16),     # rows and vocabulary ragged, 3 hidden chunks
+    (64, 32, 256, 32, 128, None),  # everything divides
+    (20, 16, 1000, 16, 256, 16),
+    (9, 40, 77, None, None, None),  # default blocks
+])
+def test_linear_cross_entropy(n, hidden, vocab, block_n, block_v, block_h, dtype):
+  h = random_array((n, hidden), dtype)
+  w = (random_array((hidden, vocab), jnp.float32) / np.sqrt(hidden)).astype(dtype)
+  labels = _labels(n, vocab, seed=n + vocab)
+  check_op(lambda h, w, **k: ops.linear_cross_entropy(h, w, labels, **k),
+           lambda h, w: ops.linear_cross_entropy_reference(h, w, labels),
+           (h, w), argnums=(0, 1), blocks=dict(block_n=block_n, block_v=block_v, block_h=block_h),
+           scale=1 if dtype == jnp.float32 else 2)
+
+
+def test_linear_cross_entropy_ignored_rows_have_no_loss_or_gradient():
+  h, w = random_array((16, 8)), random_array((8, 40))
+  labels = jnp.full((16,), -100, jnp.int32).at[3].set(5)
+  loss = ops.linear_cross_entropy(h, w, labels, block_n=16, block_v=16)
+  assert float(jnp.abs(loss).sum()) == float(jnp.abs(loss[3])) > 0
+  import jax
+  dh = jax.grad(lambda h: ops.linear_cross_entropy(h, w, labels, block_n=16,
+                                                   block_v=16).sum())(h)
+  assert float(jnp.abs(dh).sum()) == float(jnp.abs(dh[3]).sum()) > 0
+
+
+def test_errors_name_the_op_and_argument():
+  h, w = random_array((8, 16)), random_array((12, 32))
+  with pytest.raises(PalletError, match=r"linear_cross_entropy: w has shape \(12, 32\)"):
+    ops.linear_cross_entropy(h, w, jnp.zeros(8, jnp.int32))
+  with pytest.raises(PalletError, match="labels must be integers"):
+    ops.linear_cross_entropy(h, w.T[:16], jnp.zeros(8))
+  with pytest.raises(PalletError, match="softmax: x must be a floating-point array"):
+    ops.softmax(jnp.ones((2, 2), jnp.int32))
