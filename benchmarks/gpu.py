@@ -10,6 +10,7 @@ reduction inside the kernel.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import sys
 from pathlib import Path
@@ -49,6 +50,7 @@ def matmul_k_loop_kernel(pl: ModuleType, *, block_k: int):
 # The k-loop's step: a 128x128 f32 tile pair per step, pipelined over Triton's default 3
 # stages, asks for 384 KiB of shared memory, more than an H100 has (227 KiB).
 GPU_BLOCK_K = 32
+TF32_TOLERANCE = 2e-2
 
 
 def matmul_k_loop(pl: ModuleType, *, m: int, n: int, k: int, block: int,
@@ -151,6 +153,11 @@ def main(argv: list[str] | None = None) -> int:
   args = p.parse_args(argv)
   jax.config.update("jax_default_matmul_precision", args.matmul_precision)
   benches = gpu_benchmarks()
+  if args.matmul_precision == "default":
+    # TF32 keeps 10 mantissa bits of each float32 input: kernels with dots agree with
+    # jax.numpy (itself TF32) only to about 1e-2, whoever rounds first.
+    benches = [dataclasses.replace(b, rtol=max(b.rtol, TF32_TOLERANCE),
+                                   atol=max(b.atol, TF32_TOLERANCE)) for b in benches]
   try:
     selected = catalog.select(benches, args.only)
   except ValueError as e:
