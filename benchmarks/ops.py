@@ -120,10 +120,11 @@ def _normalization(size: Size) -> list[Benchmark]:
 
 
 def _softmax(size: Size) -> list[Benchmark]:
-  from pallet.ops import softmax as m
+  from pallet.ops import softmax_reference
+  from pallet.ops._common import rows_per_block
   n, d = _NORM[size]
-  br = m.rows_per_block(d, n)
-  return _rows("softmax", "softmax", "softmax", m.softmax_reference, grid=(math.ceil(n / br),),
+  br = rows_per_block(d, n)
+  return _rows("softmax", "softmax", "softmax", softmax_reference, grid=(math.ceil(n / br),),
                shapes=f"{n}x{d} f32, {br}-row blocks",
                make_inputs=lambda k: tuple(3 * a for a in _normal(k, (n, d))), out_shapes=_like,
                rtol=1e-5, atol=1e-6)
