@@ -20,6 +20,7 @@ NAMESPACES = {
     "jax.experimental.pallas": ("jax.experimental.pallas", "pallet"),
     "jax.experimental.pallas.tpu": ("jax.experimental.pallas.tpu", "pallet.tpu"),
     "jax.experimental.pallas.triton": ("jax.experimental.pallas.triton", "pallet.triton"),
+    "jax.experimental.pallas.fuser": ("jax.experimental.pallas.fuser", "pallet.fuser"),
 }
 STATUSES = ("supported", "difference", "not supported")
 _ROW = re.compile(r"^\|\s*`([A-Za-z_][A-Za-z0-9_]*)`\s*\|\s*([a-z ]+?)\s*\|(.*)\|\s*$")
