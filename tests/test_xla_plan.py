@@ -864,3 +864,39 @@ def test_bf16_row_blocks_run_widened_even_when_they_divide():
   assert_close(jax.jit(fn)(x)[0], _softmax_rows(x.astype(f32)).astype(jnp.bfloat16))
   f32_plan = _plan(_row_kernel_call(lambda x: [_softmax_rows(x)], x.astype(f32)), x.astype(f32))
   assert f32_plan.vectorized == [0] and f32_plan.merged == []
+
+
+# ------------------------------------------------------------------ skipped matrix products
+def _blockwise_causal(x, y, skip_when, b=8):
+  """o[i] = sum over k of x[i, k] @ y[k] where pl.when(keep(i, k)); zero elsewhere."""
+  def kernel(x_ref, y_ref, o_ref):
+    i, k = pl.program_id(0), pl.program_id(1)
+
+    @pl.when(k == 0)
+    def _():
+      o_ref[...] = jnp.zeros_like(o_ref)
+
+    @pl.when(skip_when(i, k))
+    def _():
+      o_ref[...] += jnp.dot(x_ref[...], y_ref[...], preferred_element_type=f32)
+  n = x.shape[0] // b
+  return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((x.shape[0], y.shape[1]), f32),
+                        grid=(n, n), in_specs=[pl.BlockSpec((b, b), lambda i, k: (i, k)),
+                                               pl.BlockSpec((b, y.shape[1]), lambda i, k: (k, 0))],
+                        out_specs=pl.BlockSpec((b, y.shape[1]), lambda i, k: (i, 0)))(x, y)
+
+
+@pytest.mark.parametrize("name,keep,looped", [
+    ("causal", lambda i, k: k <= i, True),         # 10 of 16 steps compute: 37% skipped
+    ("almost all", lambda i, k: i >= 0, False),    # nothing skipped: stays vectorized
+])
+def test_parallel_axis_deciding_a_skipped_matrix_product_is_looped(name, keep, looped):
+  x, y = random_array((32, 32)), random_array((32, 16))
+  fn = functools.partial(_blockwise_causal, skip_when=keep)
+  plan = _plan(fn, x, y)
+  assert (0 in plan.outer) == looped and (0 in plan.vectorized) != looped
+  if looped:
+    assert "pl.when around a matrix product" in plan.describe()
+  blocks = np.arange(32) // 8
+  mask = np.asarray([[keep(i, k) for k in blocks] for i in blocks]).astype(np.float32)
+  assert_close(jax.jit(fn)(x, y), jnp.dot(x * mask, y, precision=lax.Precision.HIGHEST))

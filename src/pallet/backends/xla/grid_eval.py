@@ -102,3 +102,32 @@ def over_grid(jaxpr: Any, consts: Sequence[Any], grid: tuple[int, ...],
   coords = list(np.indices(grid, dtype=np.int32).reshape(len(grid), n)) if grid else []
   outs = evaluate(jaxpr, consts, coords + list(extra))
   return [np.broadcast_to(o, (n,)).reshape(grid) for o in outs]
+
+
+def value_over_grid(jaxpr: Any, consts: Sequence[Any], var: Any,
+                    grid: tuple[int, ...]) -> np.ndarray | None:
+  """`var` of `jaxpr` (whose first inputs are the grid ids) at every grid point,
+  running only the equations it needs; None if it depends on other inputs or needs
+  more than scalar arithmetic."""
+  if isinstance(var, Literal):
+    return np.broadcast_to(np.asarray(var.val), grid)
+  needed, eqns = {var}, []
+  for eqn in reversed(jaxpr.eqns):
+    if any(v in needed for v in eqn.outvars):
+      eqns.append(eqn)
+      needed.update(x for x in eqn.invars if not isinstance(x, Literal))
+  ids = jaxpr.invars[:len(grid)]
+  if any(v in needed for v in jaxpr.invars[len(grid):]):
+    return None
+  n = int(np.prod(grid, dtype=np.int64))
+  env = dict(zip(ids, np.indices(grid, dtype=np.int32).reshape(len(grid), n)))
+  for v, c in zip(jaxpr.constvars, consts):
+    env[v] = np.asarray(c)
+  read = lambda x: np.asarray(x.val, x.aval.dtype) if isinstance(x, Literal) else env[x]
+  try:
+    for eqn in reversed(eqns):
+      for v, o in zip(eqn.outvars, apply_equation(eqn, [read(x) for x in eqn.invars])):
+        env[v] = o
+  except Unsupported:
+    return None
+  return np.broadcast_to(read(var), (n,)).reshape(grid)

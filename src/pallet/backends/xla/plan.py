@@ -60,6 +60,9 @@ from pallet.tracing import KernelDescription
 KNOWN_UNBATCHABLE = ("threefry2x32",)
 # Vectorized programs may together create at most this many times the bytes of
 # the kernel's operands (but always this floor), before axes are chunked.
+# A pl.when around a matrix product, decided by program ids alone, that this share of
+# the grid's steps skip keeps the axes deciding it looped (see _skipping_axes).
+SKIPPED_WORK_TO_LOOP = 0.25
 MEMORY_MULTIPLE = 4
 MEMORY_FLOOR_BYTES = 32 << 20
 
@@ -278,11 +281,17 @@ def make_plan(kernel: KernelDescription, unbatchable: str | None = None) -> Exec
                          _resident(outputs, sequential), [True] * len(outputs), reasons)
 
   facts = analyse_body(kernel)
+  skipping = _skipping_axes(kernel)
   vectorized = []
   for g in parallel:
     if g in facts.trip_count_axes:
       reasons.append(f"axis {g} looped: it feeds a while-loop trip count (vectorized, "
                      f"every program would run the longest loop)")
+      continue
+    if g in skipping:
+      reasons.append(f"axis {g} looped: its program_id decides a pl.when around a matrix "
+                     f"product that {skipping[g]:.0%} of the grid's steps skip (vectorized, "
+                     f"every program would compute it)")
       continue
     gather: set[int] = set()
     tiled = _tiling(inputs, outputs, g, outputs_move=True, gather=gather)
@@ -311,6 +320,54 @@ def make_plan(kernel: KernelDescription, unbatchable: str | None = None) -> Exec
   inner = [g for g in sequential if g not in summed + merged or chunk[g] < grid[g]]
   return ExecutionPlan(grid, summed + vectorized, chunk, summed, merged, outer, inner, inputs,
                        outputs, _resident(outputs, inner), keep_initial, reasons)
+
+
+def _skipping_axes(kernel: KernelDescription) -> dict[int, float]:
+  """Axes whose program_id decides a top-level `pl.when` (cond) that skips a branch
+  holding a matrix product on at least SKIPPED_WORK_TO_LOOP of the grid's steps
+  (causal attention's blocks above the diagonal), with that share. Under vmap the
+  cond becomes a select and every program computes the product: looping the axis
+  (measured: TPU flash attention, causal, 2x faster) lets the skipped steps cost
+  nothing. Predicates that read data are not counted."""
+  gm = kernel.grid_mapping
+  grid = gm.grid
+  if not grid or None in grid:
+    return {}
+  pure = internals.discharge_state(kernel.jaxpr)
+  jaxpr = pure.jaxpr
+  ids = jaxpr.invars[:len(grid)]
+  producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+  found: dict[int, float] = {}
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name != "cond":
+      continue
+    branches = eqn.params["branches"]
+    heavy = [i for i, b in enumerate(branches) if _uses_primitive(b.jaxpr, ("dot_general",))]
+    if not heavy or len(heavy) == len(branches):
+      continue
+    table = grid_eval.value_over_grid(jaxpr, pure.consts, eqn.invars[0], grid)
+    if table is None:
+      continue
+    skipped = float(np.mean(~np.isin(table, heavy)))
+    if skipped < SKIPPED_WORK_TO_LOOP:
+      continue
+    for g in _id_dependencies(eqn.invars[0], producer, ids):
+      found[g] = max(found.get(g, 0.0), skipped)
+  return found
+
+
+def _id_dependencies(var: Any, producer: dict, ids: list) -> set[int]:
+  seen, stack, axes = set(), [var], set()
+  while stack:
+    v = stack.pop()
+    if isinstance(v, Literal) or v in seen:
+      continue
+    seen.add(v)
+    if v in ids:
+      axes.add(ids.index(v))
+    elif v in producer:
+      stack.extend(producer[v].invars)
+  return axes
 
 
 def _unbatchable_body(kernel: KernelDescription) -> str | None:
