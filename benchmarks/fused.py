@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from benchmarks.case import Benchmark, Size
 
 SIZES: dict[Size, dict[str, Any]] = {
-    "full": dict(m=2048, k=1024, n=2048, block=256),
+    "full": dict(m=2048, k=1024, n=2048, block=512),
     "small": dict(m=512, k=512, n=512, block=128),
     "tiny": dict(m=256, k=128, n=256, block=128),
 }
