@@ -171,88 +171,97 @@ def _steps(flat: Sequence[int], grid: Sequence[int]) -> list[tuple[int, ...]]:
   return [tuple(int(i) for i in np.unravel_index(t, grid)) for t in flat]
 
 
-# ------------------------------------------------------------------ predicates
-class _Pred:
-  """A boolean function of the grid indices, built while walking the body."""
-
-  def __call__(self, ids: Sequence[Any], cache: dict) -> Any:
-    raise NotImplementedError
-
-
+# ------------------------------------------------------------------ coverage
+# Conditions are boolean arrays over the grid's steps (row-major order), evaluated
+# once per `cond`. Inside a branch they hold for the steps that reach it.
 @dataclasses.dataclass(frozen=True)
-class _Const(_Pred):
-  value: bool
+class _Cover:
+  """Where a buffer has been overwritten in the current step: whole at the steps
+  `whole`, and each region (a bool mask over its elements) at some steps."""
+  whole: np.ndarray
+  parts: tuple[tuple[np.ndarray, np.ndarray], ...] = ()
 
-  def __call__(self, ids, cache):
-    return jnp.bool_(self.value)
+  def at(self, region: np.ndarray | None) -> np.ndarray:
+    """Steps at which `region` (None: possibly any element) is overwritten."""
+    if region is None:
+      return self.whole
+    hit = self.whole.copy()
+    for steps, union in _groups(self.parts):
+      if np.all(union[region]):
+        hit |= steps
+    return hit
 
-
-TRUE, FALSE = _Const(True), _Const(False)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _Branch(_Pred):
-  """`cond` picks `branch` (its index is clamped to the branches, as lax.cond does)."""
-  index: Callable[[Sequence[Any], dict], Any]
-  branch: int
-  n_branches: int
-
-  def __call__(self, ids, cache):
-    i = jnp.clip(jnp.asarray(self.index(ids, cache)).astype(jnp.int32), 0, self.n_branches - 1)
-    return i == self.branch
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _Op(_Pred):
-  op: str
-  args: tuple[_Pred, ...]
-
-  def __call__(self, ids, cache):
-    vals = [a(ids, cache) for a in self.args]
-    if self.op == "not":
-      return jnp.logical_not(vals[0])
-    combine = jnp.logical_and if self.op == "and" else jnp.logical_or
-    return functools.reduce(combine, vals)
+  def write(self, region: np.ndarray | None, steps: np.ndarray) -> "_Cover":
+    if region is None:
+      return self
+    if region.all():
+      return _Cover(self.whole | steps, self.parts)
+    return _normal(self.whole, self.parts + ((steps, region),))
 
 
-def _not(a: _Pred) -> _Pred:
-  if isinstance(a, _Const):
-    return _Const(not a.value)
-  return _Op("not", (a,))
+def _groups(parts) -> list[tuple[np.ndarray, np.ndarray]]:
+  """Parts with the same steps, their regions united."""
+  groups: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
+  for steps, region in parts:
+    key = np.packbits(steps).tobytes()
+    old = groups.get(key)
+    groups[key] = (steps, region if old is None else old[1] | region)
+  return list(groups.values())
 
 
-def _and(a: _Pred, b: _Pred) -> _Pred:
-  if a is FALSE or b is FALSE:
-    return FALSE
-  if a is TRUE:
-    return b
-  return a if b is TRUE or a is b else _Op("and", (a, b))
+def _normal(whole: np.ndarray, parts) -> _Cover:
+  """Parts of equal regions merged, regions that add up to the whole buffer moved
+  into `whole`, parts already covered dropped."""
+  by_region: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
+  for steps, region in parts:
+    key = np.packbits(region).tobytes()
+    old = by_region.get(key)
+    by_region[key] = (steps if old is None else old[0] | steps, region)
+  whole = whole.copy()
+  for steps, union in _groups(by_region.values()):
+    if union.all():
+      whole |= steps
+  kept = tuple((steps & ~whole, region) for steps, region in by_region.values()
+               if np.any(steps & ~whole))
+  return _Cover(whole, kept)
 
 
-def _or(a: _Pred, b: _Pred) -> _Pred:
-  if a is TRUE or b is TRUE:
-    return TRUE
-  if a is FALSE:
-    return b
-  return a if b is FALSE or a is b else _Op("or", (a, b))
+def _region(eqn: Any, start: int) -> np.ndarray | None:
+  """The elements of its ref an access touches, as a mask, when its indices are
+  static (integers and slices); None otherwise."""
+  ref_aval = eqn.invars[0].aval
+  shape = tuple(getattr(ref_aval, "inner_aval", ref_aval).shape)
+  tree = eqn.params["tree"]
+  transforms = jax.tree_util.tree_unflatten(tree, eqn.invars[start:start + tree.num_leaves])
+  elements = np.arange(math.prod(shape)).reshape(shape)
+  for t in transforms:
+    if not isinstance(t, internals.NDIndexer):
+      return None
+    index = []
+    for i in t.indices:
+      if isinstance(i, internals.Slice):
+        begin = _static_int(i.start)
+        if begin is None or not isinstance(i.size, (int, np.integer)):
+          return None
+        index.append(slice(begin, begin + i.size * i.stride, i.stride))
+      else:
+        value = _static_int(i)
+        if value is None:
+          return None
+        index.append(value)
+    elements = elements[tuple(index)]
+  mask = np.zeros(math.prod(shape), bool)
+  mask[np.ravel(elements)] = True
+  return mask
 
 
-def _evaluate(preds: list[_Pred], grid: tuple[int, ...]) -> list[np.ndarray]:
-  """Each predicate at every grid step, flattened in row-major order."""
-  n = math.prod(grid)
-  out: list[Any] = [np.full(n, p.value) if isinstance(p, _Const) else None for p in preds]
-  todo = [i for i, p in enumerate(preds) if out[i] is None]
-  if todo:
-    coords = [jnp.asarray(c) for c in np.indices(grid).reshape(len(grid), n).astype(np.int32)]
-
-    def at(*ids):
-      cache: dict = {}
-      return [jnp.broadcast_to(preds[i](ids, cache), ()) for i in todo]
-    with internals.eval_context():
-      values = jax.vmap(at)(*coords)
-    for i, v in zip(todo, values):
-      out[i] = np.asarray(v, bool).reshape(n)
-  return out
+def _static_int(x: Any) -> int | None:
+  if isinstance(x, Literal):
+    x = x.val
+  if isinstance(x, (int, np.integer)) or (isinstance(x, np.ndarray) and x.shape == ()
+                                          and np.issubdtype(x.dtype, np.integer)):
+    return int(x)
+  return None
 
 
 # ------------------------------------------------------------------ grid-only values
@@ -300,36 +309,54 @@ def _equation_value(key: Any, eqn: Any, k: int, args: list, ids: Sequence[Any],
 class _Access:
   slot: int
   kind: str           # "read", "write", "update" (read and write), "atomic"
-  exposed: _Pred      # steps where it may read the value the step started with
+  exposed: np.ndarray # steps where it may read the value the step started with
   eqn: Any
   exact: bool         # not under a condition on data nor in a while loop
   fixed: bool         # indexes the ref at positions fixed for every step and program
 
 
 class _Walker:
-  """Follows reads and whole writes of the kernel's refs in program order."""
+  """Follows the accesses to the kernel's refs in program order, over every grid
+  step at once: which steps may read a value the step did not write itself."""
 
-  def __init__(self):
+  def __init__(self, grid: tuple[int, ...]):
+    self.grid = grid
+    self.n = math.prod(grid)
     self.accesses: list[_Access] = []
 
-  def walk(self, scope: _Scope, refs: dict, may: _Pred, covered: dict, exact: bool) -> dict:
+  def nowhere(self) -> _Cover:
+    return _Cover(np.zeros(self.n, bool))
+
+  def values(self, fn: Callable) -> np.ndarray:
+    """A grid-only value at every step."""
+    coords = np.indices(self.grid).reshape(len(self.grid), self.n).astype(np.int32)
+    with internals.eval_context():
+      out = jax.vmap(lambda *ids: jnp.broadcast_to(fn(ids, {}), ()))(
+          *[jnp.asarray(c) for c in coords])
+    return np.asarray(out).reshape(self.n)
+
+  def walk(self, scope: _Scope, refs: dict, may: np.ndarray, covered: dict,
+           exact: bool) -> dict:
     used = {v for e in scope.jaxpr.eqns for v in e.invars if is_var(v)}
     used.update(v for v in scope.jaxpr.outvars if is_var(v))
     covered = dict(covered)
+    everywhere = np.ones(self.n, bool)
     for eqn in scope.jaxpr.eqns:
-      operands = [(i, refs[v]) for i, v in enumerate(eqn.invars) if is_var(v) and v in refs]
+      operands = [refs[v] for v in eqn.invars if is_var(v) and v in refs]
       if not operands:
         continue
       name = eqn.primitive.name
       if name in _INDEX_START and is_var(eqn.invars[0]) and eqn.invars[0] in refs:
         slot = refs[eqn.invars[0]]
+        cover = covered.get(slot, self.nowhere())
+        region = _region(eqn, _INDEX_START[name])
         reads = name != "masked_store" and (name != "swap" or eqn.outvars[0] in used)
         kind = ("atomic" if name in _ATOMICS else "read" if name in _READS
                 else "update" if reads else "write")
-        exposed = _and(may, _not(covered.get(slot, FALSE))) if reads else FALSE
+        exposed = may & ~cover.at(region) if reads else np.zeros(self.n, bool)
         self.accesses.append(_Access(slot, kind, exposed, eqn, exact, _fixed(scope, eqn)))
-        if name == "swap" and _whole(eqn):
-          covered[slot] = TRUE
+        if name == "swap":   # what it leaves does not depend on what was there
+          covered[slot] = cover.write(region, everywhere)
       elif name == "cond":
         covered = self._cond(scope, eqn, refs, may, covered, exact)
       elif name == "while":
@@ -339,31 +366,36 @@ class _Walker:
       elif name in _CALLS and _call_jaxpr(eqn) is not None:
         sub = _call_jaxpr(eqn)
         child = _child(scope, sub, eqn.invars)
-        inner = self.walk(child, _sub_refs(refs, sub.jaxpr.invars, eqn.invars), may,
-                          covered, exact)
-        covered.update(inner)
+        covered = self.walk(child, _sub_refs(refs, sub.jaxpr.invars, eqn.invars), may,
+                            covered, exact)
       else:   # anything else touching a ref (DMAs, unknown primitives): a possible read
-        for _, slot in operands:
-          self.accesses.append(_Access(slot, "update", _and(may, _not(covered.get(slot, FALSE))),
-                                       eqn, False, False))
+        for slot in operands:
+          cover = covered.get(slot, self.nowhere())
+          self.accesses.append(_Access(slot, "update", may & ~cover.whole, eqn, False, False))
     return covered
 
   def _cond(self, scope, eqn, refs, may, covered, exact):
     branches = eqn.params["branches"]
     index = scope.grid_only(eqn.invars[0])
+    picked = None if index is None else np.clip(self.values(index), 0, len(branches) - 1)
     operands = eqn.invars[1:]
     results = []
     for b, branch in enumerate(branches):
-      sel = TRUE if index is None else _Branch(index, b, len(branches))
+      sel = np.ones(self.n, bool) if picked is None else picked == b
       child = _child(scope, branch, operands)
       results.append((sel, self.walk(child, _sub_refs(refs, branch.jaxpr.invars, operands),
-                                     _and(may, sel), covered, exact and index is not None)))
+                                     may & sel, covered, exact and index is not None)))
     out = {}
     for slot in set(covered) | {s for _, r in results for s in r}:
-      if index is None:   # a condition on data: covered only if every branch covers
-        out[slot] = functools.reduce(_and, [r.get(slot, FALSE) for _, r in results])
+      covers = [r.get(slot, self.nowhere()) for _, r in results]
+      if picked is None:   # a condition on data: covered where every branch covers
+        out[slot] = _Cover(np.logical_and.reduce([c.whole for c in covers]),
+                           covered.get(slot, self.nowhere()).parts)
       else:
-        out[slot] = functools.reduce(_or, [_and(sel, r.get(slot, FALSE)) for sel, r in results])
+        out[slot] = _normal(
+            np.logical_or.reduce([sel & c.whole for (sel, _), c in zip(results, covers)]),
+            tuple((sel & steps, region) for (sel, _), c in zip(results, covers)
+                  for steps, region in c.parts))
     return out
 
   def _while(self, scope, eqn, refs, may, covered):
@@ -413,28 +445,6 @@ def _fixed(scope: _Scope, eqn: Any) -> bool:
   return all(not is_var(v) or v in scope.consts for v in flat)
 
 
-def _whole(eqn: Any) -> bool:
-  """Whether a swap writes every element of its ref (no view, or full slices only)."""
-  ref_aval = eqn.invars[0].aval
-  shape = tuple(getattr(ref_aval, "inner_aval", ref_aval).shape)
-  transforms = jax.tree_util.tree_unflatten(eqn.params["tree"], eqn.invars[2:])
-  if not transforms:
-    return True
-  if len(transforms) != 1 or not isinstance(transforms[0], internals.NDIndexer):
-    return False
-  indexer = transforms[0]
-  if tuple(indexer.int_indexer_shape) or len(indexer.indices) != len(shape):
-    return False
-  for idx, n in zip(indexer.indices, shape):
-    if not isinstance(idx, internals.Slice):
-      return False
-    start = idx.start if not isinstance(idx.start, Literal) else idx.start.val
-    if not (isinstance(start, (int, np.integer)) and start == 0
-            and idx.size == n and idx.stride == 1):
-      return False
-  return True
-
-
 # ------------------------------------------------------------------ the analysis
 @functools.lru_cache(maxsize=512)
 def analyse(kernel: KernelDescription) -> GridFacts:
@@ -456,48 +466,40 @@ def _analyse(kernel: KernelDescription) -> GridFacts:
   gm = kernel.grid_mapping
   grid, G = gm.grid, len(gm.grid)
   n_pre, n_in, n_out = len(gm.prefetch_avals), len(gm.inputs), len(gm.outputs)
-  n_ids = G + len(gm.dynamic_axes)
-  jaxpr = kernel.jaxpr.jaxpr
-  ref_vars = jaxpr.invars[n_ids:]
-  top = _Scope(jaxpr, kernel.jaxpr.consts,
-               [(lambda ids, cache, g=g: ids[g]) for g in range(G)]
-               + [None] * (len(jaxpr.invars) - G))
-  walker = _Walker()
-  end = walker.walk(top, {v: s for s, v in enumerate(ref_vars)}, TRUE, {}, True)
-  by_slot: dict[int, list[_Access]] = {}
-  for acc in walker.accesses:
-    by_slot.setdefault(acc.slot, []).append(acc)
-
-  def name(slot: int) -> str:
-    names = kernel.ref_names
-    pname = names[slot] if slot < len(names) and names[slot] else None
-    return f" ('{pname}')" if pname else ""
-
-  reasons: list[list[Dependence]] = [[] for _ in range(G)]
   static = all(n is not None for n in grid)
   if not G or (static and math.prod(grid) == 0):   # nothing to order
     declared = gm.dimension_semantics or ("arbitrary",) * G
     return GridFacts(kernel.name, kernel.source, tuple(
         AxisFacts(g, grid[g], declared[g], (), declared[g] == "parallel", False)
         for g in range(G)))
-  if not static and G:
-    for g in range(G):
-      reasons[g].append(Dependence("unlisted", "", None, kernel.source,
-                                   "grid sizes are computed at run time", certain=False))
-  if uses_dmas(jaxpr):
+
+  def name(slot: int) -> str:
+    names = kernel.ref_names
+    return f" ('{names[slot]}')" if slot < len(names) and names[slot] else ""
+
+  reasons: list[list[Dependence]] = [[] for _ in range(G)]
+  if uses_dmas(kernel.jaxpr.jaxpr):
     for g in range(G):
       reasons[g].append(Dependence("dma", "", None, kernel.source,
                                    "the kernel uses DMAs or semaphores, whose state carries "
                                    "from one grid step to the next", certain=False))
-
-  # buffers that persist across steps: scratch, and prefetch refs the kernel writes
-  state = [(s, "scratch", s - n_pre - n_in - n_out) for s in range(n_pre + n_in + n_out,
-                                                                    len(ref_vars))]
-  state += [(s, "prefetch", s) for s in range(n_pre)
-            if any(a.kind != "read" for a in by_slot.get(s, []))]
-  if static:
+  moves = [False] * G
+  if not static:
+    for g in range(G):
+      reasons[g].append(Dependence("unlisted", "", None, kernel.source,
+                                   "grid sizes are computed at run time", certain=False))
+  else:
+    by_slot, end = _walk(kernel)
+    # buffers that persist across steps: scratch, and prefetch refs the kernel writes
+    n_refs = n_pre + n_in + n_out + len(gm.scratch_avals)
+    state = [(s, "scratch", s - n_pre - n_in - n_out) for s in range(n_pre + n_in + n_out,
+                                                                      n_refs)]
+    state += [(s, "prefetch", s) for s in range(n_pre)
+              if any(a.kind != "read" for a in by_slot.get(s, []))]
     for slot, kind, k in state:
-      found = _carried(kernel, by_slot.get(slot, []), end.get(slot, FALSE))
+      cover = end.get(slot)
+      found = _carried(grid, by_slot.get(slot, []),
+                       cover.whole if cover is not None else np.zeros(math.prod(grid), bool))
       for g, (t, src, acc) in found.items():
         steps = _steps([src, t], grid)
         reasons[g].append(Dependence(
@@ -506,8 +508,6 @@ def _analyse(kernel: KernelDescription) -> GridFacts:
             f"step {steps[0]} or a later one wrote (another program along axis {g})",
             certain=all(a.exact for a in by_slot[slot])))
     moves = _output_conflicts(kernel, by_slot, reasons, name)
-  else:
-    moves = [False] * G
   axes = []
   for g in range(G):
     declared = None if gm.dimension_semantics is None else gm.dimension_semantics[g]
@@ -522,20 +522,36 @@ def _analyse(kernel: KernelDescription) -> GridFacts:
   return GridFacts(kernel.name, kernel.source, tuple(axes))
 
 
-def _carried(kernel: KernelDescription, accesses: list[_Access], covered_end: _Pred
+def _walk(kernel: KernelDescription) -> tuple[dict[int, list[_Access]], dict[int, _Cover]]:
+  """The accesses to each ref (numbered as the kernel's ref parameters) and where
+  each is overwritten by the end of a step."""
+  gm = kernel.grid_mapping
+  G = len(gm.grid)
+  jaxpr = kernel.jaxpr.jaxpr
+  top = _Scope(jaxpr, kernel.jaxpr.consts,
+               [(lambda ids, cache, g=g: ids[g]) for g in range(G)]
+               + [None] * (len(jaxpr.invars) - G))
+  walker = _Walker(tuple(gm.grid))
+  refs = {v: s for s, v in enumerate(jaxpr.invars[G:])}
+  end = walker.walk(top, refs, np.ones(walker.n, bool), {}, True)
+  by_slot: dict[int, list[_Access]] = {}
+  for acc in walker.accesses:
+    by_slot.setdefault(acc.slot, []).append(acc)
+  return by_slot, end
+
+
+def _carried(grid: tuple[int, ...], accesses: list[_Access], covered_end: np.ndarray
              ) -> dict[int, tuple[int, int, _Access]]:
   """Axis -> (step, writer step, read) for the first read that sees a value written
   under other indices on axes 0..axis; axes not listed are free of this buffer."""
-  grid = kernel.grid_mapping.grid
-  reads = [a for a in accesses if a.exposed is not FALSE]
+  reads = [a for a in accesses if a.exposed.any()]
   if not reads:
     return {}
   n = math.prod(grid)
-  exposed_each = _evaluate([a.exposed for a in reads] + [covered_end], grid)
-  covered = exposed_each.pop()
-  exposed = np.logical_or.reduce(exposed_each) if exposed_each else np.zeros(n, bool)
-  # A step that overwrites the buffer whole before reading it starts a new value.
-  kill = covered & ~exposed
+  exposed = np.logical_or.reduce([a.exposed for a in reads])
+  # A step that overwrites the buffer whole before reading it starts a new value; the
+  # value a step reads was written from the last such step before it on.
+  kill = covered_end & ~exposed
   last_kill = np.maximum.accumulate(np.where(kill, np.arange(n), 0))
   source = np.concatenate([[0], last_kill[:-1]])
   found = {}
@@ -544,8 +560,7 @@ def _carried(kernel: KernelDescription, accesses: list[_Access], covered_end: _P
     bad = np.flatnonzero(exposed & (np.arange(n) // stride != source // stride))
     if bad.size:
       t = int(bad[0])
-      acc = next(a for a, e in zip(reads, exposed_each) if e[t])
-      found[g] = (t, int(source[t]), acc)
+      found[g] = (t, int(source[t]), next(a for a in reads if a.exposed[t]))
   return found
 
 

@@ -26,6 +26,7 @@ import numpy as np
 from jax.extend.core import Literal
 
 from pallet import _internals as internals
+from pallet.grid_analysis import apply_equation, is_var as _is_var
 from pallet.tracing import KernelDescription
 
 _CALL_PRIMITIVES = ("pjit", "jit", "closed_call", "core_call")
@@ -64,10 +65,6 @@ class _NotGridOnly(Exception):
 
 
 # ------------------------------------------------------------------ helpers
-def _is_var(x: Any) -> bool:
-  return not isinstance(x, Literal)
-
-
 def _live_eqns(jaxpr: Any) -> list[Any]:
   """Equations whose results are used (dead code would block the proofs)."""
   live = {v for v in jaxpr.outvars if _is_var(v)}
@@ -191,20 +188,12 @@ class _Scope:
       eqn = self.producer[x]
       if eqn.effects:
         raise _NotGridOnly()
-      outs = _bind(eqn, [self.value(v, ids, cache) for v in eqn.invars])
+      outs = apply_equation(eqn, [self.value(v, ids, cache) for v in eqn.invars])
       for v, o in zip(eqn.outvars, outs):
         cache[v] = o
       result = cache[x]
     cache[x] = result
     return result
-
-
-def _bind(eqn: Any, args: list[Any]) -> list[Any]:
-  """Applies an equation's primitive (jax 0.10 returns (subfuns, params), 0.12 params)."""
-  bind_params = eqn.primitive.get_bind_params(eqn.params)
-  subfuns, params = bind_params if isinstance(bind_params, tuple) else ((), bind_params)
-  outs = eqn.primitive.bind(*subfuns, *args, **params)
-  return outs if eqn.primitive.multiple_results else [outs]
 
 
 def _child_scope(parent: _Scope, closed: Any, operands: Sequence[Any]) -> _Scope:
