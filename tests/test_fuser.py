@@ -187,6 +187,7 @@ def _block_of(array, spec, grid_index):
   return array[tuple(pieces)]
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(chain=_chains(), data=st.data())
 def test_pull_block_spec_property(chain, data):
@@ -207,6 +208,7 @@ def test_pull_block_spec_property(chain, data):
   _assert_close(got, _block_of(full, _spec(block_shape), g), 1e-5)
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(chain=_chains(), data=st.data())
 def test_push_block_spec_property(chain, data):
