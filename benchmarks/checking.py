@@ -105,6 +105,25 @@ def checking_summary(results) -> list[str]:
   return lines
 
 
+def markdown_table(results) -> str:
+  """The cost table as docs/checking.md shows it."""
+  from benchmarks.report import time_cell
+
+  def ratio(value, suffix=""):
+    return "-" if value is None else f"{value:.2f}{suffix}" if value < 10 else f"{value:.0f}{suffix}"
+
+  rows = ["| kernel | grid steps | unchecked ms | checked ms | checked / unchecked "
+          "| Pallas checked ms | Pallas checked / checked |", "|---|--:|--:|--:|--:|--:|--:|"]
+  for r in results:
+    v = r.variants
+    cells = [r.bench.name, str(r.bench.grid_steps), time_cell(v.get("pallet")),
+             time_cell(v.get("checked")), ratio(r.ratio("checked", "pallet")),
+             time_cell(v.get("pallas_checked")),
+             ratio(r.ratio("pallas_checked", "checked"), "x")]
+    rows.append("| " + " | ".join(cells) + " |")
+  return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
   """Time the suite unchecked, checked, and under Pallas's checked interpreter."""
   import argparse
@@ -147,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
   print()
   for line in checking_summary(results):
     print(line)
+  print()
+  print(markdown_table(results))
   args.out.mkdir(parents=True, exist_ok=True)
   path = args.out / f"checking_{args.size}.json"
   report.write_json(path, results, {"size": args.size, "reps": args.reps,
