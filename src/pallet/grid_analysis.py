@@ -91,6 +91,7 @@ class Dependence:
 
 @dataclasses.dataclass(frozen=True)
 class AxisFacts:
+  """One grid axis: why its programs are not independent (if so) and how it runs."""
   axis: int
   size: int | None
   declared: str | None                 # "parallel", "arbitrary" or None (inferred)
@@ -116,6 +117,8 @@ class AxisFacts:
 
 @dataclasses.dataclass(frozen=True)
 class GridFacts:
+  """The analysis of one kernel: a backend runs `parallel` axes at once or in any
+  order, and `sequential` ones in grid order."""
   kernel: str
   source: str
   axes: tuple[AxisFacts, ...]
@@ -309,7 +312,8 @@ def _equation_value(key: Any, eqn: Any, k: int, args: list, ids: Sequence[Any],
 class _Access:
   slot: int
   kind: str           # "read", "write", "update" (read and write), "atomic"
-  exposed: np.ndarray # steps where it may read the value the step started with
+  exposed: np.ndarray | None  # steps where it may read the value the step started
+                              # with (buffers that persist across steps only)
   eqn: Any
   exact: bool         # not under a condition on data nor in a while loop
   fixed: bool         # indexes the ref at positions fixed for every step and program
@@ -319,20 +323,24 @@ class _Walker:
   """Follows the accesses to the kernel's refs in program order, over every grid
   step at once: which steps may read a value the step did not write itself."""
 
-  def __init__(self, grid: tuple[int, ...]):
+  def __init__(self, grid: tuple[int, ...], state: set[int]):
     self.grid = grid
     self.n = math.prod(grid)
+    self.state = state          # the refs whose coverage is followed
     self.accesses: list[_Access] = []
 
   def nowhere(self) -> _Cover:
     return _Cover(np.zeros(self.n, bool))
 
-  def values(self, fn: Callable) -> np.ndarray:
-    """A grid-only value at every step."""
+  def values(self, fn: Callable) -> np.ndarray | None:
+    """A grid-only value at every step; None if it cannot be evaluated."""
     coords = np.indices(self.grid).reshape(len(self.grid), self.n).astype(np.int32)
-    with internals.eval_context():
-      out = jax.vmap(lambda *ids: jnp.broadcast_to(fn(ids, {}), ()))(
-          *[jnp.asarray(c) for c in coords])
+    try:
+      with internals.eval_context():
+        out = jax.vmap(lambda *ids: jnp.broadcast_to(fn(ids, {}), ()))(
+            *[jnp.asarray(c) for c in coords])
+    except Exception:  # noqa: BLE001 - e.g. no batching rule: treated as a condition on data
+      return None
     return np.asarray(out).reshape(self.n)
 
   def walk(self, scope: _Scope, refs: dict, may: np.ndarray, covered: dict,
@@ -348,15 +356,17 @@ class _Walker:
       name = eqn.primitive.name
       if name in _INDEX_START and is_var(eqn.invars[0]) and eqn.invars[0] in refs:
         slot = refs[eqn.invars[0]]
-        cover = covered.get(slot, self.nowhere())
-        region = _region(eqn, _INDEX_START[name])
         reads = name != "masked_store" and (name != "swap" or eqn.outvars[0] in used)
         kind = ("atomic" if name in _ATOMICS else "read" if name in _READS
                 else "update" if reads else "write")
-        exposed = may & ~cover.at(region) if reads else np.zeros(self.n, bool)
+        exposed = None
+        if slot in self.state:
+          cover = covered.get(slot, self.nowhere())
+          region = _region(eqn, _INDEX_START[name])
+          exposed = may & ~cover.at(region) if reads else np.zeros(self.n, bool)
+          if name == "swap":   # what it leaves does not depend on what was there
+            covered[slot] = cover.write(region, everywhere)
         self.accesses.append(_Access(slot, kind, exposed, eqn, exact, _fixed(scope, eqn)))
-        if name == "swap":   # what it leaves does not depend on what was there
-          covered[slot] = cover.write(region, everywhere)
       elif name == "cond":
         covered = self._cond(scope, eqn, refs, may, covered, exact)
       elif name == "while":
@@ -370,21 +380,27 @@ class _Walker:
                             covered, exact)
       else:   # anything else touching a ref (DMAs, unknown primitives): a possible read
         for slot in operands:
-          cover = covered.get(slot, self.nowhere())
-          self.accesses.append(_Access(slot, "update", may & ~cover.whole, eqn, False, False))
+          exposed = (may & ~covered.get(slot, self.nowhere()).whole if slot in self.state
+                     else None)
+          self.accesses.append(_Access(slot, "update", exposed, eqn, False, False))
     return covered
 
   def _cond(self, scope, eqn, refs, may, covered, exact):
     branches = eqn.params["branches"]
-    index = scope.grid_only(eqn.invars[0])
-    picked = None if index is None else np.clip(self.values(index), 0, len(branches) - 1)
     operands = eqn.invars[1:]
+    # The condition matters only to buffers that persist across steps.
+    index = None
+    if any(refs[v] in self.state for v in operands if is_var(v) and v in refs):
+      index = scope.grid_only(eqn.invars[0])
+    picked = None if index is None else self.values(index)
+    if picked is not None:
+      picked = np.clip(picked, 0, len(branches) - 1)
     results = []
     for b, branch in enumerate(branches):
       sel = np.ones(self.n, bool) if picked is None else picked == b
       child = _child(scope, branch, operands)
       results.append((sel, self.walk(child, _sub_refs(refs, branch.jaxpr.invars, operands),
-                                     may & sel, covered, exact and index is not None)))
+                                     may & sel, covered, exact and picked is not None)))
     out = {}
     for slot in set(covered) | {s for _, r in results for s in r}:
       covers = [r.get(slot, self.nowhere()) for _, r in results]
@@ -468,7 +484,7 @@ def _analyse(kernel: KernelDescription) -> GridFacts:
   n_pre, n_in, n_out = len(gm.prefetch_avals), len(gm.inputs), len(gm.outputs)
   static = all(n is not None for n in grid)
   if not G or (static and math.prod(grid) == 0):   # nothing to order
-    declared = gm.dimension_semantics or ("arbitrary",) * G
+    declared = gm.dimension_semantics or (None,) * G
     return GridFacts(kernel.name, kernel.source, tuple(
         AxisFacts(g, grid[g], declared[g], (), declared[g] == "parallel", False)
         for g in range(G)))
@@ -531,7 +547,9 @@ def _walk(kernel: KernelDescription) -> tuple[dict[int, list[_Access]], dict[int
   top = _Scope(jaxpr, kernel.jaxpr.consts,
                [(lambda ids, cache, g=g: ids[g]) for g in range(G)]
                + [None] * (len(jaxpr.invars) - G))
-  walker = _Walker(tuple(gm.grid))
+  n_pre, n_io = len(gm.prefetch_avals), len(gm.inputs) + len(gm.outputs)
+  state = set(range(n_pre)) | set(range(n_pre + n_io, n_pre + n_io + len(gm.scratch_avals)))
+  walker = _Walker(tuple(gm.grid), state)
   refs = {v: s for s, v in enumerate(jaxpr.invars[G:])}
   end = walker.walk(top, refs, np.ones(walker.n, bool), {}, True)
   by_slot: dict[int, list[_Access]] = {}
