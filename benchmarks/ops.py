@@ -164,7 +164,33 @@ def _ce_vjp(fn: Callable) -> Callable:
   return program
 
 
-FAMILIES = (_normalization, _softmax, _cross_entropy)
+_ROPE = {"full": (4, 1024, 16, 128), "small": (2, 256, 4, 64), "tiny": (1, 32, 2, 16)}
+
+
+def _rope(size: Size) -> list[Benchmark]:
+  from pallet.ops import rotary_embedding_reference
+  b, t, heads, d = _ROPE[size]
+  block = max(1, min(64, 4096 // (1 << (heads * d - 1).bit_length())))
+  return _rows("rotary_embedding", "rope", "rotary_embedding", rotary_embedding_reference,
+               grid=(b, math.ceil(t / block)), shapes=f"{b}x{t}x{heads}x{d} f32 (batch, seq, "
+               f"heads, head_dim), {block}-position blocks", make_inputs=lambda k: _normal(k, (b, t, heads, d)),
+               out_shapes=_like, rtol=1e-4, atol=1e-4)
+
+
+_GLU = {"full": (4096, 2816), "small": (512, 704), "tiny": (32, 96)}
+
+
+def _glu(size: Size) -> list[Benchmark]:
+  from pallet.ops import swiglu_reference
+  n, f = _GLU[size]
+  cols = min(1024, 1 << (f - 1).bit_length())
+  return _rows("swiglu", "glu", "swiglu", swiglu_reference,
+               grid=(math.ceil(n / max(1, 4096 // cols)), math.ceil(f / cols)),
+               shapes=f"{n}x{f} f32 gate and up", make_inputs=lambda k: _normal(k, (n, f), (n, f)),
+               out_shapes=_like, rtol=1e-5, atol=1e-5)
+
+
+FAMILIES = (_normalization, _softmax, _cross_entropy, _rope, _glu)
 
 
 def benchmarks(size: Size) -> list[Benchmark]:

@@ -42,6 +42,12 @@ def _cross_entropy_case():
 CASES = {
     "softmax": lambda: (_grad_of(ops.softmax, 0), (random_array((4096, 1024), BF16),)),
     "linear_cross_entropy": _cross_entropy_case,
+    "rotary_embedding": lambda: (_grad_of(ops.rotary_embedding, 0),
+                                 (random_array((2, 1024, 8, 128), BF16),)),
+    "swiglu": lambda: (_grad_of(ops.swiglu, 0, 1), (random_array((4096, 2752), BF16),
+                                                    random_array((4096, 2752), BF16))),
+    "geglu": lambda: (_grad_of(lambda a, b: ops.glu(a, b, activation="gelu"), 0, 1),
+                      (random_array((512, 1000), BF16), random_array((512, 1000), BF16))),
     "layer_norm": lambda: _norm_case(ops.layer_norm, False),
     "layer_norm_residual": lambda: _norm_case(ops.layer_norm, True),
     "rms_norm": lambda: _norm_case(ops.rms_norm, False),

@@ -4,3 +4,5 @@ from pallet.ops.normalization import (layer_norm, layer_norm_reference, rms_norm
                                       rms_norm_reference)
 from pallet.ops.softmax import softmax, softmax_reference
 from pallet.ops.cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
+from pallet.ops.rope import rotary_embedding, rotary_embedding_reference
+from pallet.ops.glu import glu, glu_reference, swiglu, swiglu_reference
