@@ -150,7 +150,7 @@ class CheckInfo:
             detail: int | None = None) -> KernelCheckError:
     text = (f"{self.kind} in kernel '{self.kernel}' at grid index {grid_index}"
             + (f", ref '{self.ref}'" if self.ref else "") + f", {self.line}: {message}")
-    if self.detail and detail is not None:
+    if self.detail and detail is not None and detail != -2**31:   # -2**31: not known
       text += f" ({self.detail} {detail})"
     return KernelCheckError(text, kind=self.kind, kernel=self.kernel,
                             grid_index=grid_index, ref=self.ref, line=self.line)

@@ -383,13 +383,12 @@ class _Instrumenter:
     if self.opts.nans:
       for out in results:
         if hasattr(out, "dtype") and jnp.issubdtype(out.dtype, jnp.inexact):
-          finite_in = jnp.bool_(True)
-          for x in ins:
+          ok = jnp.isfinite(out)
+          for x in ins:   # NaN or Inf coming in is not produced here
             if hasattr(x, "dtype") and jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact):
               x = jnp.asarray(x)
-              fx = jnp.isfinite(x)
-              finite_in = finite_in & (fx if x.shape in ((), out.shape) else jnp.all(fx))
-          ok = jnp.isfinite(out) | ~finite_in
+              fx = jnp.isfinite(x) if x.shape == out.shape else jnp.all(jnp.isfinite(x))
+              ok = ok | ~jnp.broadcast_to(fx, out.shape)
           self.check(eqn, "nan", ok, f"{name} produced NaN or Inf from finite operands",
                      None)
     if (self.opts.overflow and name in _ELEMENTWISE_INT and len(ins) == 2

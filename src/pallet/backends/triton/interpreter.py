@@ -229,11 +229,12 @@ def _run(generated: Any, operands: Sequence[np.ndarray],
   failed = [(m, int(f)) for m, f in zip(generated.check_messages, flags) if f]
   if failed:
     from pallet.checks import KernelCheckError, record_failure
-    message, flag = failed[0]
-    info = getattr(message, "info", None)
-    if info is None:
-      raise record_failure(KernelCheckError(message))
-    raise record_failure(info.error(message, info.unravel(2147483647 - flag)))
+    checked = [(m, f) for m, f in failed if getattr(m, "info", None) is not None]
+    if not checked:
+      raise record_failure(KernelCheckError(failed[0][0]))
+    # the failure at the first grid step (the largest flag), as a run in grid order sees it
+    message, flag = max(checked, key=lambda mf: mf[1])
+    raise record_failure(message.info.error(message, message.info.unravel(2147483647 - flag)))
   return [_narrow(b.array, o.dtype) for b, o in zip(buffers, gm.outputs)]
 
 

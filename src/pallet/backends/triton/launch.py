@@ -124,17 +124,23 @@ def _raise_failed_checks(ctx: Any, flags: Any, kernel: KernelDescription,
                          messages: tuple[str, ...]) -> None:
   """After the kernel: each set flag fails the call with its check's message."""
   def check_all(flags):
+    # Checking-mode flags hold 2**31 - 1 - (first failing step), see
+    # codegen._pallet_check: only the check failing at the first step reports.
+    with_info = [k for k, m in enumerate(messages) if getattr(m, "info", None) is not None]
+    if with_info:
+      steps = flags[jnp.asarray(with_info)]
+      winner = jnp.argmax(steps == jnp.max(steps))
     for k, message in enumerate(messages):
       info = getattr(message, "info", None)
       if info is None:
         checks.check(flags[k] == 0, message)
         continue
-      # the flag holds 2**31 - 1 - (first failing step), see codegen._pallet_check
       step, ids = 2147483647 - flags[k], []
       for n in reversed(info.grid):
         ids.insert(0, step % n)
         step = step // n
-      checks.check(flags[k] == 0, message, info, (*ids, 0))
+      fails = (flags[k] != 0) & (winner == with_info.index(k))
+      checks.check(~fails, message, info, (*ids, -2**31))
     return []
 
   aval = jax.core.ShapedArray((len(messages),), jnp.int32)
