@@ -9,10 +9,11 @@ program along it can see what another one wrote. State crosses grid steps throug
   indices on axes `0..a` (the buffer was last overwritten whole before the indices on
   those axes last changed) depends on another program along `a`. Steps that overwrite
   the whole buffer before reading it start afresh (the `pl.when(k == 0): acc[...] = 0`
-  of a reduction over a later axis). Reads and whole writes are followed in program
-  order through `pl.when`/`cond` (conditions on grid indices only are evaluated over
-  the grid), loops and calls; under conditions on data a read is assumed possible and
-  a write not certain, and the finding is marked uncertain;
+  of a reduction over a later axis). Reads and writes (whole, or at static positions
+  that add up to the whole) are followed in program order through `pl.when`/`cond`
+  (conditions on grid indices only are evaluated over the grid), loops and calls;
+  under conditions on data a read is assumed possible and a write not certain, and
+  the finding is marked uncertain;
 * output blocks (aliased or not): a block that steps with different indices on `a`
   visit is shared by programs along `a`, which read or overwrite each other's writes
   (accumulating into a resident output makes the axis a reduction);
