@@ -1,6 +1,11 @@
-"""Comparing a variant's output with the jax.numpy result."""
+"""Checking benchmark results: a variant's output against the jax.numpy result, and
+(`python -m benchmarks.checking`) what pallet's checking mode costs."""
 from __future__ import annotations
 
+import argparse
+import math
+import sys
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -40,7 +45,8 @@ def check_matches(bench: Benchmark, variant: str, actual: Any, expected: Any) ->
 # ------------------------------------------------------------------ checking-mode cost
 # `python -m benchmarks.checking`: what pallet's checking mode costs (docs/checking.md).
 # Every kernel of the suite runs unchecked on pallet, checked on pallet, and under
-# Pallas's own checked (TPU) interpreter, interleaved by benchmarks.runner.
+# Pallas's own checked (TPU) interpreter, interleaved by benchmarks.runner. (The
+# runner imports this module for check_matches: suite modules are imported late.)
 CHECKED_PARAMS = dict(detect_races=True, out_of_bounds_reads="raise",
                       uninitialized_memory="nan")
 CHECKING_TARGET = 3.0   # checked / unchecked, geomean over the suite (issue 9)
@@ -48,9 +54,8 @@ CHECKING_TARGET = 3.0   # checked / unchecked, geomean over the suite (issue 9)
 
 def _pallet_checked(bench: Benchmark):
   import pallet
-  from pallet import tpu
-  params = getattr(pallet, "InterpretParams", tpu.InterpretParams)(**CHECKED_PARAMS)
-  return bench.build_pallas(pallet, backend="xla", interpret=params)
+  return bench.build_pallas(pallet, backend="xla",
+                            interpret=pallet.InterpretParams(**CHECKED_PARAMS))
 
 
 def _pallas_checked(bench: Benchmark):
@@ -76,8 +81,6 @@ def checking_columns():
 def checking_summary(results) -> list[str]:
   """The geomean cost of the checks, and how much faster than Pallas's checked
   interpreter pallet's checking mode is."""
-  import math
-
   def geomean(xs):
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
 
@@ -105,6 +108,16 @@ def checking_summary(results) -> list[str]:
   return lines
 
 
+def suite_benchmarks(size: str) -> list[Benchmark]:
+  """The suite's own Pallas kernels. JAX's kernel library and pallet.ops choose their
+  own pallas_call options (no per-call `interpret=`); the sharded rows need devices."""
+  from benchmarks import catalog
+  from benchmarks.report import LIBRARY_FAMILY_PREFIX
+  return [b for b in catalog.all_benchmarks(size)
+          if not b.family.startswith(LIBRARY_FAMILY_PREFIX)
+          and b.family not in ("ops", "sharded")]
+
+
 def markdown_table(results) -> str:
   """The cost table as docs/checking.md shows it."""
   from benchmarks.report import time_cell
@@ -126,12 +139,6 @@ def markdown_table(results) -> str:
 
 def main(argv: list[str] | None = None) -> int:
   """Time the suite unchecked, checked, and under Pallas's checked interpreter."""
-  import argparse
-  import sys
-  from pathlib import Path
-
-  import jax
-
   from benchmarks import catalog, report
   from benchmarks.case import SIZES
   from benchmarks.runner import PeerPolicy
@@ -146,13 +153,8 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--peer-budget-s", type=float, default=600.0)
   p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "bench_out")
   args = p.parse_args(argv)
-  # The suite's own Pallas kernels: JAX's kernel library and pallet.ops choose their
-  # own pallas_call options (no per-call `interpret=`), the sharded rows need devices.
-  own = [b for b in catalog.all_benchmarks(args.size)
-         if not b.family.startswith(report.LIBRARY_FAMILY_PREFIX)
-         and b.family not in ("ops", "sharded")]
   try:
-    selected = catalog.select(own, args.only)
+    selected = catalog.select(suite_benchmarks(args.size), args.only)
   except ValueError as e:
     p.error(str(e))
   peer = PeerPolicy(reps=args.peer_reps, budget_s=args.peer_budget_s)
@@ -177,5 +179,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  import sys
   sys.exit(main())
