@@ -128,10 +128,16 @@ def _elementwise_pull(ctx: RuleContext, t: BlockIndexTransform | None, **_: Any)
 @_register(ELEMENTWISE, EVAL)
 def _elementwise_eval(ctx: EvalContext, *args: Any, **params: Any) -> Any:
   spec = ctx.out_block_specs[0]
-  if spec is not no_block_spec:
+  if spec is not no_block_spec:   # operands pulled with unit blocks along broadcast dims
     shape = ref_shape(spec.block_shape)
-    args = [a if jnp.shape(a) == shape else jnp.broadcast_to(a, shape) for a in args]
+    args = [jnp.broadcast_to(a, shape) if _unit_broadcast(jnp.shape(a), shape) else a
+            for a in args]
   return ctx.eqn.primitive.bind(*args, **params)
+
+
+def _unit_broadcast(shape: tuple, target: tuple) -> bool:
+  return (len(shape) == len(target) and shape != target
+          and all(s in (1, t) for s, t in zip(shape, target)))
 
 
 @_register(ELEMENTWISE, PUSH)
