@@ -166,6 +166,18 @@ def test_checking_mode_names_are_public():
   assert pl.KernelCheckError is KernelCheckError
 
 
+@pytest.mark.parametrize("name, setting", [("masked_load_mask_off_by_one", "1"),
+                                           ("reduction_output_never_zeroed", "1"),
+                                           ("softmax_without_max_subtraction", "all"),
+                                           ("grid_rounds_down", "unwritten")])
+def test_environment_variable_turns_checks_on_without_code_changes(name, setting, monkeypatch):
+  case = next(c for c in CASES if c.name == name)
+  monkeypatch.setenv("PALLET_CHECKS", setting)
+  with pytest.raises(pl.KernelCheckError) as info:
+    jax.block_until_ready(case.build(True, **_unchecked_kwargs())(*case.inputs()))
+  assert info.value.kind == case.kind and _same_line(info.value.line, case), str(info.value)
+
+
 def test_corpus_has_thirty_cases_covering_every_kind():
   assert len(CASES) >= 30
   assert {c.kind for c in CASES} == set(KINDS)
