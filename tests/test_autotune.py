@@ -16,9 +16,12 @@ import jax.numpy as jnp
 import pytest
 
 import pallet as pl
-from helpers import assert_close, pallas_call, random_array, sds
+from helpers import assert_close, current_test_backend, pallas_call, random_array, sds
 
 autotune_module = importlib.import_module("pallet.autotune")
+# A `work` that makes a config far slower than work=1 (Triton's interpreter pays per
+# loop step, so there fewer steps make the same gap).
+SLOW = 1024 if current_test_backend() == "xla" else 32
 
 
 @pytest.fixture(autouse=True)
@@ -31,10 +34,11 @@ def cache_dir(tmp_path, monkeypatch):
 
 
 def repeat_kernel(x_ref, o_ref, *, work: int):
-  """o = x, computed as the mean of `work` copies: `work` sets the cost, not the result."""
+  """o = x, computed as the running maximum of `work` copies: `work` sets the cost,
+  not the result."""
   x = x_ref[...]
-  total = jax.lax.fori_loop(0, work, lambda i, acc: acc + x, jnp.zeros_like(x))
-  o_ref[...] = total * (1.0 / work)
+  o_ref[...] = jax.lax.fori_loop(0, work, lambda i, acc: jnp.maximum(acc, x),
+                                 jnp.full_like(x, -jnp.inf))
 
 
 def make_tuned(configs, traced: list, **options):
@@ -52,15 +56,15 @@ def make_tuned(configs, traced: list, **options):
 
 def test_picks_the_config_that_does_less_work():
   traced = []
-  copy = make_tuned([{"work": 1024}, {"work": 1}], traced, reps=7)
+  copy = make_tuned([{"work": SLOW}, {"work": 1}], traced, reps=7)
   x = random_array((8192,))
   assert_close(copy(x), x)
   choice = copy.last_choice
   assert choice.source == "tuned"
   assert choice.config == {"work": 1}
   times = {t.config["work"]: t.time_ms for t in choice.trials}
-  assert times[1024] > times[1]
-  assert "chosen" in choice.table() and "work=1024" in choice.table()
+  assert times[SLOW] > times[1]
+  assert "chosen" in choice.table() and f"work={SLOW}" in choice.table()
   # The second call of the same shapes reuses the choice without measuring.
   before = len(traced)
   assert_close(copy(x), x)
@@ -164,7 +168,7 @@ def test_a_config_computing_something_else_is_dropped_with_a_warning():
 
 def test_tunes_under_jit_on_the_traced_shapes():
   traced = []
-  copy = make_tuned([{"work": 512}, {"work": 1}], traced)
+  copy = make_tuned([{"work": SLOW}, {"work": 1}], traced)
   x = random_array((4096,))
   assert_close(jax.jit(copy)(x), x)
   assert copy.last_choice.source == "tuned" and copy.last_choice.config == {"work": 1}
@@ -175,18 +179,18 @@ def test_tunes_under_jit_on_the_traced_shapes():
 
 def test_never_tunes_under_grad_or_vmap(caplog):
   traced = []
-  copy = make_tuned([{"work": 2}, {"work": 1}], traced)
+  copy = make_tuned([{"work": SLOW}, {"work": 1}], traced)
   x = random_array((512,))
   with caplog.at_level(logging.DEBUG, logger="pallet.autotune"):
     g = jax.grad(lambda v: jnp.sum(copy(v) ** 2))(x)
   assert_close(g, 2 * x)
-  assert copy.last_choice.source == "default" and copy.last_choice.config == {"work": 2}
-  assert {t["work"] for t in traced} == {2}
+  assert copy.last_choice.source == "default" and copy.last_choice.config == {"work": SLOW}
+  assert {t["work"] for t in traced} == {SLOW}
   assert "not tuning under" in caplog.text and "grad/jvp/vmap" in caplog.text
   xs = random_array((3, 512))
   assert_close(jax.vmap(copy)(xs), xs)
   assert copy.last_choice.source == "default"
-  assert {t["work"] for t in traced} == {2}
+  assert {t["work"] for t in traced} == {SLOW}
   # A config tuned before is what grad then uses.
   copy(x)
   assert copy.last_choice.config == {"work": 1}
@@ -304,10 +308,10 @@ def test_prng_key_arguments_under_jit_use_the_default():
 def test_compare_and_fitting_leave_the_caches_alone(cache_dir):
   traced = []
   copy = make_tuned([{"block": 16384}, {"work": 1, "block": 128},
-                     {"work": 1024, "block": 128}],
+                     {"work": SLOW, "block": 128}],
                     traced, blocks=lambda c: {"x": (c["block"],)})
   x = random_array((8192,))
-  assert copy.fitting(x) == [{"work": 1, "block": 128}, {"work": 1024, "block": 128}]
+  assert copy.fitting(x) == [{"work": 1, "block": 128}, {"work": SLOW, "block": 128}]
   trials = copy.compare(x, configs=copy.fitting(x), rounds=5)
   assert [t.status for t in trials] == ["ok", "ok"] and trials[0].time_ms < trials[1].time_ms
   assert copy.last_choice is None and not (cache_dir / "autotune.json").exists()
