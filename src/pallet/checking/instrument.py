@@ -15,7 +15,7 @@ The kernel's jaxpr is re-traced equation by equation (control flow re-built with
 
 Output shadows are extra outputs with the output's block mapping, each aliased to
 an extra (whole-array) input holding its initial value; scratch shadows are extra
-scratch buffers, cleared when a parallel program starts. The caller
+scratch buffers (fresh scratch holds poison or zeros: "never written"). The caller
 (`checking/run.py`) supplies the initial values and checks the outputs.
 """
 from __future__ import annotations
@@ -53,6 +53,7 @@ class Layout:
   shadowed_outputs: tuple[int, ...]   # original output indices with a shadow, in order
   shadow_initial: tuple[int, ...]     # each shadow's initial value (0 or `given`)
   given: int                          # shadow value "given by the caller" (2P + 1)
+  shared: int                         # shadow value "atomically updated by several"
   output_names: tuple[str, ...]
 
 
@@ -208,9 +209,8 @@ class _Instrumenter:
     self.grid = gm.grid
     self.num_parallel = max(1, math.prod(gm.grid[a] or 1 for a in parallel))
     self.given = 2 * self.num_parallel + 1
-    self.stale = self.given + 1       # scratch written by an earlier parallel program
-    self.in_flight = self.given + 2   # a DMA destination before its wait
-    self.shared = self.given + 3      # atomically updated by several programs
+    self.in_flight = self.given + 1   # a DMA destination before its wait
+    self.shared = self.given + 2      # atomically updated by several programs
     self.refs: dict[int, _Ref] = {}
     self.taints: dict[int, tuple[Any, padding.Taint]] = {}   # id(value) -> (value, taint)
     self.extents: dict[int, list] = {}                        # id(input ref) -> extents
@@ -260,18 +260,9 @@ class _Instrumenter:
           self.extents[id(r)] = extents
     for k, o in enumerate(self.shadowed_outputs):
       self.refs[id(outs[o])].shadow = out_shadows[k]
-    if scratch_shadows:
-      first = self._parallel_program_start()
-      for k, s in enumerate(self.shadowed_scratch):
-        shadow = scratch_shadows[k]
-        self.refs[id(scratch[s])].shadow = shadow
-        self.refs[id(scratch[s])].scratch = True
-
-        def restart(shadow=shadow):
-          # scratch does not carry from one parallel program to the next
-          old = shadow[...]
-          shadow[...] = jnp.where((old >= 1) & (old <= self.given), self.stale, 0)
-        lax.cond(first, restart, lambda: None)
+    for k, s in enumerate(self.shadowed_scratch):
+      self.refs[id(scratch[s])].shadow = scratch_shadows[k]
+      self.refs[id(scratch[s])].scratch = True
     self.eval(self.kernel.jaxpr.jaxpr, self.kernel.jaxpr.consts, [*ids, *refs])
     return []
 
@@ -280,13 +271,6 @@ class _Instrumenter:
     for a in self.parallel:
       par = par * jnp.int32(self.grid[a]) + self.ids[a]
     return 1 + par, 1 + self.num_parallel + par
-
-  def _parallel_program_start(self) -> Any:
-    first = jnp.bool_(True)
-    for a, i in enumerate(self.ids):
-      if a not in self.parallel:
-        first = first & (i == 0)
-    return first
 
   # -- evaluation -------------------------------------------------------------------
   def eval(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list:
@@ -442,47 +426,58 @@ class _Instrumenter:
       return
     view = internals.TransformedRef(r.shadow, transforms) if transforms else r.shadow
     flat, tree = jax.tree_util.tree_flatten(transforms)
-    # masked accesses may point past the buffer in masked-off lanes: masked here too
-    old = view[...] if mask is None else primitives.load_p.bind(
-        r.shadow, *flat, mask, jnp.full(jnp.shape(mask), self.given, jnp.int32), tree=tree,
-        has_other=True)
-    enabled = jnp.bool_(True) if mask is None else mask
-    valid = ((old >= 1) & (old <= self.given)) | (old == self.shared)
-    mine = (old == self.stamp) | (old == self.atomic_stamp) | (old == self.given)
-    if reads and self.opts.races and r.scratch:
-      self.check(eqn, "race", (old != self.stale) | ~enabled,
-                 f"reads scratch '{r.name}' last written by another program of the "
-                 f"parallel grid axes {self.parallel} (scratch does not carry from one "
-                 f"parallel program to another)", r.name)
-    if reads and self.opts.uninitialized:
-      stale_is_race = self.opts.races and r.scratch
-      self.check(eqn, "uninitialized", valid | ((old == self.stale) & stale_is_race) | ~enabled,
-                 f"reads '{r.name}' where nothing has been written yet (uninitialized "
-                 f"memory, or a DMA into it not yet waited for)", r.name)
-    if self.opts.races:
-      if atomic:
-        plain_other = (old >= 1) & (old <= self.num_parallel) & (old != self.stamp)
-        self.check(eqn, "race", ~(plain_other & enabled),
-                   f"atomic update of '{r.name}' where another program of the parallel "
-                   f"grid axes {self.parallel} stored plainly", r.name,
-                   self._writer(old, plain_other & enabled), "writer program")
-      else:
-        other = valid & ~mine & enabled
-        self.check(eqn, "race", ~other,
-                   f"{'reads' if reads and not writes else 'writes'} '{r.name}' where "
-                   f"another program of the parallel grid axes {self.parallel} wrote",
-                   r.name, self._writer(old, other), "writer program")
+    # Stores to scratch need not look: it is each program's own, a race is reading
+    # what another program left there. (Not reading keeps the shadow as carried as
+    # the scratch itself, so the grid analysis runs the kernel as it would unchecked.)
+    looks = reads or atomic or (self.opts.races and not r.scratch)
+    if looks:   # masked accesses may point past the buffer in masked-off lanes
+      old = view[...] if mask is None else primitives.load_p.bind(
+          r.shadow, *flat, mask, jnp.full(jnp.shape(mask), self.given, jnp.int32),
+          tree=tree, has_other=True)
+      self._shadow_checks(eqn, r, old, mask, reads, writes, atomic)
     if writes:
       stamp = self.atomic_stamp if atomic else self.stamp
       if atomic:   # a plain store of this program stays visible to others' atomics
         others = (((old > self.num_parallel) & (old < self.given) & (old != stamp))
                   | (old == self.shared))
         stamp = jnp.where(old == self.stamp, old, jnp.where(others, self.shared, stamp))
-      new = jnp.broadcast_to(stamp, old.shape).astype(jnp.int32)
+      new = jnp.broadcast_to(stamp, view.shape).astype(jnp.int32)
       if mask is None:
         view[...] = new
       else:
         primitives.store_p.bind(r.shadow, *flat, new, mask, tree=tree)
+
+  def _shadow_checks(self, eqn: Any, r: _Ref, old: Any, mask: Any, reads: bool,
+                     writes: bool, atomic: bool) -> None:
+    enabled = mask
+    masked = (lambda bad: bad) if mask is None else (lambda bad: bad & enabled)
+    valid = ((old >= 1) & (old <= self.given)) | (old == self.shared)
+    mine = (old == self.stamp) | (old == self.atomic_stamp) | (old == self.given)
+    if self.opts.races and r.scratch and reads:
+      other = masked(valid & ~mine)
+      self.check(eqn, "race", ~other,
+                 f"reads scratch '{r.name}' last written by another program of the "
+                 f"parallel grid axes {self.parallel} (scratch does not carry from one "
+                 f"parallel program to another)", r.name, self._writer(old, other),
+                 "writer program")
+    if reads and self.opts.uninitialized:
+      self.check(eqn, "uninitialized", ~masked(~valid),
+                 f"reads '{r.name}' where nothing has been written yet (uninitialized "
+                 f"memory, or a DMA into it not yet waited for)", r.name)
+    if not self.opts.races or r.scratch:
+      return
+    if atomic:
+      plain_other = masked((old >= 1) & (old <= self.num_parallel) & (old != self.stamp))
+      self.check(eqn, "race", ~plain_other,
+                 f"atomic update of '{r.name}' where another program of the parallel "
+                 f"grid axes {self.parallel} stored plainly", r.name,
+                 self._writer(old, plain_other), "writer program")
+    else:
+      other = masked(valid & ~mine)
+      self.check(eqn, "race", ~other,
+                 f"{'reads' if reads and not writes else 'writes'} '{r.name}' where "
+                 f"another program of the parallel grid axes {self.parallel} wrote",
+                 r.name, self._writer(old, other), "writer program")
 
   def _writer(self, old: Any, bad: Any) -> Any:
     """The parallel program (0-based) that wrote the first offending element."""
@@ -502,10 +497,9 @@ class _Instrumenter:
     return value
 
   def _swap(self, eqn, ins, producers):
-    ref, value, *leaves = ins
+    ref, _, *leaves = ins
     transforms = self._transforms(eqn, leaves)
     ok = self._bounds(eqn, ref, transforms, None, "writes")
-    self._produced_store(eqn, value)
     self._shadow_access(eqn, ref, transforms, None,
                         reads=eqn.outvars[0] in self.used, writes=True)
     out = eqn.outvars[0].aval
@@ -513,7 +507,7 @@ class _Instrumenter:
                          lambda: jnp.zeros(out.shape, out.dtype))
 
   def _addupdate(self, eqn, ins, producers):
-    ref, value, *leaves = ins
+    ref, _, *leaves = ins
     transforms = self._transforms(eqn, leaves)
     ok = self._bounds(eqn, ref, transforms, None, "updates")
     self._shadow_access(eqn, ref, transforms, None, reads=True, writes=True)
@@ -536,7 +530,6 @@ class _Instrumenter:
     value, mask = ins[1 + tree.num_leaves:]
     transforms = self._transforms(eqn, leaves)
     self._bounds(eqn, ref, transforms, mask, "writes")
-    self._produced_store(eqn, value)
     self._shadow_access(eqn, ref, transforms, mask, reads=False, writes=True)
     return self.bind(eqn, self._safe_mask(ins, 2 + tree.num_leaves, transforms, mask))
 
@@ -576,9 +569,6 @@ class _Instrumenter:
     ins = list(ins)
     ins[at] = mask & ok
     return ins
-
-  def _produced_store(self, eqn: Any, value: Any) -> None:
-    del eqn, value   # values are checked where produced (see `_produced`)
 
   # -- DMAs (TPU kernels) -----------------------------------------------------------
   def _dma_start(self, eqn, ins, producers):
@@ -731,5 +721,5 @@ def instrument(kernel: KernelDescription, opts: CheckOptions, names: list[str],
   layout = Layout(shadowed_outputs=shadowed_outputs,
                   shadow_initial=tuple(tool.given if o in aliased else 0
                                        for o in shadowed_outputs),
-                  given=tool.given, output_names=tuple(n_out_names[:len(gm.outputs)]))
+                  given=tool.given, shared=tool.shared, output_names=tuple(n_out_names[:len(gm.outputs)]))
   return checked, layout

@@ -4,7 +4,6 @@ failures of eager calls into `KernelCheckError`s."""
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
@@ -13,6 +12,8 @@ import numpy as np
 
 from pallet import _internals as internals
 from pallet import checks
+from pallet import grid_analysis
+from pallet import trace_cache
 from pallet.checking import index_maps, instrument as instrument_lib
 from pallet.checking.options import CheckOptions
 from pallet.tracing import KernelDescription
@@ -22,15 +23,8 @@ def parallel_axes(kernel: KernelDescription) -> tuple[int, ...]:
   """Grid axes whose programs may run at the same time: declared "parallel", or
   proven independent by pallet's grid analysis (where it is available)."""
   gm = kernel.grid_mapping
-  axes = set()
-  if gm.dimension_semantics is not None:
-    axes |= {a for a, s in enumerate(gm.dimension_semantics) if s == "parallel"}
-  try:
-    from pallet import grid_analysis
-  except ImportError:
-    grid_analysis = None
-  if grid_analysis is not None and hasattr(grid_analysis, "independent_axes"):
-    axes |= set(grid_analysis.independent_axes(kernel))
+  facts = grid_analysis.analyse(kernel)
+  axes = {a.axis for a in facts.axes if a.parallel or a.declared == "parallel"}
   return tuple(sorted(a for a in axes if gm.grid[a] is not None and gm.grid[a] > 1))
 
 
@@ -65,7 +59,31 @@ def _shared_across(mapping: Any, grid: tuple[int, ...], parallel: tuple[int, ...
   return False
 
 
-@functools.lru_cache(maxsize=256)
+def _initialized_before_read(kernel: KernelDescription) -> set[int]:
+  """Outputs whose reads need no check: aliased ones (the caller's data), and proven
+  accumulators (`o = maybe_zeroed(o) + f(inputs)`, see the XLA backend's body
+  analysis) zeroed on the first visit of each of their blocks. Checking those would
+  also cost the fast plans that sum such accumulators at once."""
+  done = {o for _, o in kernel.input_output_aliases}
+  gm = kernel.grid_mapping
+  if None in gm.grid or gm.prefetch_avals or gm.num_steps == 0:
+    return done
+  from pallet.backends.xla import body_analysis
+  facts = body_analysis.analyse_body(kernel)
+  for o, resets in facts.accumulators.items():
+    zeroed = body_analysis.evaluate_resets(resets, gm.grid)
+    table = _block_table(gm.outputs[o], gm.grid)
+    if zeroed is None or table is None or gm.outputs[o].whole:
+      continue
+    first_visits = {}
+    for point in np.ndindex(*gm.grid):    # grid order
+      first_visits.setdefault(tuple(table[point]), point)
+    if all(zeroed[p] for p in first_visits.values()):
+      done.add(o)
+  return done
+
+
+@trace_cache.kernel_cache
 def checked_kernel(kernel: KernelDescription, opts: CheckOptions, names: tuple[str, ...],
                    guard: bool) -> tuple[KernelDescription, instrument_lib.Layout]:
   gm = kernel.grid_mapping
@@ -75,15 +93,33 @@ def checked_kernel(kernel: KernelDescription, opts: CheckOptions, names: tuple[s
   first_out = n_ids + len(gm.prefetch_avals) + len(gm.inputs)
   first_scratch = first_out + len(gm.outputs)
   static_grid = None not in gm.grid
-  shadowed_outputs = tuple(
-      o for o, b in enumerate(gm.outputs)
-      if opts.unwritten
-      or (opts.uninitialized and first_out + o in read)
-      or (parallel and (not static_grid or _shared_across(b, gm.grid, parallel))))
   shadowed_scratch = tuple(s for s in range(len(gm.scratch_avals))
                            if opts.uninitialized and first_scratch + s in read)
-  return instrument_lib.instrument(kernel, opts, list(names), parallel, shadowed_outputs,
-                                   shadowed_scratch, guard)
+
+  def instrumented(initialized):
+    shadowed_outputs = tuple(
+        o for o, b in enumerate(gm.outputs)
+        if opts.unwritten
+        or (opts.uninitialized and first_out + o in read and o not in initialized)
+        or (parallel and (not static_grid or _shared_across(b, gm.grid, parallel))))
+    return instrument_lib.instrument(kernel, opts, list(names), parallel, shadowed_outputs,
+                                     shadowed_scratch, guard)
+
+  if not opts.uninitialized:
+    return instrumented(set())
+  # Without other checks, proven accumulators keep their fast plans (which run the
+  # body on merged blocks, where checks per grid step would not hold).
+  checked, layout = instrumented(_initialized_before_read(kernel))
+  if not _binds_checks(checked.jaxpr.jaxpr):
+    return checked, layout
+  return instrumented({o for _, o in kernel.input_output_aliases})
+
+
+def _binds_checks(jaxpr: Any) -> bool:
+  from jax.extend.core import jaxprs_in_params
+  return any(e.primitive is checks.check_p
+             or any(_binds_checks(j) for j in jaxprs_in_params(e.params))
+             for e in jaxpr.eqns)
 
 
 def run(kernel: KernelDescription, opts: CheckOptions, param_names: Sequence[str] | None,
@@ -110,7 +146,7 @@ def _launch(kernel, opts, checked, layout, bind, sizes, prefetch, args, eager) -
   results, shadows = outs[:n_out], outs[n_out:]
   if opts.unwritten:
     for o, shadow in zip(layout.shadowed_outputs, shadows):
-      written = (shadow >= 1) & (shadow <= layout.given)
+      written = ((shadow >= 1) & (shadow <= layout.given)) | (shadow == layout.shared)
       name = layout.output_names[o]
       info = checks.CheckInfo(kind="unwritten", kernel=kernel.name, ref=name,
                               line=kernel.source, grid=(),
