@@ -900,3 +900,28 @@ def test_parallel_axis_deciding_a_skipped_matrix_product_is_looped(name, keep, l
   blocks = np.arange(32) // 8
   mask = np.asarray([[keep(i, k) for k in blocks] for i in blocks]).astype(np.float32)
   assert_close(jax.jit(fn)(x, y), jnp.dot(x * mask, y, precision=lax.Precision.HIGHEST))
+
+
+# ------------------------------------------------------------------ data-dependent loops
+def test_read_only_operands_of_data_dependent_loops_are_not_copied_per_program():
+  """Per row: sum of the first n[i] rows of a shared table, under a cond on n[i]
+  (paged attention's shape): vmap must not copy the table once per program."""
+  def kernel(n_ref, table_ref, o_ref):
+    n = n_ref[0]
+
+    def total():
+      return lax.fori_loop(0, n, lambda k, acc: acc + table_ref[k], jnp.zeros((64,), f32))
+    o_ref[0, :] = lax.cond(n > 0, total, lambda: jnp.full((64,), -1.0, f32))
+  n = jnp.asarray([0, 3, 7, 1, 5, 2, 0, 6], jnp.int32)
+  table = random_array((256, 64))
+  fn = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((8, 64), f32), grid=(8,),
+                      in_specs=[pl.BlockSpec((1,), lambda i: (i,)),
+                                pl.BlockSpec((256, 64), lambda i: (0, 0))],
+                      out_specs=pl.BlockSpec((1, 64), lambda i: (i, 0)))
+  assert _plan(fn, n, table).vectorized == [0]
+  sums = jnp.cumsum(table, axis=0)
+  expected = jnp.where((n > 0)[:, None], sums[jnp.maximum(n - 1, 0)], -1.0)
+  assert_close(jax.jit(fn)(n, table), expected)
+  text = jax.jit(fn).lower(n, table).as_text()
+  loops = [line for line in text.splitlines() if "stablehlo.while" in line]
+  assert loops and not any("8x256x64" in line for line in loops)   # the table: no carry

@@ -29,7 +29,8 @@ from pallet.tracing import KernelDescription
 Body = Callable[..., tuple[list[Any], list[Any]]]
 
 
-def discharged_body(kernel: KernelDescription, widened: Widening | None = None) -> Body:
+def discharged_body(kernel: KernelDescription, widened: Widening | None = None,
+                    vectorized: Sequence[int] = ()) -> Body:
   """`body(ids, prefetch, ins, outs, state) -> (outs, state)`, a pure function;
   `ids` holds the grid indices, then the traced grid sizes if any.
 
@@ -45,7 +46,11 @@ def discharged_body(kernel: KernelDescription, widened: Widening | None = None) 
     pure = widened.pure
     evaluate = lambda *args: widening.evaluate(pure.jaxpr, pure.consts, args, widened.tags)
   else:
-    pure = fold_static_indices(internals.discharge_state(kernel.jaxpr))
+    pure = internals.discharge_state(kernel.jaxpr)
+    # what differs between the programs vmapped together: their ids and every block
+    G = len(gm.grid) + len(gm.dynamic_axes)
+    varying = [g in vectorized for g in range(G)] + [True] * (len(pure.jaxpr.invars) - G)
+    pure = fold_static_indices(pure, varying if vectorized else None)
     evaluate = lambda *args: jax.core.eval_jaxpr(pure.jaxpr, pure.consts, *args)
 
   def body(ids, prefetch, ins, outs, state):
@@ -291,7 +296,7 @@ def build(kernel: KernelDescription, plan: ExecutionPlan | None = None) -> Calla
   """A pure function `(*prefetch, *inputs) -> outputs` computing the kernel's result."""
   plan = plan or make_plan(kernel)
   gm = kernel.grid_mapping
-  body = discharged_body(kernel, widening.of_plan(kernel, plan))
+  body = discharged_body(kernel, widening.of_plan(kernel, plan), plan.vectorized)
   grid = plan.grid
   n_dyn, n_pre = len(gm.dynamic_axes), len(gm.prefetch_avals)
   aliases = dict((o, i) for i, o in kernel.input_output_aliases)

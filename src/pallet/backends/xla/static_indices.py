@@ -14,10 +14,15 @@ with the fill value / a `dynamic_update_slice`. Index computations that depend o
 the data or on the grid stay as they were.
 
 Inner jaxprs are inlined where that exposes indices: calls (`jit`, `closed_call`)
-and `scan`s of length one (a `fori_loop` over a single column block).
+and `scan`s of length one (a `fori_loop` over a single column block); `cond`
+branches are folded in place. While loops get their read-only carries (refs the
+loop only reads, which state discharge threads through the carry) as loop
+constants: under vmap a data-dependent trip count batches every carry, which
+otherwise copies those operands once per program.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 import jax
@@ -30,16 +35,28 @@ from pallet import _internals as internals
 
 MAX_FOLDED_ELEMENTS = 1 << 16
 _CALLS = ("pjit", "jit", "closed_call", "core_call", "eval_jaxpr")
-_INDEXED = ("gather", "scatter")
+_INDEXED = ("gather", "scatter", "while")
 
 
-def fold_static_indices(closed: ClosedJaxpr) -> ClosedJaxpr:
-  """`closed` with static-index gathers/scatters as slices (itself if it has none)."""
+def fold_static_indices(closed: ClosedJaxpr, varying: Sequence[bool] | None = None
+                        ) -> ClosedJaxpr:
+  """`closed` with static-index gathers/scatters as slices (itself if it has none).
+
+  `varying` marks the inputs that differ between the programs run at once under
+  vmap (vectorized grid ids, blocks): a `cond` whose predicate depends on them is
+  run as both branches and a select, as vmap would, but without vmap's broadcast
+  of every operand to one copy per program."""
   if not _binds(closed.jaxpr, _INDEXED):
     return closed
   avals = [v.aval for v in closed.jaxpr.invars]
   args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
-  run = lambda *xs: [_value(x) for x in _Folder().run(closed.jaxpr, closed.consts, xs)]
+
+  def run(*xs):
+    folder = _Folder()
+    for x, v in zip(xs, varying or ()):
+      if v:
+        folder.varying.add(id(x))
+    return [_value(x) for x in folder.run(closed.jaxpr, closed.consts, xs)]
   return jax.make_jaxpr(run)(*args)
 
 
@@ -80,6 +97,9 @@ def _bind(eqn: Any, args: list[Any]) -> list[Any]:
 class _Folder:
   """Evaluates a jaxpr, keeping values that depend on no input as `_Known`."""
 
+  def __init__(self):
+    self.varying: set[int] = set()   # ids of traced values that differ per program
+
   def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
     env: dict[Any, Any] = {}
 
@@ -91,7 +111,10 @@ class _Folder:
     for v, a in zip(jaxpr.invars, args):
       env[v] = a
     for eqn in jaxpr.eqns:
-      outs = self.eqn(eqn, [read(x) for x in eqn.invars])
+      ins = [read(x) for x in eqn.invars]
+      outs = self.eqn(eqn, ins)
+      if any(id(x) in self.varying for x in ins):
+        self.varying.update(id(o) for o in outs if not isinstance(o, _Known))
       for v, o in zip(eqn.outvars, outs):
         env[v] = o
     return [read(x) for x in jaxpr.outvars]
@@ -104,6 +127,12 @@ class _Folder:
         return self.run(getattr(sub, "jaxpr", sub), getattr(sub, "consts", ()), ins)
     if name == "scan" and eqn.params.get("length") == 1 and not eqn.params.get("reverse"):
       return self.scan_once(eqn, ins)
+    if name == "while":
+      hoisted = self.while_with_invariants_hoisted(eqn, ins)
+      if hoisted is not None:
+        return hoisted
+    if name == "cond" and not isinstance(ins[0], _Known):
+      return self.cond(eqn, ins)
     known = all(isinstance(x, _Known) for x in ins)
     if known and not eqn.effects and not _subjaxprs(eqn) and all(
         _numeric(v.aval) and np.prod(v.aval.shape, dtype=np.int64) <= MAX_FOLDED_ELEMENTS
@@ -120,6 +149,54 @@ class _Folder:
         return [updated]
     return _bind(eqn, [_value(x) for x in ins])
 
+  def while_with_invariants_hoisted(self, eqn: Any, ins: list[Any]) -> list[Any] | None:
+    """A while loop whose carries the body passes through unchanged (refs the loop
+    only reads: discharge carries every ref) with those as loop constants. Under vmap
+    a batched trip count batches every carry, which copied the read-only operands
+    (all of paged attention's pages) once per program."""
+    p = eqn.params
+    nc, nb = p["cond_nconsts"], p["body_nconsts"]
+    body, cond = p["body_jaxpr"], p["cond_jaxpr"]
+    carry_in = body.jaxpr.invars[nb:]
+    producer = {o: e for e in body.jaxpr.eqns for o in e.outvars}
+    fixed = [k for k, (v, out) in enumerate(zip(carry_in, body.jaxpr.outvars))
+             if _passed_through(out, producer) is v]
+    if not fixed or eqn.effects:
+      return None
+    cconsts, bconsts = [_value(x) for x in ins[:nc]], [_value(x) for x in ins[nc:nc + nb]]
+    init = [_value(x) for x in ins[nc + nb:]]
+    moving = [k for k in range(len(init)) if k not in fixed]
+
+    def full(carry):
+      values = list(init)
+      for k, c in zip(moving, carry):
+        values[k] = c
+      return values
+
+    def cond_fun(carry):
+      return jax.core.eval_jaxpr(cond.jaxpr, cond.consts, *cconsts, *full(carry))[0]
+
+    def body_fun(carry):
+      outs = jax.core.eval_jaxpr(body.jaxpr, body.consts, *bconsts, *full(carry))
+      return [outs[k] for k in moving]
+    final = lax.while_loop(cond_fun, body_fun, [init[k] for k in moving])
+    return full(final)
+
+  def cond(self, eqn: Any, ins: list[Any]) -> list[Any]:
+    """A cond whose branches are folded too (their loops and indices); with a
+    predicate that differs per program, both branches and a select."""
+    branches = [functools.partial(self._branch, b) for b in eqn.params["branches"]]
+    operands = [_value(x) for x in ins[1:]]
+    if id(ins[0]) not in self.varying or eqn.effects:
+      return list(lax.switch(_value(ins[0]), branches, *operands))
+    index = jnp.clip(ins[0], 0, len(branches) - 1).astype(jnp.int32)
+    results = [branch(*operands) for branch in branches]
+    return [lax.select_n(index, *outs) if len(outs) > 1 else outs[0]
+            for outs in zip(*results)]
+
+  def _branch(self, closed: Any, *args: Any) -> list[Any]:
+    return [_value(x) for x in self.run(closed.jaxpr, closed.consts, args)]
+
   def scan_once(self, eqn: Any, ins: list[Any]) -> list[Any]:
     body, consts, n_consts, n_carry = internals.scan_layout(eqn.params)
     xs = [_Known(x.value[0]) if isinstance(x, _Known) else x[0]
@@ -128,6 +205,21 @@ class _Folder:
     carry, ys = outs[:n_carry], outs[n_carry:]
     return carry + [_Known(y.value[None]) if isinstance(y, _Known) else jnp.expand_dims(y, 0)
                     for y in ys]
+
+
+def _passed_through(var: Any, producer: dict) -> Any:
+  """The variable `var` is, seen through calls that return one of their inputs."""
+  while not isinstance(var, Literal) and var in producer:
+    eqn = producer[var]
+    sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    if eqn.primitive.name not in _CALLS or sub is None:
+      return var
+    inner = getattr(sub, "jaxpr", sub)
+    out = inner.outvars[eqn.outvars.index(var)]
+    if out not in inner.invars:
+      return var
+    var = eqn.invars[inner.invars.index(out)]
+  return var
 
 
 def _numeric(x: Any) -> bool:
