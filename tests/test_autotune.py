@@ -21,7 +21,7 @@ from helpers import assert_close, current_test_backend, pallas_call, random_arra
 autotune_module = importlib.import_module("pallet.autotune")
 # A `work` that makes a config far slower than work=1 (Triton's interpreter pays per
 # loop step, so there fewer steps make the same gap).
-SLOW = 1024 if current_test_backend() == "xla" else 32
+SLOW = 8192 if current_test_backend() == "xla" else 32
 
 
 @pytest.fixture(autouse=True)
