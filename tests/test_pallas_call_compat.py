@@ -231,8 +231,12 @@ def test_unhashable_partial_arguments_trace_every_time():
 def test_cache_freezes_types():
   assert trace_cache.freeze(1) != trace_cache.freeze(1.0) != trace_cache.freeze(True)
   assert trace_cache.freeze([1, (2, "a")]) == trace_cache.freeze((1, [2, "a"]))
-  with pytest.raises(Exception):
-    trace_cache.freeze(np.zeros(3))
+  # arrays by content (kernels closing over a fresh array each call still hit)
+  assert trace_cache.freeze(np.zeros(3)) == trace_cache.freeze(np.zeros(3))
+  assert trace_cache.freeze(np.zeros(3)) != trace_cache.freeze(np.zeros(3, np.int32))
+  assert trace_cache.freeze(jnp.arange(3)) != trace_cache.freeze(jnp.arange(3) + 1)
+  with pytest.raises(Exception):   # too large to compare on every call
+    trace_cache.freeze(np.zeros(trace_cache.MAX_ARRAY_BYTES))
 
 
 # ------------------------------------------------------------------ Element padding

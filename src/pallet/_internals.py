@@ -104,6 +104,14 @@ def equation_context(eqn: Any) -> Any:
   return stack
 
 
+def cache_weakly(cls: type) -> None:
+  """JAX's own caches keyed by primitive parameters (abstract evaluation) hold
+  instances of `cls` weakly, as they hold jaxprs: evicting a kernel from pallet's
+  bounded caches then frees it."""
+  from jax._src import util as _util
+  _util.weakref_cache_key_types.add(cls)
+
+
 def runs_on_cpu(prim: Any) -> bool:
   """Whether XLA on the CPU can run primitive `prim` (a lowering, or a state discharge
   rule into ones that have one): error messages point users at the XLA backend."""

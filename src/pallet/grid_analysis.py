@@ -47,6 +47,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Literal
 
 from pallet import _internals as internals
+from pallet import trace_cache
 from pallet.dma import uses_dmas
 from pallet.grid_mapping import BlockMapping
 from pallet.tracing import KernelDescription
@@ -463,7 +464,7 @@ def _fixed(scope: _Scope, eqn: Any) -> bool:
 
 
 # ------------------------------------------------------------------ the analysis
-@functools.lru_cache(maxsize=512)
+@trace_cache.kernel_cache
 def analyse(kernel: KernelDescription) -> GridFacts:
   """Per grid axis: whether its programs are independent, why not, and how it runs.
   Warns (once per kernel) where a declared "parallel" axis has to run in order."""

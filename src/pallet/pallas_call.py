@@ -321,13 +321,13 @@ def _explicit_out_specs(kernel: tracing.KernelDescription, avals) -> list[tuple]
   return specs
 
 
-@functools.lru_cache(maxsize=512)
+@trace_cache.kernel_cache
 def _split_candidates(kernel: tracing.KernelDescription) -> tuple:
   from pallet import partitioning
   return tuple(partitioning.split_candidates(kernel)[0])
 
 
-@functools.lru_cache(maxsize=512)
+@trace_cache.kernel_cache
 def _mesh_axes_indexed(kernel: tracing.KernelDescription) -> frozenset:
   return internals.mesh_axes_indexed(kernel.jaxpr.jaxpr)
 
@@ -347,7 +347,7 @@ def _pallas_call_impl(*args, **params):
                           params["interpret"])(*args)
 
 
-@functools.lru_cache(maxsize=256)
+@trace_cache.kernel_cache
 def _compiled_call(kernel, name, backend, interpret):
   return jax.jit(lambda *args: pallas_call_p.bind(
       *args, kernel=kernel, name=name, backend=backend, interpret=interpret))

@@ -9,7 +9,6 @@ only when lowering, on avals without varying axes or shardings.
 """
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, Sequence
 
 import jax
@@ -17,6 +16,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from pallet import _internals as internals
+from pallet import trace_cache
 
 # `fn(*args)` run as one equation; `fn` is traced at lowering on plain avals.
 call_p = Primitive("pallet_plain_call")
@@ -80,7 +80,7 @@ def linear_call(fn: Callable, primals: Sequence[Any], tangents: Sequence[Any],
 for _p in (call_p, linear_p):
   _p.def_abstract_eval(_abstract_eval)
   mlir.register_lowering(_p, _lowering)
-@functools.lru_cache(maxsize=256)
+@trace_cache.kernel_cache
 def _compiled(prim: Primitive, params: tuple) -> Callable:
   return jax.jit(lambda *args: prim.bind(*args, **dict(params)))
 

@@ -49,6 +49,9 @@ class KernelDescription:
     return dataclasses.replace(self, **changes)
 
 
+internals.cache_weakly(KernelDescription)
+
+
 def _user_function(kernel: Callable) -> Callable:
   """The function the user wrote, under functools.partial and decorators
   (e.g. pallet.named's wrapper)."""

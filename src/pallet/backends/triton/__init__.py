@@ -10,7 +10,6 @@ Pipeline, one file per stage:
 """
 from __future__ import annotations
 
-import functools
 import os
 from typing import Any, Callable
 
@@ -21,6 +20,7 @@ from jax.interpreters import mlir
 from pallet.backends.triton import compiler
 from pallet.backends.triton.codegen import GeneratedKernel, generate
 from pallet.backends.triton.values import TritonLoweringError, for_interpreter
+from pallet import trace_cache
 from pallet.tracing import KernelDescription
 
 NAME = "triton"
@@ -34,7 +34,7 @@ def generated(kernel: KernelDescription) -> GeneratedKernel:
   return _generated(kernel, jax.config.jax_default_matmul_precision)
 
 
-@functools.lru_cache(maxsize=512)
+@trace_cache.kernel_cache
 def _generated(kernel: KernelDescription, matmul_precision: Any) -> GeneratedKernel:
   result = generate(kernel)
   if kernel.debug:
@@ -50,7 +50,7 @@ def generated_for_interpreter(kernel: KernelDescription) -> GeneratedKernel:
   return _generated_for_interpreter(kernel, jax.config.jax_default_matmul_precision)
 
 
-@functools.lru_cache(maxsize=512)
+@trace_cache.kernel_cache
 def _generated_for_interpreter(kernel: KernelDescription,
                                matmul_precision: Any) -> GeneratedKernel:
   with for_interpreter():

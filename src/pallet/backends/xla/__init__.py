@@ -7,7 +7,6 @@ Pipeline: `plan.make_plan` analyses the grid (what to vectorize, what to loop),
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable
 
 from jax.interpreters import mlir
@@ -16,12 +15,13 @@ from pallet.backends.xla.executor import build
 from pallet.backends.xla.plan import ExecutionPlan, make_plan, vectorization_failure
 from pallet.backends.xla.scratch_accumulators import ScratchRewrite, rewrite
 from pallet.backends.xla.widening import widen_plan
+from pallet import trace_cache
 from pallet.tracing import KernelDescription
 
 NAME = "xla"
 
 
-@functools.lru_cache(maxsize=512)
+@trace_cache.kernel_cache
 def _planned(kernel: KernelDescription) -> tuple[ExecutionPlan, Callable]:
   scratch = rewrite(kernel) if kernel.grid_mapping.scratch_avals else None
   if isinstance(scratch, ScratchRewrite):
@@ -41,8 +41,9 @@ def _planned(kernel: KernelDescription) -> tuple[ExecutionPlan, Callable]:
     # A batching rule that exists but fails for these operands shows only when the
     # body is traced under vmap: then run every axis looped (the failed attempt
     # leaves only unused values behind in the trace).
-    if kernel in _fallbacks:
-      return _fallbacks[kernel][1](*args)
+    fallback = _fallbacks.get(kernel)
+    if fallback is not None:
+      return fallback[1](*args)
     try:
       return fn(*args)
     except Exception as e:  # noqa: BLE001 - the looped plan re-raises real errors
@@ -52,7 +53,7 @@ def _planned(kernel: KernelDescription) -> tuple[ExecutionPlan, Callable]:
         results = looped_fn(*args)
       except Exception:  # noqa: BLE001
         raise e from None
-      _fallbacks[kernel] = (looped, looped_fn)
+      _fallbacks.put(kernel, (looped, looped_fn))
       if kernel.debug:
         _print_plan(kernel, looped)
       return results
@@ -60,7 +61,7 @@ def _planned(kernel: KernelDescription) -> tuple[ExecutionPlan, Callable]:
 
 
 # Kernels whose vectorized body failed to trace: their looped plan and function.
-_fallbacks: dict[KernelDescription, tuple[ExecutionPlan, Callable]] = {}
+_fallbacks = trace_cache.LRU()
 
 
 def _print_plan(kernel: KernelDescription, plan: ExecutionPlan) -> None:
@@ -74,7 +75,8 @@ def kernel_as_function(kernel: KernelDescription) -> Callable[..., list[Any]]:
 
 def plan_of(kernel: KernelDescription) -> ExecutionPlan:
   plan = _planned(kernel)[0]
-  return _fallbacks[kernel][0] if kernel in _fallbacks else plan
+  fallback = _fallbacks.get(kernel)
+  return fallback[0] if fallback is not None else plan
 
 
 def lower(ctx: Any, *args: Any, kernel: KernelDescription, interpret: bool) -> list:
