@@ -31,30 +31,17 @@ OPT_IN = {"nan": dict(detect_nans=True), "overflow": dict(detect_int_overflow=Tr
 
 # What the checks do not get right yet, as strict xfails: a case that starts passing
 # fails until it is taken off these lists. (backend, case name) -> why.
-_STATIC_INDEX = ("x_ref[128] on a 128-element block fails while tracing with JAX's own "
-                 "IndexError, naming neither the ref nor the line")
 _ATOMIC_LINE = ("reported at the other programs' pl.atomic_add, not at the plain store that "
                 "is the bug (the message names the storing program but not its line)")
-_TRITON_SCRATCH = ("the Triton backend reports a race at grid index (0, 1, 0) (scratch last "
-                   "written by another parallel program) instead of the uninitialized read "
-                   "at (0, 0, 0)")
-_TRITON_SCALAR_READ = ("checks on a scalar ref read crash Triton's interpreter: TypeError "
-                       "ufunc 'bitwise_and' not supported for the input types")
-_TRITON_ALIASED = ("unwritten false alarm on the Triton backend: output elements that come "
-                   "from the aliased input (input_output_aliases) count as never written")
+_ALIASED = ("unwritten false alarm on the Triton backend: output elements that come from the aliased input "
+            "(input_output_aliases) and are then updated by atomics count as never written")
 NOT_YET_REPORTED: dict[tuple[str, str], str] = {
-    ("xla", "static_index_of_last_element_off_by_one"): _STATIC_INDEX,
-    ("triton", "static_index_of_last_element_off_by_one"): _STATIC_INDEX,
     ("xla", "histogram_zeroed_with_plain_store"): _ATOMIC_LINE,
     ("triton", "histogram_zeroed_with_plain_store"): _ATOMIC_LINE,
-    ("triton", "scratch_accumulator_never_zeroed"): _TRITON_SCRATCH,
-    ("triton", "scratch_accumulator_zeroed_on_wrong_step"): _TRITON_SCRATCH,
 }
 FALSE_ALARMS: dict[tuple[str, str], str] = {
-    ("triton", "static_index_of_last_element_off_by_one"): _TRITON_SCALAR_READ,
-    ("triton", "carry_across_declared_parallel_axis"): _TRITON_SCALAR_READ,
-    ("triton", "histogram_zeroed_with_plain_store"): _TRITON_ALIASED,
-    ("triton", "segment_sum_with_plain_scatter"): _TRITON_ALIASED,
+    ("triton", "histogram_zeroed_with_plain_store"): _ALIASED,
+    ("triton", "segment_sum_with_plain_scatter"): _ALIASED,
 }
 
 
