@@ -128,3 +128,6 @@ for _name in FILES:
         and _value.__module__ == _loaded["module"].__name__
         and _attr not in SKIPPED_CLASSES):
       globals()[f"{_name}__{_attr}"] = _value
+del _name, _loaded    # module-level loop names must not be collected as tests
+if "_value" in globals():
+  del _attr, _value
