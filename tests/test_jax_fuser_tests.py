@@ -119,9 +119,9 @@ _why_not = _import_absl()
 for _name in FILES:
   _loaded = {"reason": _why_not} if _why_not else _load(_name)
   if "module" not in _loaded:
-    def test_skipped(_reason=_loaded["reason"]):
+    def _skip(_reason=_loaded["reason"]):
       pytest.skip(_reason)
-    globals()[f"test_{_name}"] = test_skipped
+    globals()[f"test_{_name}"] = _skip
     continue
   for _attr, _value in vars(_loaded["module"]).items():
     if (isinstance(_value, type) and issubclass(_value, unittest.TestCase)
