@@ -51,13 +51,17 @@ def fold_static_indices(closed: ClosedJaxpr, varying: Sequence[bool] | None = No
   avals = [v.aval for v in closed.jaxpr.invars]
   args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
 
+  folder = _Folder()
+
   def run(*xs):
-    folder = _Folder()
     for x, v in zip(xs, varying or ()):
       if v:
         folder.varying.add(id(x))
     return [_value(x) for x in folder.run(closed.jaxpr, closed.consts, xs)]
-  return jax.make_jaxpr(run)(*args)
+  folded = jax.make_jaxpr(run)(*args)
+  # Folding alone (constants for iotas, inlined calls) is no gain and can cost (XLA
+  # fuses an iota better than a literal table): keep the body unless a rewrite fired.
+  return folded if folder.changed else closed
 
 
 def _binds(jaxpr: Any, names: Sequence[str]) -> bool:
@@ -99,6 +103,7 @@ class _Folder:
 
   def __init__(self):
     self.varying: set[int] = set()   # ids of traced values that differ per program
+    self.changed = False             # a gather/scatter, loop or cond was rewritten
 
   def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
     env: dict[Any, Any] = {}
@@ -142,10 +147,12 @@ class _Folder:
     if name == "gather" and isinstance(ins[1], _Known):
       sliced = _gather_as_slice(eqn, _value(ins[0]), ins[1].value)
       if sliced is not None:
+        self.changed = True
         return [sliced]
     if name == "scatter" and isinstance(ins[1], _Known):
       updated = _scatter_as_update(eqn, _value(ins[0]), ins[1].value, _value(ins[2]))
       if updated is not None:
+        self.changed = True
         return [updated]
     return _bind(eqn, [_value(x) for x in ins])
 
@@ -180,6 +187,7 @@ class _Folder:
       outs = jax.core.eval_jaxpr(body.jaxpr, body.consts, *bconsts, *full(carry))
       return [outs[k] for k in moving]
     final = lax.while_loop(cond_fun, body_fun, [init[k] for k in moving])
+    self.changed = True
     return full(final)
 
   def cond(self, eqn: Any, ins: list[Any]) -> list[Any]:
@@ -191,6 +199,7 @@ class _Folder:
       return list(lax.switch(_value(ins[0]), branches, *operands))
     index = jnp.clip(ins[0], 0, len(branches) - 1).astype(jnp.int32)
     results = [branch(*operands) for branch in branches]
+    self.changed = True
     return [lax.select_n(index, *outs) if len(outs) > 1 else outs[0]
             for outs in zip(*results)]
 
