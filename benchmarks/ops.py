@@ -190,7 +190,25 @@ def _glu(size: Size) -> list[Benchmark]:
                out_shapes=_like, rtol=1e-5, atol=1e-5)
 
 
-FAMILIES = (_normalization, _softmax, _cross_entropy, _rope, _glu)
+_ATTN = {"full": (1, 8, 2, 1024, 64), "small": (1, 4, 2, 256, 64), "tiny": (1, 2, 1, 64, 16)}
+
+
+def _attention(size: Size) -> list[Benchmark]:
+  from pallet.ops import attention_reference
+  b, h, hkv, t, d = _ATTN[size]
+  block = min(128, t)
+  rows = []
+  for causal in (False, True):
+    name = "flash_attention_causal" if causal else "flash_attention"
+    rows += _rows(name, "attention", "flash_attention", attention_reference,
+                  grid=(b, h, math.ceil(t / block)),
+                  shapes=f"B{b} H{h} Hkv{hkv} T{t} D{d} f32 (GQA), {block}x{block} blocks",
+                  make_inputs=lambda k: _normal(k, (b, h, t, d), (b, hkv, t, d), (b, hkv, t, d)),
+                  out_shapes=_like, kwargs=dict(causal=causal), rtol=1e-4, atol=1e-4)
+  return rows
+
+
+FAMILIES = (_normalization, _softmax, _cross_entropy, _rope, _glu, _attention)
 
 
 def benchmarks(size: Size) -> list[Benchmark]:

@@ -42,6 +42,15 @@ def _cross_entropy_case():
 CASES = {
     "softmax": lambda: (_grad_of(ops.softmax, 0), (random_array((4096, 1024), BF16),)),
     "linear_cross_entropy": _cross_entropy_case,
+    "flash_attention": lambda: (
+        _grad_of(lambda q, k, v: ops.flash_attention(q, k, v, causal=True, softcap=30.0), 0, 1, 2),
+        (random_array((1, 8, 1024, 128), BF16), random_array((1, 2, 1024, 128), BF16),
+         random_array((1, 2, 1024, 128), BF16))),
+    "flash_attention_segments_window": lambda: (
+        _grad_of(lambda q, k, v, ids: ops.flash_attention(
+            q, k, v, q_segment_ids=ids, kv_segment_ids=ids, window=256), 0, 1, 2),
+        (random_array((1, 4, 1024, 64), BF16), random_array((1, 4, 1024, 64), BF16),
+         random_array((1, 4, 1024, 64), BF16), jnp.arange(1024, dtype=jnp.int32)[None] // 300)),
     "rotary_embedding": lambda: (_grad_of(ops.rotary_embedding, 0),
                                  (random_array((2, 1024, 8, 128), BF16),)),
     "swiglu": lambda: (_grad_of(ops.swiglu, 0, 1), (random_array((4096, 2752), BF16),

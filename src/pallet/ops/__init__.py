@@ -6,3 +6,4 @@ from pallet.ops.softmax import softmax, softmax_reference
 from pallet.ops.cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
 from pallet.ops.rope import rotary_embedding, rotary_embedding_reference
 from pallet.ops.glu import glu, glu_reference, swiglu, swiglu_reference
+from pallet.ops.attention import attention_reference, flash_attention

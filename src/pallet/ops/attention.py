@@ -1,0 +1,373 @@
+"""Flash attention (forward and backward kernels) with causal masks, segment ids,
+grouped-query / multi-query heads, a sliding window and a logit soft-cap.
+
+q: (batch, heads, q_len, head_dim); k, v: (batch, kv_heads, kv_len, head_dim), with
+heads a multiple of kv_heads (query head h reads kv head h // (heads // kv_heads)).
+Scores s = q k^T * scale, then cap * tanh(s / cap) with a soft-cap, masked where a key
+is after the query (causal), at least `window` positions before it, or in another
+segment; rows with no visible key give 0. Positions count from 0 in q and in k.
+
+Forward: grid (batch, heads, query blocks), every step independent; a loop over the
+key blocks the masks leave visible keeps a running max, sum and output (online
+softmax) and saves the row log-sum-exp. Backward (FlashAttention-2): a dq kernel over
+query blocks and a dk/dv kernel over (batch, kv head, key block) looping over the
+query blocks of every query head in the group; both recompute the probabilities
+from the saved log-sum-exp, and delta = rowsum(o * do) is formed in the kernels.
+Sequences that the blocks do not divide are padded (and masked) to whole blocks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import pallet as pl
+from pallet.ops._common import F32, cdiv, check_block, check_float, fail, target_backend
+
+__all__ = ["flash_attention", "attention_reference"]
+
+_NT = (((1,), (1,)), ((), ()))   # a @ b^T
+_TN = (((0,), (0,)), ((), ()))   # a^T @ b
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+  """Static facts of one call (hashable: a custom_vjp non-differentiable argument)."""
+  scale: float
+  causal: bool
+  window: int | None
+  softcap: float | None
+  q_len: int
+  kv_len: int
+  groups: int
+  block_q: int
+  block_k: int
+  segments: bool
+
+
+# ------------------------------------------------------------------ reference
+def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *,
+                        q_segment_ids: jax.Array | None = None,
+                        kv_segment_ids: jax.Array | None = None, causal: bool = False,
+                        window: int | None = None, softcap: float | None = None,
+                        scale: float | None = None) -> jax.Array:
+  """jax.numpy attention with the same masks (float32 math, q's dtype out)."""
+  b, h, t, d = q.shape
+  groups = h // k.shape[1]
+  scale = 1.0 / math.sqrt(d) if scale is None else scale
+  kf = jnp.repeat(k.astype(F32), groups, axis=1)
+  vf = jnp.repeat(v.astype(F32), groups, axis=1)
+  s = jnp.einsum("bhtd,bhsd->bhts", q.astype(F32), kf, precision=lax.Precision.HIGHEST) * scale
+  if softcap is not None:
+    s = softcap * jnp.tanh(s / softcap)
+  mask = _mask(jnp.arange(t)[:, None], jnp.arange(k.shape[2])[None, :], causal, window)
+  mask = jnp.broadcast_to(mask, (b, 1, t, k.shape[2]))
+  if q_segment_ids is not None:
+    mask = mask & (q_segment_ids[:, None, :, None] == kv_segment_ids[:, None, None, :])
+  s = jnp.where(mask, s, -jnp.inf)
+  m = jnp.max(s, axis=-1, keepdims=True)
+  p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
+  l = jnp.sum(p, axis=-1, keepdims=True)
+  o = jnp.einsum("bhts,bhsd->bhtd", p, vf, precision=lax.Precision.HIGHEST)
+  return (o / jnp.where(l == 0, 1.0, l)).astype(q.dtype)
+
+
+def _mask(q_pos, k_pos, causal, window):
+  mask = jnp.ones(jnp.broadcast_shapes(q_pos.shape, k_pos.shape), bool)
+  if causal:
+    mask = mask & (k_pos <= q_pos)
+  if window is not None:
+    mask = mask & (q_pos - k_pos < window)
+  return mask
+
+
+# ------------------------------------------------------------------ shared in-kernel math
+def _scores(q, k, c: _Config, q_start, k_start, q_seg=None, k_seg=None):
+  """Masked (soft-capped) scores of a (block_q, d) x (block_k, d) tile, plus the
+  soft-cap's tanh (for the backward pass; None without a cap)."""
+  s = lax.dot_general(q, k, _NT, preferred_element_type=F32) * c.scale
+  t = None
+  if c.softcap is not None:
+    t = jnp.tanh(s / c.softcap)
+    s = c.softcap * t
+  shape = s.shape
+  q_pos = q_start + lax.broadcasted_iota(jnp.int32, shape, 0)
+  k_pos = k_start + lax.broadcasted_iota(jnp.int32, shape, 1)
+  mask = _mask(q_pos, k_pos, c.causal, c.window) & (k_pos < c.kv_len)
+  if c.segments:
+    mask = mask & (q_seg[:, None] == k_seg[None, :])
+  return jnp.where(mask, s, -jnp.inf), t
+
+
+def _key_blocks(c: _Config, q_block, num_k_blocks):
+  """[lo, hi) of the key blocks a query block can see."""
+  hi = num_k_blocks
+  if c.causal:
+    hi = jnp.minimum(hi, cdiv_traced((q_block + 1) * c.block_q, c.block_k))
+  lo = 0
+  if c.window is not None:
+    lo = jnp.maximum(0, (q_block * c.block_q - c.window + 1) // c.block_k)
+  return lo, hi
+
+
+def _query_blocks(c: _Config, k_block, num_q_blocks):
+  """[lo, hi) of the query blocks that can see a key block."""
+  lo = 0
+  if c.causal:
+    lo = (k_block * c.block_k) // c.block_q
+  hi = num_q_blocks
+  if c.window is not None:
+    hi = jnp.minimum(hi, cdiv_traced((k_block + 1) * c.block_k + c.window - 1, c.block_q))
+  return lo, hi
+
+
+def cdiv_traced(a, b: int):
+  return (a + b - 1) // b
+
+
+# ------------------------------------------------------------------ forward
+def _forward_kernel(c: _Config):
+  def kernel(*refs):
+    if c.segments:
+      q_ref, k_ref, v_ref, qs_ref, ks_ref, o_ref, lse_ref = refs
+    else:
+      (q_ref, k_ref, v_ref, o_ref, lse_ref), qs_ref, ks_ref = refs, None, None
+    i = pl.program_id(2)
+    q = q_ref[...]
+    q_seg = qs_ref[...] if c.segments else None
+    bq, d = q.shape
+
+    def step(j, carry):
+      m, l, acc = carry
+      keys = pl.ds(j * c.block_k, c.block_k)
+      s, _ = _scores(q, k_ref[keys, :], c, i * c.block_q, j * c.block_k, q_seg,
+                     ks_ref[keys] if c.segments else None)
+      m_new = jnp.maximum(m, jnp.max(s, axis=1))
+      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+      p = jnp.exp(s - m_safe[:, None])
+      alpha = jnp.exp(m - m_safe)
+      l = l * alpha + jnp.sum(p, axis=1)
+      acc = acc * alpha[:, None] + jnp.dot(p.astype(v_ref.dtype), v_ref[keys, :],
+                                           preferred_element_type=F32)
+      return m_new, l, acc
+
+    lo, hi = _key_blocks(c, i, k_ref.shape[0] // c.block_k)
+    init = (jnp.full((bq,), -jnp.inf, F32), jnp.zeros((bq,), F32), jnp.zeros((bq, d), F32))
+    m, l, acc = lax.fori_loop(lo, hi, step, init)
+    empty = l == 0.0
+    o_ref[...] = (acc / jnp.where(empty, 1.0, l)[:, None]).astype(o_ref.dtype)
+    # Rows with no visible key: +inf makes every recomputed probability exp(s - lse) 0.
+    lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
+
+  return kernel
+
+
+def _segment_args(c, q_seg, kv_seg, q_spec, kv_spec):
+  if not c.segments:
+    return [], []
+  return [q_seg, kv_seg], [q_spec, kv_spec]
+
+
+def _forward(q, k, v, q_seg, kv_seg, c: _Config):
+  b, h, t, d = q.shape
+  s = k.shape[2]
+  q_spec = pl.BlockSpec((None, None, c.block_q, d), lambda bi, hi, i: (bi, hi, i, 0))
+  kv_spec = pl.BlockSpec((None, None, s, d), lambda bi, hi, i: (bi, hi // c.groups, 0, 0))
+  lse_spec = pl.BlockSpec((None, None, c.block_q), lambda bi, hi, i: (bi, hi, i))
+  seg_args, seg_specs = _segment_args(
+      c, q_seg, kv_seg, pl.BlockSpec((None, c.block_q), lambda bi, hi, i: (bi, i)),
+      pl.BlockSpec((None, s), lambda bi, hi, i: (bi, 0)))
+  return pl.pallas_call(
+      _forward_kernel(c),
+      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, t), F32)],
+      grid=(b, h, t // c.block_q), in_specs=[q_spec, kv_spec, kv_spec, *seg_specs],
+      out_specs=[q_spec, lse_spec], name="flash_attention_fwd")(q, k, v, *seg_args)
+
+
+# ------------------------------------------------------------------ backward
+def _dq_kernel(c: _Config):
+  def kernel(*refs):
+    refs = list(refs)
+    q_ref, k_ref, v_ref, o_ref, do_ref, lse_ref = refs[:6]
+    qs_ref, ks_ref = (refs[6], refs[7]) if c.segments else (None, None)
+    dq_ref = refs[-1]
+    i = pl.program_id(2)
+    q, do = q_ref[...], do_ref[...]
+    delta = jnp.sum(o_ref[...].astype(F32) * do.astype(F32), axis=1)
+    lse = lse_ref[...]
+    q_seg = qs_ref[...] if c.segments else None
+
+    def step(j, dq):
+      keys = pl.ds(j * c.block_k, c.block_k)
+      k = k_ref[keys, :]
+      s, t = _scores(q, k, c, i * c.block_q, j * c.block_k, q_seg,
+                     ks_ref[keys] if c.segments else None)
+      p = jnp.exp(s - lse[:, None])
+      dp = lax.dot_general(do, v_ref[keys, :], _NT, preferred_element_type=F32)
+      ds = p * (dp - delta[:, None])
+      if t is not None:
+        ds = ds * (1.0 - t * t)
+      return dq + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=F32)
+
+    lo, hi = _key_blocks(c, i, k_ref.shape[0] // c.block_k)
+    dq = lax.fori_loop(lo, hi, step, jnp.zeros(q.shape, F32))
+    dq_ref[...] = (dq * c.scale).astype(dq_ref.dtype)
+
+  return kernel
+
+
+def _dkv_kernel(c: _Config):
+  def kernel(*refs):
+    refs = list(refs)
+    q_ref, k_ref, v_ref, o_ref, do_ref, lse_ref = refs[:6]
+    qs_ref, ks_ref = (refs[6], refs[7]) if c.segments else (None, None)
+    dk_ref, dv_ref = refs[-2:]
+    j = pl.program_id(2)
+    k, v = k_ref[...], v_ref[...]
+    k_seg = ks_ref[...] if c.segments else None
+    num_q_blocks = q_ref.shape[1] // c.block_q
+    lo, hi = _query_blocks(c, j, num_q_blocks)
+
+    def step(n, carry):
+      dk, dv = carry
+      span = jnp.maximum(hi - lo, 1)   # (the loop runs no step when hi == lo)
+      g, i = n // span, lo + n % span
+      rows = pl.ds(i * c.block_q, c.block_q)
+      q, do = q_ref[g, rows, :], do_ref[g, rows, :]
+      delta = jnp.sum(o_ref[g, rows, :].astype(F32) * do.astype(F32), axis=1)
+      s, t = _scores(q, k, c, i * c.block_q, j * c.block_k,
+                     qs_ref[rows] if c.segments else None, k_seg)
+      p = jnp.exp(s - lse_ref[g, rows][:, None])
+      dv = dv + lax.dot_general(p.astype(do.dtype), do, _TN, preferred_element_type=F32)
+      dp = lax.dot_general(do, v, _NT, preferred_element_type=F32)
+      ds = p * (dp - delta[:, None])
+      if t is not None:
+        ds = ds * (1.0 - t * t)
+      dk = dk + lax.dot_general(ds.astype(q.dtype), q, _TN, preferred_element_type=F32)
+      return dk, dv
+
+    zeros = jnp.zeros(k.shape, F32)
+    dk, dv = lax.fori_loop(0, c.groups * (hi - lo), step, (zeros, zeros))
+    dk_ref[...] = (dk * c.scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+  return kernel
+
+
+def _backward(q, k, v, o, lse, do, q_seg, kv_seg, c: _Config):
+  b, h, t, d = q.shape
+  hkv, s = k.shape[1], k.shape[2]
+  g = c.groups
+  # dq: one program per (batch, head, query block), looping over key blocks.
+  q_spec = pl.BlockSpec((None, None, c.block_q, d), lambda bi, hi, i: (bi, hi, i, 0))
+  kv_spec = pl.BlockSpec((None, None, s, d), lambda bi, hi, i: (bi, hi // g, 0, 0))
+  lse_spec = pl.BlockSpec((None, None, c.block_q), lambda bi, hi, i: (bi, hi, i))
+  seg_args, seg_specs = _segment_args(
+      c, q_seg, kv_seg, pl.BlockSpec((None, c.block_q), lambda bi, hi, i: (bi, i)),
+      pl.BlockSpec((None, s), lambda bi, hi, i: (bi, 0)))
+  dq = pl.pallas_call(
+      _dq_kernel(c), out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), grid=(b, h, t // c.block_q),
+      in_specs=[q_spec, kv_spec, kv_spec, q_spec, q_spec, lse_spec, *seg_specs],
+      out_specs=q_spec, name="flash_attention_dq")(q, k, v, o, do, lse, *seg_args)
+  # dk, dv: one program per (batch, kv head, key block), looping over the group's
+  # query heads and query blocks.
+  group_spec = pl.BlockSpec((None, g, t, d), lambda bi, hi, j: (bi, hi, 0, 0))
+  group_lse = pl.BlockSpec((None, g, t), lambda bi, hi, j: (bi, hi, 0))
+  kv_block = pl.BlockSpec((None, None, c.block_k, d), lambda bi, hi, j: (bi, hi, j, 0))
+  seg_args, seg_specs = _segment_args(
+      c, q_seg, kv_seg, pl.BlockSpec((None, t), lambda bi, hi, j: (bi, 0)),
+      pl.BlockSpec((None, c.block_k), lambda bi, hi, j: (bi, j)))
+  dk, dv = pl.pallas_call(
+      _dkv_kernel(c), out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
+                                 jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      grid=(b, hkv, s // c.block_k),
+      in_specs=[group_spec, kv_block, kv_block, group_spec, group_spec, group_lse, *seg_specs],
+      out_specs=[kv_block, kv_block], name="flash_attention_dkv")(q, k, v, o, do, lse, *seg_args)
+  return dq, dk, dv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _attention(q, k, v, q_seg, kv_seg, c):
+  return _forward(q, k, v, q_seg, kv_seg, c)[0]
+
+
+def _attention_fwd(q, k, v, q_seg, kv_seg, c):
+  o, lse = _forward(q, k, v, q_seg, kv_seg, c)
+  return o, (q, k, v, q_seg, kv_seg, o, lse)
+
+
+def _attention_bwd(c, saved, do):
+  q, k, v, q_seg, kv_seg, o, lse = saved
+  dq, dk, dv = _backward(q, k, v, o, lse, do, q_seg, kv_seg, c)
+  return dq, dk, dv, None, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _pad(x, axis, size, value=0):
+  if x is None or x.shape[axis] == size:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
+                    q_segment_ids: jax.Array | None = None,
+                    kv_segment_ids: jax.Array | None = None, causal: bool = False,
+                    window: int | None = None, softcap: float | None = None,
+                    scale: float | None = None, block_q: int | None = None,
+                    block_k: int | None = None) -> jax.Array:
+  """softmax(mask(cap(q k^T * scale))) v per head; see the module docstring.
+
+  q (batch, heads, q_len, d); k, v (batch, kv_heads, kv_len, d), heads a multiple of
+  kv_heads (GQA; kv_heads=1 is MQA). `q_segment_ids` (batch, q_len) and
+  `kv_segment_ids` (batch, kv_len): a query sees only keys of its segment.
+  `window`: a query at position i sees keys at i - window < j (and j <= i if causal).
+  `softcap`: scores become softcap * tanh(s / softcap). Default scale 1/sqrt(d).
+  `block_q`/`block_k`: query/key rows per tile; defaults 32/32 on Triton (no
+  register spills up to head_dim 128 on sm_80, sm_90 and gfx942), 128/128 on the CPU.
+  Differentiable in q, k and v.
+  """
+  op = "flash_attention"
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    check_float(op, name, x)
+    if x.ndim != 4:
+      raise fail(op, f"{name} must be (batch, heads, seq, head_dim), got shape {x.shape}")
+  b, h, t, d = q.shape
+  if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
+    raise fail(op, f"k and v must both be (batch={b}, kv_heads, kv_len, head_dim={d}), got "
+                   f"{k.shape} and {v.shape}")
+  if h % k.shape[1]:
+    raise fail(op, f"q's {h} heads are not a multiple of k's {k.shape[1]} kv heads")
+  if (q_segment_ids is None) != (kv_segment_ids is None):
+    raise fail(op, "give both q_segment_ids and kv_segment_ids, or neither")
+  s = k.shape[2]
+  if q_segment_ids is not None:
+    if q_segment_ids.shape != (b, t) or kv_segment_ids.shape != (b, s):
+      raise fail(op, f"segment ids must be ({b}, {t}) and ({b}, {s}), got "
+                     f"{q_segment_ids.shape} and {kv_segment_ids.shape}")
+  if window is not None and (not isinstance(window, int) or window < 1):
+    raise fail(op, f"window must be a positive int or None, got {window!r}")
+  if softcap is not None and not softcap > 0:
+    raise fail(op, f"softcap must be positive or None, got {softcap!r}")
+  default = 32 if target_backend() != "xla" else 128
+  block_q, block_k = block_q or default, block_k or default
+  check_block(op, "block_q", block_q)
+  check_block(op, "block_k", block_k)
+  t_pad, s_pad = cdiv(t, block_q) * block_q, cdiv(s, block_k) * block_k
+  c = _Config(scale=float(1.0 / math.sqrt(d) if scale is None else scale), causal=bool(causal),
+              window=window, softcap=None if softcap is None else float(softcap), q_len=t,
+              kv_len=s, groups=h // k.shape[1], block_q=block_q, block_k=block_k,
+              segments=q_segment_ids is not None)
+  segs = (None, None)
+  if c.segments:
+    segs = (_pad(q_segment_ids.astype(jnp.int32), 1, t_pad),
+            _pad(kv_segment_ids.astype(jnp.int32), 1, s_pad))
+  o = _attention(_pad(q, 2, t_pad), _pad(k, 2, s_pad), _pad(v, 2, s_pad), *segs, c)
+  return o[:, :, :t]
