@@ -102,6 +102,9 @@ def _values(fusion: Callable, args: tuple, kwargs: dict, stateful: bool,
   regular = [s for s, k, sc in zip(source_values, keep, scalar) if k and not sc]
   prefetch = [s for s, k, sc in zip(source_values, keep, scalar) if k and sc]
   eqns = [jaxpr.eqns[i] for i in remaining]
+  written = sorted({list(jaxpr.constvars).index(e.invars[0]) for e in jaxpr.eqns
+                    if e.primitive.name in ("swap", "addupdate")
+                    and e.invars[0] in jaxpr.constvars})
 
   def new_fusion(values: Any, *args: Any, **kwargs: Any) -> Any:
     it_r, it_p = iter(values), iter(prefetch)
@@ -123,9 +126,6 @@ def _values(fusion: Callable, args: tuple, kwargs: dict, stateful: bool,
     out = jaxprs.read(jaxpr.outvars, env)
     return jax.tree_util.tree_unflatten(out_tree, out)
 
-  written = sorted({list(jaxpr.constvars).index(e.invars[0]) for e in jaxpr.eqns
-                    if e.primitive.name in ("swap", "addupdate")
-                    and e.invars[0] in jaxpr.constvars})
   result = (new_fusion, tuple(regular), tuple(prefetch))
   if extra_outputs:
     kept_index = {src: n for n, src in enumerate(
