@@ -7,3 +7,4 @@ from pallet.ops.cross_entropy import linear_cross_entropy, linear_cross_entropy_
 from pallet.ops.rope import rotary_embedding, rotary_embedding_reference
 from pallet.ops.glu import glu, glu_reference, swiglu, swiglu_reference
 from pallet.ops.attention import attention_reference, flash_attention
+from pallet.ops.tuned import tuning_cases

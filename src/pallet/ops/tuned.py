@@ -1,0 +1,72 @@
+"""Autotuned forms of the ops (`pallet.ops.tuned.layer_norm(...)`, ...) and the cases
+`pallet tune` runs for them.
+
+Each wraps the op with `pallet.autotune` over its block-size keywords; the first
+config is the op's own default (what the plain op uses), so an untuned call (under
+grad, or with $PALLET_AUTOTUNE=0) behaves exactly like the plain op. The plain ops
+stay untuned: tuning times every config on first use of a shape, which a library
+call should not do unasked.
+"""
+from __future__ import annotations
+
+import jax
+
+from pallet.autotune import Case, autotune
+from pallet.ops.attention import flash_attention as _flash_attention
+from pallet.ops.cross_entropy import linear_cross_entropy as _linear_cross_entropy
+from pallet.ops.glu import swiglu as _swiglu
+from pallet.ops.normalization import layer_norm as _layer_norm
+from pallet.ops.normalization import rms_norm as _rms_norm
+from pallet.ops.rope import rotary_embedding as _rotary_embedding
+from pallet.ops.softmax import softmax as _softmax
+
+__all__ = ["layer_norm", "rms_norm", "softmax", "linear_cross_entropy", "rotary_embedding",
+           "swiglu", "flash_attention", "tuning_cases"]
+
+_ROWS = [{"block_rows": r} for r in (None, 1, 8, 32, 128)]
+
+layer_norm = autotune(_layer_norm, configs=_ROWS, key=("x",))
+rms_norm = autotune(_rms_norm, configs=_ROWS, key=("x",))
+softmax = autotune(_softmax, configs=_ROWS, key=("x",))
+linear_cross_entropy = autotune(
+    _linear_cross_entropy, key=("h", "w"),
+    configs=[{"block_n": None, "block_v": None, "block_h": None},
+             {"block_n": 64, "block_v": 256, "block_h": None},
+             {"block_n": 256, "block_v": 1024, "block_h": None},
+             {"block_n": 512, "block_v": 512, "block_h": None}])
+rotary_embedding = autotune(_rotary_embedding, key=("x",),
+                            configs=[{"block_seq": b} for b in (None, 1, 16, 64, 256)])
+swiglu = autotune(_swiglu, key=("a",),
+                  configs=[{"block_rows": None, "block_cols": None},
+                           {"block_rows": 64, "block_cols": 256},
+                           {"block_rows": 256, "block_cols": 1024},
+                           {"block_rows": 1024, "block_cols": 4096}])
+flash_attention = autotune(
+    _flash_attention, key=("q", "k"),
+    configs=[{"block_q": None, "block_k": None}, {"block_q": 64, "block_k": 64},
+             {"block_q": 256, "block_k": 128}, {"block_q": 128, "block_k": 512}])
+
+
+def tuning_cases(size: str = "full") -> list[Case]:
+  """One case per tuned op at the benchmark suite's problem sizes."""
+  shrink = {"full": 0, "small": 2, "tiny": 4}[size]
+  keys = jax.random.split(jax.random.key(0), 4)
+  n, d = 4096 >> shrink, 1024 >> shrink
+  x, w = jax.random.normal(keys[0], (n, d)), jax.random.normal(keys[1], (d,))
+  ce_n, hidden, vocab = 2048 >> shrink, 512 >> shrink, 8192 >> shrink
+  h = jax.random.normal(keys[0], (ce_n, hidden))
+  wv = jax.random.normal(keys[1], (hidden, vocab)) / hidden ** 0.5
+  labels = jax.random.randint(keys[2], (ce_n,), 0, vocab)
+  seq = 1024 >> shrink
+  q = jax.random.normal(keys[0], (1, 8, seq, 64))
+  kv = jax.random.normal(keys[1], (1, 2, seq, 64))
+  r = jax.random.normal(keys[3], (2, seq, 8, 64))
+  return [Case("ops/layer_norm", lambda: layer_norm(x, w, w)),
+          Case("ops/rms_norm", lambda: rms_norm(x, w)),
+          Case("ops/softmax", lambda: softmax(x)),
+          Case("ops/linear_cross_entropy", lambda: linear_cross_entropy(h, wv, labels)),
+          Case("ops/rotary_embedding", lambda: rotary_embedding(r)),
+          Case("ops/swiglu", lambda: swiglu(x, x * 0.5)),
+          Case("ops/flash_attention", lambda: flash_attention(q, kv, kv, causal=True)),
+          ]
+
