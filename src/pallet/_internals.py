@@ -92,6 +92,13 @@ def equation_source(eqn: Any) -> tuple[str, int] | None:
   return None
 
 
+def equation_from_pallet(eqn: Any) -> bool:
+  """Whether pallet's own code (pipelines, DMA helpers), not the user's, bound `eqn`."""
+  for frame in _source_info_util.user_frames(eqn.source_info.traceback):
+    return frame.file_name.startswith(_PALLET_DIR)
+  return False
+
+
 def equation_context(eqn: Any) -> Any:
   """A context in which binds carry `eqn`'s source information and context, as in
   `jax.core.eval_jaxpr` (checking mode re-traces kernel equations through it)."""

@@ -22,7 +22,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from pallet import _internals as internals
-from pallet.specs import ScratchShape
+from pallet.specs import MemorySpace, ScratchShape
 
 Slice = internals.Slice
 
@@ -588,7 +588,10 @@ def run_scoped(body: Callable[..., Any], *types: Any, **kw_types: Any) -> Any:
   def fresh_tree(tree):
     def fresh(t):
       if isinstance(t, (ScratchShape, jax.ShapeDtypeStruct)):
-        return jax.new_ref(checks.uninitialized(tuple(t.shape), t.dtype))
+        # semaphores start at zero even with poisoned buffers (checking mode)
+        counter = getattr(t, "memory_space", None) is MemorySpace.SEMAPHORE
+        return jax.new_ref(checks.uninitialized(tuple(t.shape), t.dtype,
+                                                poison=False if counter else None))
       raise TypeError(f"pl.run_scoped: expected scratch shapes such as "
                       f"pallet.tpu.VMEM((8, 128), jnp.float32), got {tree!r}")
     return jax.tree_util.tree_map(fresh, tree, is_leaf=lambda t: isinstance(t, ScratchShape))

@@ -429,6 +429,8 @@ class _Instrumenter:
     # Stores to scratch need not look: it is each program's own, a race is reading
     # what another program left there. (Not reading keeps the shadow as carried as
     # the scratch itself, so the grid analysis runs the kernel as it would unchecked.)
+    if reads and not writes and internals.equation_from_pallet(eqn):
+      return   # pallet's pipelines copy whole blocks in, written or not, as a TPU does
     looks = reads or atomic or (self.opts.races and not r.scratch)
     if looks:   # masked accesses may point past the buffer in masked-off lanes
       old = view[...] if mask is None else primitives.load_p.bind(

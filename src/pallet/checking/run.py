@@ -34,6 +34,8 @@ def _block_table(mapping: Any, grid: tuple[int, ...]) -> np.ndarray | None:
   im = mapping.index_map
   if len(im.in_avals) != len(grid):
     return None
+  if not mapping.array_shape:
+    return np.zeros((*grid, 0), np.int64)
   n = int(np.prod(grid, dtype=np.int64))
   coords = np.indices(grid).reshape(len(grid), n).astype(np.int32)
   with internals.eval_context():
