@@ -340,7 +340,7 @@ class _Walker:
     try:
       with internals.eval_context():
         out = jax.vmap(lambda *ids: jnp.broadcast_to(fn(ids, {}), ()))(
-            *[jnp.asarray(c) for c in coords])
+            *[jax.device_put(c) for c in coords])
     except Exception:  # noqa: BLE001 - e.g. no batching rule: treated as a condition on data
       return None
     return np.asarray(out).reshape(self.n)
@@ -657,7 +657,7 @@ def block_table(mapping: BlockMapping, grid: tuple[int, ...]) -> np.ndarray | No
   with internals.eval_context():
     outs = jax.vmap(lambda *ids: jax.core.eval_jaxpr(pure.jaxpr, pure.consts, *ids,
                                                      *dummies)[:ndim])(
-        *[jnp.asarray(c) for c in coords])
+        *[jax.device_put(c) for c in coords])
     outs = [np.broadcast_to(np.asarray(o, np.int64), (n,)) for o in outs]
   return np.stack(outs, -1).reshape(*grid, ndim)
 
