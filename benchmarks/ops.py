@@ -98,7 +98,7 @@ def _like(*args):
 
 
 # ------------------------------------------------------------------ families of rows
-_NORM = {"full": (4096, 1024), "small": (512, 256), "tiny": (32, 128)}
+_NORM = {"full": (4096, 1024), "small": (512, 256), "tiny": (64, 512)}
 
 
 def _normalization(size: Size) -> list[Benchmark]:
@@ -130,7 +130,7 @@ def _softmax(size: Size) -> list[Benchmark]:
                rtol=1e-5, atol=1e-6)
 
 
-_CE = {"full": (2048, 512, 8192), "small": (256, 128, 2048), "tiny": (32, 32, 256)}
+_CE = {"full": (2048, 512, 8192), "small": (256, 128, 2048), "tiny": (256, 32, 1024)}
 
 
 def _cross_entropy(size: Size) -> list[Benchmark]:
@@ -164,7 +164,7 @@ def _ce_vjp(fn: Callable) -> Callable:
   return program
 
 
-_ROPE = {"full": (4, 1024, 16, 128), "small": (2, 256, 4, 64), "tiny": (1, 32, 2, 16)}
+_ROPE = {"full": (4, 1024, 16, 128), "small": (2, 256, 4, 64), "tiny": (2, 32, 2, 16)}
 
 
 def _rope(size: Size) -> list[Benchmark]:
@@ -177,7 +177,7 @@ def _rope(size: Size) -> list[Benchmark]:
                out_shapes=_like, rtol=1e-4, atol=1e-4)
 
 
-_GLU = {"full": (4096, 2816), "small": (512, 704), "tiny": (32, 96)}
+_GLU = {"full": (4096, 2816), "small": (512, 704), "tiny": (64, 96)}
 
 
 def _glu(size: Size) -> list[Benchmark]:
