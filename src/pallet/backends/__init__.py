@@ -130,20 +130,33 @@ def resolve(name: str | None, interpret: bool,
             compiler_params: Any = None) -> tuple[str, bool]:
   """(backend, interpret) for a call; see the module docstring for the rules."""
   if name is not None:
-    return canonical(name), interpret
+    backend = canonical(name)
+    return backend, _checked_on_gpu(backend, interpret)
   forced = override()
   if forced is not None:
     backend, forced_interpret = forced
     if backend == "triton":
       if forced_interpret is None:
         forced_interpret = bool(interpret) or not gpu_present()
-      return backend, forced_interpret
+      return backend, _checked_on_gpu(backend, forced_interpret)
     return backend, interpret
   if interpret:
     return "xla", interpret
   if gpu_present() and _gpu_params(compiler_params):
     return "triton", False
   return "xla", False
+
+
+def _checked_on_gpu(backend: str, interpret: Any) -> Any:
+  """`interpret=InterpretParams(...)` on the Triton backend asks for the checking mode
+  (pallet/checking), whose checks are compiled into the generated kernel: where a GPU is
+  present and this process did not switch Triton's interpreter on, the checked kernel runs
+  on the GPU, so both report the same bug. A plain `interpret=True` always interprets."""
+  if backend != "triton" or isinstance(interpret, bool) or not interpret:
+    return interpret
+  if not gpu_present() or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    return interpret
+  return False
 
 
 def get(name: str, kernel: Any = None) -> ModuleType:
