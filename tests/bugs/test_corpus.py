@@ -33,16 +33,11 @@ OPT_IN = {"nan": dict(detect_nans=True), "overflow": dict(detect_int_overflow=Tr
 # fails until it is taken off these lists. (backend, case name) -> why.
 _ATOMIC_LINE = ("reported at the other programs' pl.atomic_add, not at the plain store that "
                 "is the bug (the message names the storing program but not its line)")
-_ALIASED = ("unwritten false alarm on the Triton backend: output elements that come from the aliased input "
-            "(input_output_aliases) and are then updated by atomics count as never written")
 NOT_YET_REPORTED: dict[tuple[str, str], str] = {
     ("xla", "histogram_zeroed_with_plain_store"): _ATOMIC_LINE,
     ("triton", "histogram_zeroed_with_plain_store"): _ATOMIC_LINE,
 }
-FALSE_ALARMS: dict[tuple[str, str], str] = {
-    ("triton", "histogram_zeroed_with_plain_store"): _ALIASED,
-    ("triton", "segment_sum_with_plain_scatter"): _ALIASED,
-}
+FALSE_ALARMS: dict[tuple[str, str], str] = {}
 
 
 def checked(*opt_in: str) -> pl.InterpretParams:
