@@ -70,7 +70,8 @@ def test_gpu_script_skips_cleanly_without_a_gpu(capsys):
 def test_every_family_has_a_tiny_benchmark_with_several_grid_steps():
   names = {b.name for b in TINY}
   assert names == {b.name for b in catalog.all_benchmarks("full")}
-  assert all(b.grid_steps >= 2 for b in TINY)
+  # JAX's grid-less example op (one program at every size) is the one exception
+  assert all(b.grid_steps >= 2 for b in TINY if b.name != "op_tpu_example_double")
 
 
 def test_check_matches_names_kernel_variant_and_worst_element():
