@@ -208,7 +208,25 @@ def _attention(size: Size) -> list[Benchmark]:
   return rows
 
 
-FAMILIES = (_normalization, _softmax, _cross_entropy, _rope, _glu, _attention)
+_DECODE = {"full": (8, 32, 8, 4096, 128), "small": (4, 8, 2, 512, 64),
+           "tiny": (2, 4, 2, 64, 16)}
+
+
+def _decode(size: Size) -> list[Benchmark]:
+  from pallet.ops import decode_attention_reference
+  b, h, hkv, s, d = _DECODE[size]
+
+  def make_inputs(key):
+    q, k, v = _normal(key, (b, h, d), (b, hkv, s, d), (b, hkv, s, d))
+    return q, k, v, (jnp.arange(b, dtype=jnp.int32) * 7919) % s + 1
+
+  return _rows("decode_attention", "decode_attention", "decode_attention",
+               decode_attention_reference, grid=(b, hkv),
+               shapes=f"B{b} Hq{h} Hkv{hkv} S{s} D{d} f32, varied lengths",
+               make_inputs=make_inputs, out_shapes=None, grad=False, rtol=1e-4, atol=1e-4)
+
+
+FAMILIES = (_normalization, _softmax, _cross_entropy, _rope, _glu, _attention, _decode)
 
 
 def benchmarks(size: Size) -> list[Benchmark]:

@@ -51,6 +51,11 @@ CASES = {
             q, k, v, q_segment_ids=ids, kv_segment_ids=ids, window=256), 0, 1, 2),
         (random_array((1, 4, 1024, 64), BF16), random_array((1, 4, 1024, 64), BF16),
          random_array((1, 4, 1024, 64), BF16), jnp.arange(1024, dtype=jnp.int32)[None] // 300)),
+    "decode_attention": lambda: (
+        ops.decode_attention, (random_array((8, 32, 128), BF16),
+                               random_array((8, 8, 4096, 128), BF16),
+                               random_array((8, 8, 4096, 128), BF16),
+                               jnp.arange(8, dtype=jnp.int32) * 500)),
     "rotary_embedding": lambda: (_grad_of(ops.rotary_embedding, 0),
                                  (random_array((2, 1024, 8, 128), BF16),)),
     "swiglu": lambda: (_grad_of(ops.swiglu, 0, 1), (random_array((4096, 2752), BF16),

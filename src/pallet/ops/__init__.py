@@ -8,3 +8,4 @@ from pallet.ops.rope import rotary_embedding, rotary_embedding_reference
 from pallet.ops.glu import glu, glu_reference, swiglu, swiglu_reference
 from pallet.ops.attention import attention_reference, flash_attention
 from pallet.ops.tuned import tuning_cases
+from pallet.ops.decode_attention import decode_attention, decode_attention_reference
