@@ -345,7 +345,8 @@ class _Instrumenter:
                  f"the end of the array, which hold no data) into lanes that hold data; mask "
                  f"them first (jnp.where on the element positions)", ref)
     for x, t in zip(results, new):
-      self.taints[id(x)] = (x, t)
+      if t is not None:
+        self.taints[id(x)] = (x, t)
 
   def _loaded(self, ref: Any, transforms: tuple, value: Any, mask: Any = None) -> None:
     extents = self.extents.get(id(ref))

@@ -6,8 +6,8 @@ the padded dimension.
 
 Values loaded from such blocks carry a boolean "padding" mask along with them
 through the kernel (`Taint`); reductions and products check that no result element
-mixes padding with data. Operations pallet does not follow pass on "all padding"
-where any operand had some, which can miss a bug but never reports a false one.
+mixes padding with data. Past operations pallet does not follow, the mask is
+dropped: that can miss a bug but never reports a false one.
 """
 from __future__ import annotations
 
@@ -112,17 +112,19 @@ def propagate(eqn: Any, ins: Sequence[Any], outs: Sequence[Any],
     some = lax.cummax(mask.astype(jnp.int32), axis, reverse=params.get("reverse", False)) > 0
     every = lax.cummin(mask.astype(jnp.int32), axis, reverse=params.get("reverse", False)) > 0
     return [Taint(every, ref)], ~(some & ~every), ref
-  elementwise = all(_shape(x) in ((), _shape(out)) for x in ins) and all(
-      _shape(o) == _shape(out) for o in outs)
-  if elementwise:
-    mask = jnp.bool_(False)
-    for m in masks:
-      if m is not None:
-        mask = mask | m
-    return [Taint(jnp.broadcast_to(mask, _shape(o)), ref) for o in outs], None, None
-  # not followed: all padding where any operand had some
-  some = jnp.bool_(False)
-  for m in masks:
-    if m is not None:
-      some = some | jnp.any(m)
-  return [Taint(jnp.broadcast_to(some, _shape(o)), ref) for o in outs], None, None
+  if all(_shape(o) == _shape(out) for o in outs) and all(
+      _broadcasts(_shape(x), _shape(out)) for x, m in zip(ins, masks) if m is not None):
+    tainted = [jnp.broadcast_to(m, _shape(out)) for m in masks if m is not None]
+    mask = tainted[0]
+    for m in tainted[1:]:
+      mask = mask | m
+    return [Taint(mask, ref) for _ in outs], None, None
+  # not followed: the padding is forgotten (a bug may go unseen, none is made up)
+  return [None] * len(outs), None, None
+
+
+def _broadcasts(shape: tuple[int, ...], out: tuple[int, ...]) -> bool:
+  """Whether an operand of `shape` maps element by element onto a result of `out`
+  (lax's elementwise operations broadcast scalars and size-1 dimensions)."""
+  return shape == () or (len(shape) == len(out)
+                         and all(a in (1, b) for a, b in zip(shape, out)))
