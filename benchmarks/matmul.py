@@ -11,6 +11,7 @@ step, and the output block is written from it (a cast) on the last k step only.
 from __future__ import annotations
 
 import functools
+import importlib
 from types import ModuleType
 from typing import Any
 
@@ -81,7 +82,10 @@ def scratch_matmul(pl: ModuleType, *, m: int, n: int, k: int, block: int,
       in_specs=[pl.BlockSpec((block, block), lambda i, j, kk: (i, kk)),
                 pl.BlockSpec((block, block), lambda i, j, kk: (kk, j))],
       out_specs=pl.BlockSpec((block, block), lambda i, j, kk: (i, j)),
-      scratch_shapes=[pl.tpu.VMEM((block, block), jnp.float32)],
+      # The TPU namespace (pallet.tpu / pltpu) is a submodule: import it, do not rely on
+      # something else having done so.
+      scratch_shapes=[importlib.import_module(f"{pl.__name__}.tpu").VMEM((block, block),
+                                                                    jnp.float32)],
       **call_kwargs,
   )
 
