@@ -45,9 +45,8 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, subjaxprs
 from jax.interpreters import batching
 
 from pallet import _internals as internals
-from pallet import grid_analysis
+from pallet import grid_analysis, grid_eval
 from pallet.dma import DMA_PRIMITIVE_NAMES
-from pallet.backends.xla import grid_eval
 from pallet.backends.xla.body_analysis import (BodyFacts, analyse_body,
                                                 blocks_merge_along, evaluate_resets)
 from pallet.grid_mapping import BlockMapping, GridMapping
