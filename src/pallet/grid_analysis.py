@@ -47,7 +47,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Literal
 
 from pallet import _internals as internals
-from pallet import trace_cache
+from pallet import grid_eval, trace_cache
 from pallet.dma import uses_dmas
 from pallet.grid_mapping import BlockMapping
 from pallet.tracing import KernelDescription
@@ -280,17 +280,16 @@ class _Scope:
     self.producer = {v: (eqn, k) for eqn in jaxpr.eqns for k, v in enumerate(eqn.outvars)}
     self.fns: dict[Any, Any] = {}
 
-  def grid_only(self, x: Any) -> Callable[[Sequence[Any], dict], Any] | None:
-    """`x` as a function of the grid indices, or None when it depends on anything else."""
+  def grid_only(self, x: Any) -> Callable[[Sequence[Any], dict, Callable], Any] | None:
+    """`x` as a function `fn(ids, cache, apply)` of the grid indices (equations run
+    by `apply`: `apply_equation` or NumPy's), or None when it depends on anything else."""
     if not is_var(x):
-      val = x.val
-      return lambda ids, cache: val
+      return functools.partial(_constant, x.val, x.aval.dtype)
     if x in self.fns:
       return self.fns[x]
     fn = None
     if x in self.consts:
-      val = self.consts[x]
-      fn = lambda ids, cache: val
+      fn = functools.partial(_constant, self.consts[x], None)
     elif x in self.invar_fns:
       fn = self.invar_fns[x]
     elif x in self.producer:
@@ -302,10 +301,18 @@ class _Scope:
     return fn
 
 
+def _constant(val: Any, dtype: Any, ids: Sequence[Any], cache: dict, apply: Callable) -> Any:
+  if apply is grid_eval.apply_equation:   # NumPy: one scalar per grid point
+    if np.ndim(val):
+      raise grid_eval.Unsupported("a non-scalar constant")
+    return np.asarray(val, dtype)
+  return val
+
+
 def _equation_value(key: Any, eqn: Any, k: int, args: list, ids: Sequence[Any],
-                    cache: dict) -> Any:
+                    cache: dict, apply: Callable) -> Any:
   if key not in cache:
-    cache[key] = apply_equation(eqn, [a(ids, cache) for a in args])
+    cache[key] = apply(eqn, [a(ids, cache, apply) for a in args])
   return cache[key][k]
 
 
@@ -337,9 +344,13 @@ class _Walker:
   def values(self, fn: Callable) -> np.ndarray | None:
     """A grid-only value at every step; None if it cannot be evaluated."""
     coords = np.indices(self.grid).reshape(len(self.grid), self.n).astype(np.int32)
+    try:   # NumPy first: eager JAX ops compile a program per primitive
+      return np.broadcast_to(fn(list(coords), {}, grid_eval.apply_equation), (self.n,))
+    except Exception:  # noqa: BLE001 - Unsupported, or a case NumPy gets wrong: JAX's path decides
+      pass
     try:
       with internals.eval_context():
-        out = jax.vmap(lambda *ids: jnp.broadcast_to(fn(ids, {}), ()))(
+        out = jax.vmap(lambda *ids: jnp.broadcast_to(fn(ids, {}, apply_equation), ()))(
             *[jax.device_put(c) for c in coords])
     except Exception:  # noqa: BLE001 - e.g. no batching rule: treated as a condition on data
       return None
@@ -547,7 +558,7 @@ def _walk(kernel: KernelDescription) -> tuple[dict[int, list[_Access]], dict[int
   G = len(gm.grid)
   jaxpr = kernel.jaxpr.jaxpr
   top = _Scope(jaxpr, kernel.jaxpr.consts,
-               [(lambda ids, cache, g=g: ids[g]) for g in range(G)]
+               [(lambda ids, cache, apply, g=g: ids[g]) for g in range(G)]
                + [None] * (len(jaxpr.invars) - G))
   n_pre, n_io = len(gm.prefetch_avals), len(gm.inputs) + len(gm.outputs)
   state = set(range(n_pre)) | set(range(n_pre + n_io, n_pre + n_io + len(gm.scratch_avals)))
@@ -650,6 +661,9 @@ def block_table(mapping: BlockMapping, grid: tuple[int, ...]) -> np.ndarray | No
   n = math.prod(grid)
   if n == 0 or ndim == 0:
     return np.zeros((*grid, ndim), np.int64)
+  values = grid_eval.values_over_grid(im.jaxpr, im.consts, im.jaxpr.outvars[:ndim], grid)
+  if values is not None:
+    return np.stack([v.astype(np.int64) for v in values], -1)
   pure = internals.discharge_state(im) if n_prefetch else im
   avals = [getattr(v.aval, "inner_aval", v.aval) for v in im.jaxpr.invars[len(grid):]]
   dummies = [jnp.zeros(a.shape, a.dtype) for a in avals]

@@ -1,13 +1,15 @@
 """Scalar functions of the grid indices evaluated over the whole grid with NumPy.
 
-The planner evaluates index maps (and other functions of `program_id` alone) at
-every grid point. Doing that with JAX ops dispatches each primitive eagerly, and
-every new primitive/shape pair compiles a small XLA program: about half a second
-of a kernel's first call. Index maps are almost always a handful of integer
-scalar operations, which NumPy evaluates for all grid points at once in
-microseconds. `evaluate` handles jaxprs whose every value is a scalar per grid
-point and whose primitives are in `_UNARY`/`_BINARY`/the few below; anything else
-raises `Unsupported` and the caller takes its JAX path.
+Trace-time analyses (index maps, reset predicates, grid-only branch conditions)
+evaluate small functions of `program_id` at every grid point. Doing that with JAX
+ops dispatches each primitive eagerly, and every new primitive/shape pair compiles a
+small XLA program: about half a second of a kernel's first call each. They are
+almost always a handful of integer scalar operations, which NumPy evaluates for all
+grid points at once in microseconds. `evaluate` handles jaxprs whose every value is
+a scalar per grid point and whose primitives are in `_UNARY`/`_BINARY`/the few below,
+with XLA's results (division by zero, out-of-range shifts and conversions excepted:
+those raise `Unsupported`); anything else raises `Unsupported` and the caller takes
+its JAX path.
 """
 from __future__ import annotations
 
@@ -21,19 +23,43 @@ class Unsupported(Exception):
   """The jaxpr needs more than scalar NumPy arithmetic."""
 
 
+def _integer(*xs: np.ndarray) -> bool:
+  return np.issubdtype(np.result_type(*xs), np.integer)
+
+
 def _int_div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-  if np.issubdtype(np.result_type(a, b), np.integer):
+  if _integer(a, b):
+    _nonzero(b)
     q = np.floor_divide(a, b)
     return np.where((np.remainder(a, b) != 0) & ((a < 0) != (b < 0)), q + 1, q)  # toward 0
   return np.true_divide(a, b)
 
 
+def _rem(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+  if _integer(a, b):
+    _nonzero(b)
+  return np.fmod(a, b)
+
+
+def _nonzero(b: np.ndarray) -> None:
+  if np.any(b == 0):   # XLA defines integer x/0 and x%0; NumPy differs
+    raise Unsupported("an integer division by zero")
+
+
+def _shift(op: Any) -> Any:
+  def shift(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    if np.any((b < 0) | (b >= 8 * np.result_type(a, b).itemsize)):
+      raise Unsupported("a shift by more than the bit width")   # XLA saturates, NumPy not
+    return op(a, b)
+  return shift
+
+
 _BINARY = {
     "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": _int_div,
-    "rem": np.fmod, "max": np.maximum, "min": np.minimum, "eq": np.equal, "ne": np.not_equal,
+    "rem": _rem, "max": np.maximum, "min": np.minimum, "eq": np.equal, "ne": np.not_equal,
     "lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal,
     "and": np.bitwise_and, "or": np.bitwise_or, "xor": np.bitwise_xor,
-    "shift_left": np.left_shift, "shift_right_arithmetic": np.right_shift,
+    "shift_left": _shift(np.left_shift), "shift_right_arithmetic": _shift(np.right_shift),
 }
 _UNARY = {"neg": np.negative, "abs": np.abs, "sign": np.sign, "not": np.invert,
           "floor": np.floor, "ceil": np.ceil}
@@ -63,7 +89,7 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[np.
 
 def apply_equation(eqn: Any, ins: Sequence[Any]) -> list[np.ndarray]:
   """One equation on NumPy values (one per grid point); raises Unsupported."""
-  if any(getattr(v.aval, "shape", None) != () for v in eqn.outvars):
+  if any(getattr(v.aval, "shape", None) != () for v in (*eqn.invars, *eqn.outvars)):
     raise Unsupported("a non-scalar value")
   name = eqn.primitive.name
   if name in _CALLS and "jaxpr" in eqn.params:
@@ -75,13 +101,13 @@ def apply_equation(eqn: Any, ins: Sequence[Any]) -> list[np.ndarray]:
 
 
 def _apply(name: str, ins: list, params: dict) -> Any:
-  with np.errstate(all="ignore"):   # int32 wraps as in XLA; division by zero is the user's
+  with np.errstate(all="ignore"):   # int32 wraps as in XLA
     if name in _BINARY:
       return _BINARY[name](*ins)
     if name in _UNARY:
       return _UNARY[name](ins[0])
     if name == "convert_element_type":
-      return ins[0].astype(params["new_dtype"])
+      return _convert(ins[0], np.dtype(params["new_dtype"]))
     if name in _SCALAR_SHAPES:
       return ins[0]
     if name == "select_n":
@@ -89,10 +115,20 @@ def _apply(name: str, ins: list, params: dict) -> Any:
       return np.choose(which.astype(np.int32), cases) if len(cases) > 2 else \
           np.where(which, cases[1], cases[0])
     if name == "integer_pow":
+      if params["y"] < 0 and _integer(ins[0]):
+        raise Unsupported("an integer to a negative power")
       return ins[0] ** params["y"]
     if name == "clamp":
       return np.clip(ins[1], ins[0], ins[2])
   raise Unsupported(name)
+
+
+def _convert(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+  if np.issubdtype(dtype, np.integer) and not _integer(x) and x.dtype != bool:
+    info = np.iinfo(dtype)
+    if not np.all(np.isfinite(x) & (x >= info.min) & (x <= info.max)):
+      raise Unsupported("a float outside the integer range")   # XLA saturates
+  return x.astype(dtype)
 
 
 def over_grid(jaxpr: Any, consts: Sequence[Any], grid: tuple[int, ...],
@@ -109,9 +145,14 @@ def value_over_grid(jaxpr: Any, consts: Sequence[Any], var: Any,
   """`var` of `jaxpr` (whose first inputs are the grid ids) at every grid point,
   running only the equations it needs; None if it depends on other inputs or needs
   more than scalar arithmetic."""
-  if isinstance(var, Literal):
-    return np.broadcast_to(np.asarray(var.val), grid)
-  needed, eqns = {var}, []
+  values = values_over_grid(jaxpr, consts, [var], grid)
+  return None if values is None else values[0]
+
+
+def values_over_grid(jaxpr: Any, consts: Sequence[Any], variables: Sequence[Any],
+                     grid: tuple[int, ...]) -> list[np.ndarray] | None:
+  """`value_over_grid` of several variables at once (sharing their equations)."""
+  needed, eqns = {v for v in variables if not isinstance(v, Literal)}, []
   for eqn in reversed(jaxpr.eqns):
     if any(v in needed for v in eqn.outvars):
       eqns.append(eqn)
@@ -123,11 +164,13 @@ def value_over_grid(jaxpr: Any, consts: Sequence[Any], var: Any,
   env = dict(zip(ids, np.indices(grid, dtype=np.int32).reshape(len(grid), n)))
   for v, c in zip(jaxpr.constvars, consts):
     env[v] = np.asarray(c)
-  read = lambda x: np.asarray(x.val, x.aval.dtype) if isinstance(x, Literal) else env[x]
+  read = lambda x: np.asarray(x.val) if isinstance(x, Literal) else env[x]
   try:
     for eqn in reversed(eqns):
-      for v, o in zip(eqn.outvars, apply_equation(eqn, [read(x) for x in eqn.invars])):
+      ins = [np.asarray(x.val, x.aval.dtype) if isinstance(x, Literal) else env[x]
+             for x in eqn.invars]
+      for v, o in zip(eqn.outvars, apply_equation(eqn, ins)):
         env[v] = o
   except Unsupported:
     return None
-  return np.broadcast_to(read(var), (n,)).reshape(grid)
+  return [np.broadcast_to(read(v), (n,)).reshape(grid) for v in variables]

@@ -26,6 +26,7 @@ import numpy as np
 from jax.extend.core import Literal
 
 from pallet import _internals as internals
+from pallet import grid_eval
 from pallet.grid_analysis import apply_equation, is_var as _is_var
 from pallet.tracing import KernelDescription
 
@@ -36,7 +37,7 @@ _SHAPE_ONLY = ("reshape", "squeeze", "copy", "copy_p")
 @dataclasses.dataclass(frozen=True)
 class ResetPredicate:
   """The block is zeroed where `value(grid ids)` is one of `zero_when`."""
-  value: Callable[[Sequence[Any]], Any]   # traceable: grid ids -> scalar
+  value: Callable[[Sequence[Any], Callable], Any]   # (grid ids, apply) -> scalar
   zero_when: frozenset[int]
 
 
@@ -166,29 +167,34 @@ class _Scope:
   """One jaxpr being analysed, able to evaluate grid-only values inside it."""
 
   def __init__(self, jaxpr: Any, consts: Sequence[Any],
-               invar_value: Callable[[int, Sequence[Any]], Any]):
+               invar_value: Callable[[int, Sequence[Any], Callable], Any]):
     self.jaxpr = jaxpr
     self.consts = dict(zip(jaxpr.constvars, consts))
     self.invar_value = invar_value
     self.producer = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
     self.invar_index = {v: i for i, v in enumerate(jaxpr.invars)}
 
-  def value(self, x: Any, ids: Sequence[Any], cache: dict | None = None) -> Any:
-    """`x` as a function of the grid ids (traceable); raises _NotGridOnly."""
+  def value(self, x: Any, ids: Sequence[Any], apply: Callable,
+            cache: dict | None = None) -> Any:
+    """`x` as a function of the grid ids, its equations run by `apply` (JAX's
+    `apply_equation`, traceable, or NumPy's); raises _NotGridOnly."""
     cache = {} if cache is None else cache
+    numpy = apply is grid_eval.apply_equation
     if not _is_var(x):
-      return x.val
+      return np.asarray(x.val, x.aval.dtype) if numpy else x.val
     if x in cache:
       return cache[x]
     if x in self.consts:
       result = self.consts[x]
+      if numpy and np.ndim(result):
+        raise grid_eval.Unsupported("a non-scalar constant")
     elif x in self.invar_index:
-      result = self.invar_value(self.invar_index[x], ids)
+      result = self.invar_value(self.invar_index[x], ids, apply)
     else:
       eqn = self.producer[x]
       if eqn.effects:
         raise _NotGridOnly()
-      outs = apply_equation(eqn, [self.value(v, ids, cache) for v in eqn.invars])
+      outs = apply(eqn, [self.value(v, ids, apply, cache) for v in eqn.invars])
       for v, o in zip(eqn.outvars, outs):
         cache[v] = o
       result = cache[x]
@@ -199,7 +205,7 @@ class _Scope:
 def _child_scope(parent: _Scope, closed: Any, operands: Sequence[Any]) -> _Scope:
   jaxpr = getattr(closed, "jaxpr", closed)
   consts = getattr(closed, "consts", ())
-  return _Scope(jaxpr, consts, lambda i, ids: parent.value(operands[i], ids))
+  return _Scope(jaxpr, consts, lambda i, ids, apply: parent.value(operands[i], ids, apply))
 
 
 def _forms(scope: _Scope, in_forms: list[Any]) -> list[Any]:
@@ -238,7 +244,8 @@ def _merge_choices(scope: _Scope, selector: Any, choices: list[Any]) -> Any:
     return accs[0]
   if getattr(selector, "aval", None) is not None and selector.aval.shape != ():
     return _DIRTY
-  predicate = ResetPredicate(lambda ids, s=scope, x=selector: s.value(x, ids), zero_when)
+  predicate = ResetPredicate(lambda ids, apply, s=scope, x=selector: s.value(x, ids, apply),
+                             zero_when)
   return Accumulator(accs[0].origin, accs[0].resets + (predicate,))
 
 
@@ -286,7 +293,7 @@ def _accumulators(kernel: KernelDescription, pure: Any
     why = "the kernel uses scratch buffers"
     return {}, {o: why for o in range(n_out)}
 
-  def top_value(i, ids):
+  def top_value(i, ids, apply):
     if i < G:
       return ids[i]
     raise _NotGridOnly()
@@ -310,12 +317,23 @@ def evaluate_resets(resets: tuple[ResetPredicate, ...], grid: tuple[int, ...]) -
   n = math.prod(grid)
   if not resets:
     return np.zeros(grid, bool)
-  coords = [jnp.asarray(c) for c in np.indices(grid).reshape(len(grid), n).astype(np.int32)]
+  coords = list(np.indices(grid).reshape(len(grid), n).astype(np.int32))
+  try:   # NumPy first: eager JAX ops compile a program per primitive
+    hit = np.zeros(n, bool)
+    for r in resets:
+      v = np.asarray(r.value(coords, grid_eval.apply_equation)).astype(np.int32)
+      hit = hit | np.isin(v, sorted(r.zero_when))
+    return hit.reshape(grid)
+  except _NotGridOnly:
+    return None
+  except Exception:  # noqa: BLE001 - Unsupported, or a case NumPy gets wrong: JAX's path decides
+    pass
+  coords = [jnp.asarray(c) for c in coords]
 
   def at(*ids):
     hit = jnp.bool_(False)
     for r in resets:
-      v = jnp.asarray(r.value(ids))
+      v = jnp.asarray(r.value(ids, apply_equation))
       hit = hit | jnp.isin(v.astype(jnp.int32), jnp.array(sorted(r.zero_when), jnp.int32))
     return hit
   try:
