@@ -19,7 +19,7 @@ import pallet as pl
 from pallet import tpu as pltpu
 from pallet.checks import KernelCheckError
 from bugs.corpus import KINDS, OPT_IN_KINDS, Case, all_cases
-from helpers import assert_close, current_test_backend
+from helpers import assert_close, current_test_backend, runs_on_gpu
 
 CASES = all_cases()
 BACKEND = current_test_backend()
@@ -50,7 +50,7 @@ def call_kwargs(interpret) -> dict:
 
 
 def _unchecked_kwargs() -> dict:
-  return dict(backend=BACKEND, interpret=BACKEND != "xla")
+  return dict(backend=BACKEND, interpret=BACKEND != "xla" and not runs_on_gpu())
 
 
 def _skip_unseeable(case: Case) -> None:
