@@ -100,6 +100,49 @@ def apply_equation(eqn: Any, ins: Sequence[Any]) -> list[np.ndarray]:
   return [np.asarray(o).astype(v.aval.dtype, copy=False) for v, o in zip(eqn.outvars, outs)]
 
 
+def apply_array_equation(eqn: Any, ins: Sequence[Any]) -> list[np.ndarray]:
+  """One equation on whole arrays of integers or booleans (trace-time constant
+  folding of index computations: exact in NumPy as in XLA); raises Unsupported."""
+  if len(eqn.outvars) != 1 or not all(
+      _exact(v.aval) for v in (*eqn.invars, *eqn.outvars)):
+    raise Unsupported("a value that is not an integer or boolean array")
+  name, params, out_aval = eqn.primitive.name, eqn.params, eqn.outvars[0].aval
+  xs = [np.asarray(x) for x in ins]
+  if name == "iota":
+    shape, dim = tuple(params["shape"]), params["dimension"]
+    line = np.arange(shape[dim]).reshape([-1 if d == dim else 1 for d in range(len(shape))])
+    out = np.broadcast_to(line, shape)
+  elif name == "broadcast_in_dim":
+    shape, dims = tuple(params["shape"]), tuple(params["broadcast_dimensions"])
+    out = np.broadcast_to(xs[0].reshape(
+        [xs[0].shape[dims.index(d)] if d in dims else 1 for d in range(len(shape))]), shape)
+  elif name == "reshape" and params.get("dimensions") is None:
+    out = xs[0].reshape(tuple(params["new_sizes"]))
+  elif name == "squeeze":
+    out = np.squeeze(xs[0], axis=tuple(params["dimensions"]))
+  elif name == "transpose":
+    out = np.transpose(xs[0], tuple(params["permutation"]))
+  elif name in ("copy", "copy_p"):
+    out = xs[0]
+  elif name in _CALLS or name in _SCALAR_SHAPES:
+    raise Unsupported(name)
+  else:
+    out = _apply(name, xs, params)
+  # a fresh C-ordered copy: a zero stride (a broadcast's) would lower differently
+  out = np.array(out, dtype=out_aval.dtype, order="C", copy=True)
+  if out.shape != tuple(out_aval.shape):
+    raise Unsupported(f"{name} gave shape {out.shape}")
+  return [out]
+
+
+def _exact(aval: Any) -> bool:
+  dtype = getattr(aval, "dtype", None)
+  try:
+    return dtype is not None and (dtype == np.bool_ or np.issubdtype(dtype, np.integer))
+  except TypeError:   # JAX's extended dtypes (PRNG keys)
+    return False
+
+
 def _apply(name: str, ins: list, params: dict) -> Any:
   with np.errstate(all="ignore"):   # int32 wraps as in XLA
     if name in _BINARY:

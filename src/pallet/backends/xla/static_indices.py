@@ -32,6 +32,7 @@ from jax import lax
 from jax.extend.core import ClosedJaxpr, Literal
 
 from pallet import _internals as internals
+from pallet import grid_eval
 
 MAX_FOLDED_ELEMENTS = 1 << 16
 _CALLS = ("pjit", "jit", "closed_call", "core_call", "eval_jaxpr")
@@ -142,6 +143,10 @@ class _Folder:
     if known and not eqn.effects and not _subjaxprs(eqn) and all(
         _numeric(v.aval) and np.prod(v.aval.shape, dtype=np.int64) <= MAX_FOLDED_ELEMENTS
         for v in eqn.outvars):
+      try:   # NumPy first: an eager JAX op compiles a program per primitive and shape
+        return [_Known(o) for o in grid_eval.apply_array_equation(eqn, [x.value for x in ins])]
+      except grid_eval.Unsupported:
+        pass
       with internals.eval_context():
         return [_Known(np.asarray(o)) for o in _bind(eqn, [x.value for x in ins])]
     if name == "gather" and isinstance(ins[1], _Known):
