@@ -31,12 +31,7 @@ OPT_IN = {"nan": dict(detect_nans=True), "overflow": dict(detect_int_overflow=Tr
 
 # What the checks do not get right yet, as strict xfails: a case that starts passing
 # fails until it is taken off these lists. (backend, case name) -> why.
-_ATOMIC_LINE = ("reported at the other programs' pl.atomic_add, not at the plain store that "
-                "is the bug (the message names the storing program but not its line)")
-NOT_YET_REPORTED: dict[tuple[str, str], str] = {
-    ("xla", "histogram_zeroed_with_plain_store"): _ATOMIC_LINE,
-    ("triton", "histogram_zeroed_with_plain_store"): _ATOMIC_LINE,
-}
+NOT_YET_REPORTED: dict[tuple[str, str], str] = {}
 FALSE_ALARMS: dict[tuple[str, str], str] = {}
 
 

@@ -62,6 +62,7 @@ class _Ref:
   name: str
   shadow: Any = None       # the shadow ref, or None
   scratch: bool = False    # a scratch buffer (persists across grid steps)
+  plain_stores: dict = dataclasses.field(default_factory=dict)   # line -> store equation
 
 
 def ref_names(kernel: KernelDescription, param_names: Sequence[str] | None) -> list[str]:
@@ -438,6 +439,8 @@ class _Instrumenter:
           r.shadow, *flat, mask, jnp.full(jnp.shape(mask), self.given, jnp.int32),
           tree=tree, has_other=True)
       self._shadow_checks(eqn, r, old, mask, reads, writes, atomic)
+    if writes and not atomic:
+      r.plain_stores.setdefault(self.line(eqn), eqn)
     if writes:
       stamp = self.atomic_stamp if atomic else self.stamp
       if atomic:   # a plain store of this program stays visible to others' atomics
@@ -471,9 +474,14 @@ class _Instrumenter:
       return
     if atomic:
       plain_other = masked((old >= 1) & (old <= self.num_parallel) & (old != self.stamp))
-      self.check(eqn, "race", ~plain_other,
+      # The bug is the plain store: where the kernel has one plain store into this ref
+      # (so far), the report points at it rather than at this atomic update.
+      stores = list(r.plain_stores.items())
+      at, where = (stores[0][1], f" (the plain store at {stores[0][0]}, raced by the atomic "
+                   f"update at {self.line(eqn)})") if len(stores) == 1 else (eqn, "")
+      self.check(at, "race", ~plain_other,
                  f"atomic update of '{r.name}' where another program of the parallel "
-                 f"grid axes {self.parallel} stored plainly", r.name,
+                 f"grid axes {self.parallel} stored plainly{where}", r.name,
                  self._writer(old, plain_other), "writer program")
     else:
       other = masked(valid & ~mine)
