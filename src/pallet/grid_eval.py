@@ -101,12 +101,17 @@ def apply_equation(eqn: Any, ins: Sequence[Any]) -> list[np.ndarray]:
 
 
 def apply_array_equation(eqn: Any, ins: Sequence[Any]) -> list[np.ndarray]:
-  """One equation on whole arrays of integers or booleans (trace-time constant
-  folding of index computations: exact in NumPy as in XLA); raises Unsupported."""
-  if len(eqn.outvars) != 1 or not all(
-      _exact(v.aval) for v in (*eqn.invars, *eqn.outvars)):
-    raise Unsupported("a value that is not an integer or boolean array")
-  name, params, out_aval = eqn.primitive.name, eqn.params, eqn.outvars[0].aval
+  """One equation on whole arrays (trace-time constant folding of index
+  computations): arithmetic on integers and booleans, moves of any dtype, exact in
+  NumPy as in XLA (float arithmetic is not: XLA may flush denormals); raises
+  Unsupported."""
+  name, params = eqn.primitive.name, eqn.params
+  avals = [v.aval for v in (*eqn.invars, *eqn.outvars)]
+  moves = name in _MOVES or (name == "convert_element_type"
+                             and avals[0].dtype == avals[-1].dtype)
+  if len(eqn.outvars) != 1 or not all(_exact(a) or (moves and _plain(a)) for a in avals):
+    raise Unsupported("arithmetic on values that are not integers or booleans")
+  out_aval = eqn.outvars[0].aval
   xs = [np.asarray(x) for x in ins]
   if name == "iota":
     shape, dim = tuple(params["shape"]), params["dimension"]
@@ -124,6 +129,10 @@ def apply_array_equation(eqn: Any, ins: Sequence[Any]) -> list[np.ndarray]:
     out = np.transpose(xs[0], tuple(params["permutation"]))
   elif name in ("copy", "copy_p"):
     out = xs[0]
+  elif name == "concatenate":
+    out = np.concatenate(xs, axis=params["dimension"])
+  elif name == "gather":
+    out = _pointwise_gather(xs[0], xs[1], params)
   elif name in _CALLS or name in _SCALAR_SHAPES:
     raise Unsupported(name)
   else:
@@ -133,6 +142,39 @@ def apply_array_equation(eqn: Any, ins: Sequence[Any]) -> list[np.ndarray]:
   if out.shape != tuple(out_aval.shape):
     raise Unsupported(f"{name} gave shape {out.shape}")
   return [out]
+
+
+def _pointwise_gather(operand: np.ndarray, indices: np.ndarray, params: dict) -> np.ndarray:
+  """`operand[indices[..., 0], indices[..., 1], ...]`, the gather `x[i]` with array
+  indices becomes, with XLA's out-of-bounds rule (clamp, or the fill value)."""
+  dn, rank = params["dimension_numbers"], operand.ndim
+  if (tuple(dn.offset_dims) or tuple(dn.collapsed_slice_dims) != tuple(range(rank))
+      or tuple(dn.start_index_map) != tuple(range(rank))
+      or tuple(getattr(dn, "operand_batching_dims", ()))
+      or tuple(params["slice_sizes"]) != (1,) * rank or indices.shape[-1:] != (rank,)):
+    raise Unsupported("a gather of slices")
+  mode = getattr(params["mode"], "name", str(params["mode"]))
+  if mode not in ("CLIP", "PROMISE_IN_BOUNDS", "FILL_OR_DROP") or (
+      mode == "FILL_OR_DROP" and params.get("fill_value") is None):
+    raise Unsupported(f"a gather in mode {mode}")
+  idx = np.moveaxis(indices.astype(np.int64), -1, 0)
+  size = np.array(operand.shape).reshape((rank,) + (1,) * (idx.ndim - 1))
+  out = operand[tuple(np.clip(idx, 0, size - 1))]
+  if mode == "FILL_OR_DROP":
+    inside = np.all((idx >= 0) & (idx < size), axis=0)
+    out = np.where(inside, out, np.asarray(params["fill_value"]).astype(operand.dtype))
+  return out
+
+
+# Equations that only move values (exact for every dtype, floats included).
+_MOVES = ("iota", "broadcast_in_dim", "reshape", "squeeze", "transpose", "copy", "copy_p",
+          "concatenate")
+
+
+def _plain(aval: Any) -> bool:
+  """A dtype NumPy holds as is (not one of JAX's extended dtypes)."""
+  dtype = getattr(aval, "dtype", None)
+  return isinstance(dtype, np.dtype)
 
 
 def _exact(aval: Any) -> bool:
