@@ -37,6 +37,7 @@ import numpy as np
 from jax.extend.core import Literal
 
 from pallet import _internals as internals
+from pallet import grid_eval
 from pallet.grid_mapping import BlockMapping
 from pallet.tracing import KernelDescription
 
@@ -282,6 +283,10 @@ def _grid_table(pure: Any, var: Any, ids: Sequence[Any], grid: tuple[int, ...]
   """`var` evaluated at every grid point, None if it depends on more than grid ids."""
   if isinstance(var, Literal):
     return np.full(grid, np.asarray(var.val))
+  if list(ids) == list(pure.jaxpr.invars[:len(grid)]):   # NumPy first: eager JAX ops
+    table = grid_eval.value_over_grid(pure.jaxpr, pure.consts, var, grid)  # compile each
+    if table is not None:
+      return table
   try:
     run = lambda *point: _evaluate(pure.jaxpr, pure.consts, dict(zip(ids, point)), [var])[0]
     n = int(np.prod(grid))
