@@ -28,6 +28,26 @@ def _blocks(language: str) -> list[tuple[str, int, str]]:
   return found
 
 
+# A Python block followed (after blank lines) by an output block whose first line is
+# `SomeError: text` shows a failure: it must raise that error with that text (paths and
+# line numbers aside).
+ERROR_OUTPUT = re.compile(r"\s*```(?:text)?\n(\w+(?:Error|Exception)): ([^\n]*)\n")
+PATH = re.compile(r"\S+\.(?:py|md):\d+")
+
+
+def _expected_errors() -> dict[tuple[str, int], tuple[str, str]]:
+  found = {}
+  for path in DOCUMENTS:
+    text = path.read_text()
+    for m in FENCE.finditer(text):
+      if m.group(1) == "python":
+        shown = ERROR_OUTPUT.match(text, m.end())
+        if shown:
+          line = text.count("\n", 0, m.start()) + 1
+          found[(str(path.relative_to(ROOT)), line)] = (shown.group(1), shown.group(2))
+  return found
+
+
 PYTHON_BLOCKS = _blocks("python")
 SHELL_BLOCKS = _blocks("bash")
 
@@ -46,9 +66,24 @@ DEVICES = re.compile(r"<!-- docs-test: devices=(\d+) -->")
 
 def _run_blocks(page: str) -> None:
   namespace = {"__name__": "__docs__"}
+  errors = _expected_errors()
   for where, line, code in PYTHON_BLOCKS:
-    if where == page:
-      exec(compile("\n" * line + code, str(ROOT / where), "exec"), namespace)
+    if where != page:
+      continue
+    program = compile("\n" * line + code, str(ROOT / where), "exec")
+    if (where, line) not in errors:
+      exec(program, namespace)
+      continue
+    name, text = errors[(where, line)]
+    try:
+      exec(program, namespace)
+    except Exception as e:   # the error the page shows, with the text it shows
+      shown = PATH.sub("FILE", text)
+      got = PATH.sub("FILE", str(e).splitlines()[0] if str(e) else "")
+      assert type(e).__name__ == name and got == shown, (
+          f"{where}:{line} shows {name}: {text}\nbut raised {type(e).__name__}: {e}")
+    else:
+      raise AssertionError(f"{where}:{line} shows {name}, but the block ran without error")
 
 
 @pytest.mark.parametrize("page", PAGES)
