@@ -477,7 +477,7 @@ class KernelGenerator:
       flag = self.let("check_ok", f"tl.min(tl.reshape({ok.typed}.to(tl.int32), [{flat}]), "
                       f"axis=0)", (), np.int32)
     with self.block(f"if {flag.typed} == 0:"):
-      self.line(f"tl.store(checks_ptr + {k}, 1)")
+      self.line(mark)
     return []
 
   # -- control flow ----------------------------------------------------------------
