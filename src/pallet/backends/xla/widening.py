@@ -21,7 +21,6 @@ size fixed (broadcast_in_dim, reshape) and broadcasting row-constant operands.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Sequence
 
 import jax.numpy as jnp
@@ -30,6 +29,7 @@ from jax import lax
 from jax.extend.core import Literal
 
 from pallet import _internals as internals
+from pallet import trace_cache
 from pallet.tracing import KernelDescription
 
 _ELEMENTWISE = frozenset({
@@ -58,7 +58,7 @@ class _No(Exception):
   """Why the axis cannot be widened."""
 
 
-@functools.lru_cache(maxsize=256)
+@trace_cache.kernel_cache
 def analyse(kernel: KernelDescription, axis: int, tiled_inputs: tuple[tuple[int, int], ...],
             tiled_outputs: tuple[tuple[int, int], ...]) -> Widening | str:
   """Whether the body is independent along the block dimensions that grid `axis`
