@@ -45,6 +45,10 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _default_matmul_precision():
   """These tests check what pallet generates by default (TF32 float32 dots), also on a
-  GPU, where tests/conftest.py asks for full-precision dots everywhere else."""
-  with jax.default_matmul_precision("tensorfloat32"):
+  GPU, where tests/conftest.py asks for full-precision dots everywhere else. (Elsewhere
+  nothing is set: a precision context would also reach the traced dots' own params.)"""
+  if jax.config.jax_default_matmul_precision != "highest":
+    yield
+    return
+  with jax.default_matmul_precision("default"):
     yield
