@@ -27,10 +27,15 @@ def run_suite(benches: Sequence[Benchmark], variants: Sequence[Variant], *, reps
   return results
 
 
+# The peers (Pallas interpret, Pallas on Triton) are JAX's own code with their own limits
+# (no advanced indexing, no int16 atomics, ...): their errors are reported, not failures.
+OWN_VARIANTS = ("jnp", "pallet")
+
+
 def exit_code(results: Sequence[BenchmarkResult]) -> int:
-  """1 if any variant failed or disagreed with jax.numpy, else 0."""
+  """1 if jax.numpy or pallet failed or disagreed with jax.numpy, else 0."""
   failed = any(v.status in ("error", "mismatch")
-               for r in results for v in r.variants.values())
+               for r in results for name, v in r.variants.items() if name in OWN_VARIANTS)
   return 1 if failed else 0
 
 
