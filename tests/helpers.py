@@ -40,7 +40,8 @@ def runs_on_gpu() -> bool:
   interpreter: kernel tests then run the generated Triton code on the hardware."""
   if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
     return False
-  return jax.devices()[0].platform in ("gpu", "cuda", "rocm")
+  from pallet.backends import gpu_present
+  return gpu_present()
 
 
 # ------------------------------------------------------------------ inputs
