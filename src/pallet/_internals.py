@@ -273,3 +273,13 @@ def is_sharded(x: Any) -> bool:
   aval = x if isinstance(x, _core.AbstractValue) else jax.typeof(x)
   spec = getattr(getattr(aval, "sharding", None), "spec", ())
   return any(s is not None for s in spec)
+
+
+def jaxlib_triton_kernel_call() -> Any:
+  """jaxlib's Triton kernel-call module (serializes a compiled kernel into the
+  custom call that launches it), or None where this jaxlib has none (no GPU plugin)."""
+  try:
+    from jax._src.lib import gpu_triton
+  except ImportError:
+    return None
+  return gpu_triton if hasattr(gpu_triton, "TritonKernel") else None

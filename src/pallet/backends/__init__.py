@@ -61,7 +61,7 @@ def unavailable_reason(name: str) -> str | None:
     return None
   if not triton_installed():
     return f"the triton package is not installed: {TRITON_INSTALL}"
-  if not gpu_present() and os.environ.get("TRITON_INTERPRET", "") in ("", "0"):
+  if not gpu_present() and not triton_interpreter_on():
     return ("no GPU here, and Triton's interpreter is off (start Python with "
             "TRITON_INTERPRET=1 to run kernels with interpret=True)")
   return None
@@ -77,6 +77,17 @@ def gpu_present() -> bool:
     return any(d.platform in ("gpu", "cuda", "rocm") for d in jax.devices())
   except RuntimeError:
     return False
+
+
+def triton_interpreter_on() -> bool:
+  """Whether this process asked for Triton's interpreter (TRITON_INTERPRET, which Triton
+  reads once, when it is first imported)."""
+  return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def generated_code_on_gpu() -> bool:
+  """Whether Triton kernels made here run as compiled code on a GPU, not interpreted."""
+  return gpu_present() and not triton_interpreter_on()
 
 
 def canonical(name: str) -> str:
@@ -154,9 +165,7 @@ def _checked_on_gpu(backend: str, interpret: Any) -> Any:
   on the GPU, so both report the same bug. A plain `interpret=True` always interprets."""
   if backend != "triton" or isinstance(interpret, bool) or not interpret:
     return interpret
-  if not gpu_present() or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-    return interpret
-  return False
+  return False if generated_code_on_gpu() else interpret
 
 
 def get(name: str, kernel: Any = None) -> ModuleType:

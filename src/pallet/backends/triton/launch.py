@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import mlir
 
-from pallet import checks
+from pallet import _internals, checks
 from pallet.backends.triton import compiler
 from pallet.backends.triton.values import TritonLoweringError
 from pallet.tracing import KernelDescription
@@ -27,11 +27,8 @@ CUSTOM_CALL_TARGET = "triton_kernel_call_ffi"
 
 
 def _kernel_call_library(kernel: KernelDescription, platform: str) -> Any:
-  try:
-    from jax._src.lib import gpu_triton
-  except ImportError:
-    gpu_triton = None
-  if gpu_triton is None or not hasattr(gpu_triton, "TritonKernel"):
+  gpu_triton = _internals.jaxlib_triton_kernel_call()
+  if gpu_triton is None:
     plugin = "jax-cuda12-plugin" if platform == "cuda" else "the jax ROCm plugin"
     raise TritonLoweringError(
         f"pallet Triton backend: kernel '{kernel.name}' ({kernel.source}): launching Triton "
