@@ -56,6 +56,12 @@ CASES = {
                                random_array((8, 8, 4096, 128), BF16),
                                random_array((8, 8, 4096, 128), BF16),
                                jnp.arange(8, dtype=jnp.int32) * 500)),
+    "paged_attention": lambda: (
+        ops.paged_attention, (random_array((8, 32, 128), BF16),
+                              random_array((8, 2048, 16, 128), BF16),
+                              random_array((8, 2048, 16, 128), BF16),
+                              jnp.arange(8, dtype=jnp.int32) * 500,
+                              jnp.arange(2048, dtype=jnp.int32)[::-1].reshape(8, 256))),
     "rotary_embedding": lambda: (_grad_of(ops.rotary_embedding, 0),
                                  (random_array((2, 1024, 8, 128), BF16),)),
     "swiglu": lambda: (_grad_of(ops.swiglu, 0, 1), (random_array((4096, 2752), BF16),

@@ -1,0 +1,159 @@
+"""Paged attention: decode attention (one new query token per sequence) over a KV cache
+stored in fixed-size pages shared by all sequences, addressed through block tables.
+
+q (batch, heads, d); k_pages, v_pages (kv_heads, total_pages, page_size, d); lengths
+(batch,) ints; page_indices (batch, pages_per_sequence) ints: token t of sequence b is
+row t % page_size of page page_indices[b, t // page_size]. One program per (batch, kv
+head) takes the group's heads // kv_heads query rows together and loops over only the
+compute blocks (pages_per_compute_block pages each) below the sequence's length,
+gathering each block's key/value rows through the block table (online softmax).
+Inference only: no VJP.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import pallet as pl
+from pallet.ops._common import F32, cdiv, check_block, check_float, fail, target_backend
+
+__all__ = ["paged_attention", "paged_attention_reference"]
+
+
+def _used_pages(lengths: jax.Array, pages_per_sequence: int, page_size: int) -> jax.Array:
+  """(batch, pages_per_sequence) bool: which block-table entries hold tokens."""
+  return jnp.arange(pages_per_sequence)[None, :] * page_size < lengths[:, None]
+
+
+def _invalid(lengths: jax.Array, page_indices: jax.Array, total_pages: int,
+             page_size: int) -> jax.Array:
+  """(batch,) bool: sequences that use a block-table entry naming no page; their
+  output is NaN (an index out of range is never silently read as another page)."""
+  used = _used_pages(lengths, page_indices.shape[1], page_size)
+  out_of_range = (page_indices < 0) | (page_indices >= total_pages)
+  return jnp.any(used & out_of_range, axis=1)
+
+
+def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                              lengths: jax.Array, page_indices: jax.Array, *,
+                              scale: float | None = None,
+                              softcap: float | None = None) -> jax.Array:
+  """jax.numpy twin: gathers every sequence's pages, masks by length (float32 math, q's
+  dtype out; 0 for a sequence of length 0, NaN for one using an out-of-range page)."""
+  b, h, d = q.shape
+  hkv, total_pages, page_size, _ = k_pages.shape
+  groups = h // hkv
+  cap = page_indices.shape[1] * page_size
+  scale = 1.0 / math.sqrt(d) if scale is None else scale
+
+  def gather(pages):   # (hkv, b, cap, d)
+    taken = jnp.take(pages, page_indices, axis=1, mode="clip")
+    return taken.reshape(hkv, b, cap, d).astype(F32)
+
+  qg = q.reshape(b, hkv, groups, d).astype(F32)
+  s = jnp.einsum("bkgd,kbsd->bkgs", qg, gather(k_pages), precision=lax.Precision.HIGHEST)
+  s = s * scale
+  if softcap is not None:
+    s = softcap * jnp.tanh(s / softcap)
+  valid = (jnp.arange(cap)[None, :] < lengths[:, None])[:, None, None, :]
+  p = jnp.where(valid, jnp.exp(s - jnp.max(jnp.where(valid, s, -jnp.inf), -1, keepdims=True)), 0)
+  l = jnp.sum(p, -1, keepdims=True)
+  o = jnp.einsum("bkgs,kbsd->bkgd", p, gather(v_pages), precision=lax.Precision.HIGHEST)
+  o = (o / jnp.where(l == 0, 1.0, l)).reshape(b, h, d)
+  bad = _invalid(lengths, page_indices, total_pages, page_size)
+  return jnp.where(bad[:, None, None], jnp.nan, o).astype(q.dtype)
+
+
+def _kernel(scale: float, softcap: float | None, page_size: int, block: int, capacity: int):
+  def kernel(len_ref, table_ref, q_ref, k_ref, v_ref, o_ref):
+    length = jnp.minimum(len_ref[0], capacity)
+    q = q_ref[...]
+    g, d = q.shape
+
+    def step(j, carry):
+      m, l, acc = carry
+      pos = j * block + lax.broadcasted_iota(jnp.int32, (block,), 0)
+      rows = table_ref[pos // page_size] * page_size + pos % page_size
+      s = lax.dot_general(q, k_ref[rows, :], (((1,), (1,)), ((), ())),
+                          preferred_element_type=F32) * scale
+      if softcap is not None:
+        s = softcap * jnp.tanh(s / softcap)
+      s = jnp.where((pos < length)[None, :], s, -jnp.inf)
+      m_new = jnp.maximum(m, jnp.max(s, axis=1))
+      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+      p = jnp.exp(s - m_safe[:, None])
+      alpha = jnp.exp(m - m_safe)
+      acc = acc * alpha[:, None] + jnp.dot(p.astype(v_ref.dtype), v_ref[rows, :],
+                                           preferred_element_type=F32)
+      return m_new, l * alpha + jnp.sum(p, axis=1), acc
+
+    init = (jnp.full((g,), -jnp.inf, F32), jnp.zeros((g,), F32), jnp.zeros((g, d), F32))
+    _, l, acc = lax.fori_loop(0, (length + block - 1) // block, step, init)
+    o_ref[...] = (acc / jnp.where(l == 0, 1.0, l)[:, None]).astype(o_ref.dtype)
+
+  return kernel
+
+
+def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lengths: jax.Array,
+                    page_indices: jax.Array, *, scale: float | None = None,
+                    softcap: float | None = None,
+                    pages_per_compute_block: int | None = None) -> jax.Array:
+  """Attention of one query per sequence over its first `lengths[b]` tokens, stored in
+  the pages its block table names.
+
+  q (batch, heads, d); k_pages, v_pages (kv_heads, total_pages, page_size, d), heads a
+  multiple of kv_heads; lengths (batch,) ints; page_indices (batch, pages_per_sequence)
+  ints, entries past a sequence's length ignored (any value). A sequence whose used
+  entries name no page (< 0 or >= total_pages) gets NaN. `softcap`: scores become
+  softcap * tanh(s / softcap). Default scale 1/sqrt(d). `pages_per_compute_block`:
+  pages per loop step (default: 16 tokens' worth on Triton, spill-free at head_dim 128
+  on sm_80/sm_90/gfx942; 128 tokens' worth on the CPU).
+  """
+  op = "paged_attention"
+  for name, x in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
+    check_float(op, name, x)
+  if q.ndim != 3 or k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
+    raise fail(op, f"expected q (batch, heads, d) and k_pages, v_pages (kv_heads, total_pages, "
+                   f"page_size, d) of one shape, got {q.shape}, {k_pages.shape}, "
+                   f"{v_pages.shape}")
+  b, h, d = q.shape
+  hkv, total_pages, page_size, _ = k_pages.shape
+  if k_pages.shape[3] != d or h % hkv:
+    raise fail(op, f"k_pages {k_pages.shape} does not fit q {q.shape}: head_dim must match "
+                   f"and heads must be a multiple of kv_heads")
+  if lengths.shape != (b,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
+    raise fail(op, f"lengths must be ({b},) ints, got {lengths.shape} {lengths.dtype}")
+  if (page_indices.ndim != 2 or page_indices.shape[0] != b
+      or not jnp.issubdtype(page_indices.dtype, jnp.integer)):
+    raise fail(op, f"page_indices must be ({b}, pages_per_sequence) ints, got "
+                   f"{page_indices.shape} {page_indices.dtype}")
+  if softcap is not None and not softcap > 0:
+    raise fail(op, f"softcap must be positive or None, got {softcap!r}")
+  if pages_per_compute_block is None:
+    pages_per_compute_block = max(1, (16 if target_backend() != "xla" else 128) // page_size)
+  check_block(op, "pages_per_compute_block", pages_per_compute_block)
+  pages = page_indices.shape[1]
+  pages_per_block = min(pages, pages_per_compute_block)
+  lengths = lengths.astype(jnp.int32)
+  table = jnp.clip(page_indices.astype(jnp.int32), 0, total_pages - 1)
+  padded = cdiv(pages, pages_per_block) * pages_per_block
+  if padded != pages:
+    table = jnp.pad(table, ((0, 0), (0, padded - pages)))
+  groups = h // hkv
+  qg = q.reshape(b, hkv, groups, d)
+  kv_spec = pl.BlockSpec((None, total_pages * page_size, d), lambda bi, hi: (hi, 0, 0))
+  q_spec = pl.BlockSpec((None, None, groups, d), lambda bi, hi: (bi, hi, 0, 0))
+  kernel = _kernel(float(1.0 / math.sqrt(d) if scale is None else scale),
+                   None if softcap is None else float(softcap), page_size,
+                   pages_per_block * page_size, pages * page_size)
+  out = pl.pallas_call(
+      kernel, out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype), grid=(b, hkv),
+      in_specs=[pl.BlockSpec((1,), lambda bi, hi: (bi,)),
+                pl.BlockSpec((None, padded), lambda bi, hi: (bi, 0)), q_spec, kv_spec, kv_spec],
+      out_specs=q_spec, name="paged_attention",
+  )(lengths, table, qg, k_pages.reshape(hkv, -1, d), v_pages.reshape(hkv, -1, d))
+  bad = _invalid(lengths, page_indices, total_pages, page_size)
+  return jnp.where(bad[:, None, None], jnp.nan, out.reshape(b, h, d)).astype(q.dtype)
