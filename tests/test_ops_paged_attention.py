@@ -79,3 +79,15 @@ def test_errors_name_the_op_and_argument():
     ops.paged_attention(q, k, k, lengths, table, softcap=0.0)
   with pytest.raises(PalletError, match="pages_per_compute_block must be a positive int"):
     ops.paged_attention(q, k, k, lengths, table, pages_per_compute_block=0)
+
+
+@pytest.mark.cpu_only
+def test_tuned_paged_attention_matches_the_reference(tmp_path, monkeypatch):
+  from pallet.ops import tuned
+  monkeypatch.setenv("PALLET_CACHE_DIR", str(tmp_path))
+  q, k, v, table = _problem(4, 2, 4, 6, jnp.float32)
+  lengths = jnp.asarray([24, 10, 1], jnp.int32)
+  out = tuned.paged_attention(q, k, v, lengths, table)
+  np.testing.assert_allclose(out, ops.paged_attention_reference(q, k, v, lengths, table),
+                             rtol=1e-5, atol=1e-5)
+  assert tuned.paged_attention.last_choice.source == "tuned"

@@ -10,6 +10,7 @@ call should not do unasked.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from pallet.autotune import Case, autotune
 from pallet.ops.attention import flash_attention as _flash_attention
@@ -17,11 +18,12 @@ from pallet.ops.cross_entropy import linear_cross_entropy as _linear_cross_entro
 from pallet.ops.glu import swiglu as _swiglu
 from pallet.ops.normalization import layer_norm as _layer_norm
 from pallet.ops.normalization import rms_norm as _rms_norm
+from pallet.ops.paged_attention import paged_attention as _paged_attention
 from pallet.ops.rope import rotary_embedding as _rotary_embedding
 from pallet.ops.softmax import softmax as _softmax
 
 __all__ = ["layer_norm", "rms_norm", "softmax", "linear_cross_entropy", "rotary_embedding",
-           "swiglu", "flash_attention", "tuning_cases"]
+           "swiglu", "flash_attention", "paged_attention", "tuning_cases"]
 
 _ROWS = [{"block_rows": r} for r in (None, 1, 8, 32, 128)]
 
@@ -45,6 +47,8 @@ flash_attention = autotune(
     _flash_attention, key=("q", "k"),
     configs=[{"block_q": None, "block_k": None}, {"block_q": 64, "block_k": 64},
              {"block_q": 256, "block_k": 128}, {"block_q": 128, "block_k": 512}])
+paged_attention = autotune(_paged_attention, key=("q", "k_pages", "page_indices"),
+                           configs=[{"pages_per_compute_block": p} for p in (None, 1, 4, 16, 64)])
 
 
 def tuning_cases(size: str = "full") -> list[Case]:
@@ -61,6 +65,10 @@ def tuning_cases(size: str = "full") -> list[Case]:
   q = jax.random.normal(keys[0], (1, 8, seq, 64))
   kv = jax.random.normal(keys[1], (1, 2, seq, 64))
   r = jax.random.normal(keys[3], (2, seq, 8, 64))
+  pages = (4096 >> shrink) // 16                  # 4 sequences of up to 1024 >> shrink tokens
+  k_pages = jax.random.normal(keys[1], (2, pages, 16, 64))
+  table = jax.random.permutation(keys[2], pages).reshape(4, pages // 4)
+  lengths = jnp.array([pages * 4, pages * 2, pages, 1], jnp.int32)
   return [Case("ops/layer_norm", lambda: layer_norm(x, w, w)),
           Case("ops/rms_norm", lambda: rms_norm(x, w)),
           Case("ops/softmax", lambda: softmax(x)),
@@ -68,5 +76,8 @@ def tuning_cases(size: str = "full") -> list[Case]:
           Case("ops/rotary_embedding", lambda: rotary_embedding(r)),
           Case("ops/swiglu", lambda: swiglu(x, x * 0.5)),
           Case("ops/flash_attention", lambda: flash_attention(q, kv, kv, causal=True)),
+          Case("ops/paged_attention",
+               lambda: paged_attention(jnp.swapaxes(q[0, :, :4], 0, 1), k_pages, k_pages,
+                                       lengths, table)),
           ]
 
