@@ -9,4 +9,5 @@ from pallet.ops.glu import glu, glu_reference, swiglu, swiglu_reference
 from pallet.ops.attention import attention_reference, flash_attention
 from pallet.ops.tuned import tuning_cases
 from pallet.ops.decode_attention import decode_attention, decode_attention_reference
+from pallet.ops.ragged_dot import grouped_matmul, ragged_dot, ragged_dot_reference
 from pallet.ops.paged_attention import paged_attention, paged_attention_reference

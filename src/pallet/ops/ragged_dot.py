@@ -1,0 +1,250 @@
+"""Ragged dot (grouped matrix multiplication, the MoE expert layer), forward and backward.
+
+lhs (m, k) holds the rows of `num_groups` groups one after another: group g owns rows
+[offsets[g], offsets[g+1]) with offsets the running sum of `group_sizes` clipped to m,
+and out[rows of g] = lhs[rows of g] @ rhs[g]; rows after the last group give 0 (what
+`jax.lax.ragged_dot` computes, also when the sizes sum past m).
+
+Kernels (the group offsets are a small whole-array input read inside the body; no
+index map depends on them, so every backend keeps a static grid):
+- gmm, grid (row tiles, column tiles): a tile of rows finds the range of groups its
+  rows touch from the offsets and loops over them, each group's product taken over
+  the tile's rows with the other groups' rows zeroed, so a tile that straddles a group
+  boundary is computed once per group it touches (about (m / block_m + groups) tile
+  products for m / block_m dense ones). Every program owns its output tile: no
+  revisits, no races where programs run concurrently.
+- tgmm, grid (groups, k tiles, n tiles): the gradient of rhs, per group the sum over
+  its row tiles of lhs_tile^T @ dout_tile; a group without rows loops zero times and
+  writes zeros.
+The backward pass is gmm(dout, rhs^T) for lhs (the same kernel reading rhs transposed)
+and tgmm for rhs; group_sizes get no gradient. Contraction and row loops whose tile
+does not divide the length clamp the last tile to end at the edge and mask the rows or
+columns an earlier tile already counted, so nothing is padded.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import pallet as pl
+from pallet.ops._common import F32, cdiv, check_block, check_float, fail, target_backend
+
+__all__ = ["ragged_dot", "grouped_matmul", "ragged_dot_reference"]
+
+_NN = (((1,), (0,)), ((), ()))   # a @ b
+_NT = (((1,), (1,)), ((), ()))   # a @ b^T
+_TN = (((0,), (0,)), ((), ()))   # a^T @ b
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+  """Static facts of one call (hashable: a custom_vjp non-differentiable argument)."""
+  block_m: int
+  block_k: int
+  block_n: int
+  out_dtype: Any
+
+
+# ------------------------------------------------------------------ reference
+def ragged_dot_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
+                         preferred_element_type: Any = None) -> jax.Array:
+  """`jax.lax.ragged_dot` in float32 (HIGHEST precision), cast to the output dtype."""
+  out_dtype = preferred_element_type or jnp.result_type(lhs, rhs)
+  return lax.ragged_dot(lhs.astype(F32), rhs.astype(F32), group_sizes,
+                        precision=lax.Precision.HIGHEST).astype(out_dtype)
+
+
+# ------------------------------------------------------------------ kernels
+def _clamped(step, block: int, length: int):
+  """Start of tile `step` of `block` along `length`, moved back to end at the edge."""
+  return jnp.minimum(step * block, length - block)
+
+
+def _gmm_kernel(block_m: int, block_c: int, contraction: int, transpose_rhs: bool):
+  """out tile = sum over the groups g its rows touch of (lhs rows of g) @ rhs[g]
+  (rhs[g]^T with transpose_rhs), the contraction in `block_c` pieces."""
+  c_tiles = cdiv(contraction, block_c)
+  ragged_c = contraction % block_c != 0
+  dims = _NT if transpose_rhs else _NN
+
+  def kernel(off_ref, lhs_ref, rhs_ref, o_ref):
+    groups = off_ref.shape[0] - 1
+    row0 = pl.program_id(0) * block_m
+    # Groups touching rows [row0, row0 + block_m): those ending after row0 and
+    # starting before row0 + block_m (a range, groups being in row order).
+    g_lo = jnp.sum((off_ref[pl.ds(1, groups)] <= row0).astype(jnp.int32))
+    g_hi = jnp.sum((off_ref[pl.ds(0, groups)] < row0 + block_m).astype(jnp.int32))
+    rows = row0 + lax.broadcasted_iota(jnp.int32, (block_m, 1), 0)
+
+    def group(g, acc):
+      mine = (rows >= off_ref[g]) & (rows < off_ref[g + 1])
+
+      def piece(c, acc):
+        start = _clamped(c, block_c, contraction)
+        keep = mine
+        if ragged_c:   # the clamped last piece: drop columns an earlier piece counted
+          cols = start + lax.broadcasted_iota(jnp.int32, (1, block_c), 1)
+          keep = keep & (cols >= c * block_c)
+        x = lhs_ref[:, pl.ds(start, block_c)]
+        x = jnp.where(keep, x, jnp.zeros_like(x))
+        w = rhs_ref[g, :, pl.ds(start, block_c)] if transpose_rhs else \
+            rhs_ref[g, pl.ds(start, block_c), :]
+        return acc + lax.dot_general(x, w, dims, preferred_element_type=F32)
+
+      return lax.fori_loop(0, c_tiles, piece, acc)
+
+    acc = lax.fori_loop(g_lo, g_hi, group, jnp.zeros(o_ref.shape, F32))
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+  return kernel
+
+
+def _tgmm_kernel(block_m: int, rows_total: int):
+  """out[g] tile = sum over group g's row tiles of lhs_tile^T @ dout_tile."""
+  ragged_m = rows_total % block_m != 0
+
+  def kernel(off_ref, lhs_ref, dout_ref, o_ref):
+    g = pl.program_id(0)
+    start, end = off_ref[g], off_ref[g + 1]
+    t_lo = start // block_m
+    t_hi = jnp.where(end > start, (end + block_m - 1) // block_m, t_lo)
+
+    def tile(t, acc):
+      r0 = _clamped(t, block_m, rows_total) if ragged_m else t * block_m
+      rows = r0 + lax.broadcasted_iota(jnp.int32, (block_m, 1), 0)
+      first = jnp.maximum(start, t * block_m) if ragged_m else start
+      mine = (rows >= first) & (rows < end)
+      x = lhs_ref[pl.ds(r0, block_m), :]
+      x = jnp.where(mine, x, jnp.zeros_like(x))
+      return acc + lax.dot_general(x, dout_ref[pl.ds(r0, block_m), :], _TN,
+                                   preferred_element_type=F32)
+
+    acc = lax.fori_loop(t_lo, t_hi, tile, jnp.zeros(o_ref.shape, F32))
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+  return kernel
+
+
+# ------------------------------------------------------------------ launches
+def _gmm(lhs, rhs, offsets, block_m, block_c, block_cols, out_dtype, transpose_rhs=False):
+  """lhs (m, c) times rhs (G, c, cols) per group ((G, cols, c) with transpose_rhs)."""
+  m, c = lhs.shape
+  groups = rhs.shape[0]
+  cols = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  block_c = min(block_c, c)
+  if transpose_rhs:
+    rhs_spec = pl.BlockSpec((groups, block_cols, c), lambda i, j: (0, j, 0))
+  else:
+    rhs_spec = pl.BlockSpec((groups, c, block_cols), lambda i, j: (0, 0, j))
+  return pl.pallas_call(
+      _gmm_kernel(block_m, block_c, c, transpose_rhs),
+      out_shape=jax.ShapeDtypeStruct((m, cols), out_dtype),
+      grid=(cdiv(m, block_m), cdiv(cols, block_cols)),
+      in_specs=[pl.BlockSpec((groups + 1,), lambda i, j: (0,)),
+                pl.BlockSpec((block_m, c), lambda i, j: (i, 0)), rhs_spec],
+      out_specs=pl.BlockSpec((block_m, block_cols), lambda i, j: (i, j)),
+      name="ragged_dot_gmm")(offsets, lhs, rhs)
+
+
+def _tgmm(lhs, dout, offsets, block_m, block_k, block_n, out_dtype):
+  """(G, k, n): per group, lhs[rows of g]^T @ dout[rows of g]."""
+  m, k = lhs.shape
+  n = dout.shape[1]
+  groups = offsets.shape[0] - 1
+  block_m = min(block_m, m)
+  return pl.pallas_call(
+      _tgmm_kernel(block_m, m),
+      out_shape=jax.ShapeDtypeStruct((groups, k, n), out_dtype),
+      grid=(groups, cdiv(k, block_k), cdiv(n, block_n)),
+      in_specs=[pl.BlockSpec((groups + 1,), lambda g, a, b: (0,)),
+                pl.BlockSpec((m, block_k), lambda g, a, b: (0, a)),
+                pl.BlockSpec((m, block_n), lambda g, a, b: (0, b))],
+      out_specs=pl.BlockSpec((None, block_k, block_n), lambda g, a, b: (g, a, b)),
+      name="ragged_dot_tgmm")(offsets, lhs, dout)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _ragged_dot(lhs, rhs, offsets, c: _Config):
+  return _gmm(lhs, rhs, offsets, c.block_m, c.block_k, c.block_n, c.out_dtype)
+
+
+def _ragged_dot_fwd(lhs, rhs, offsets, c):
+  return _ragged_dot(lhs, rhs, offsets, c), (lhs, rhs, offsets)
+
+
+def _ragged_dot_bwd(c, saved, dout):
+  lhs, rhs, offsets = saved
+  dlhs = _gmm(dout, rhs, offsets, c.block_m, c.block_n, c.block_k, lhs.dtype,
+              transpose_rhs=True)
+  drhs = _tgmm(lhs, dout, offsets, c.block_m, c.block_k, c.block_n, rhs.dtype)
+  return dlhs, drhs, None
+
+
+_ragged_dot.defvjp(_ragged_dot_fwd, _ragged_dot_bwd)
+
+
+def _defaults(k: int, n: int) -> tuple[int, int, int]:
+  """(block_m, block_k, block_n): register-sized tiles on Triton (no spills on sm_80,
+  sm_90 and gfx942); on the CPU whole k and n and row tiles of 256: smaller tiles
+  waste less work at group boundaries (about groups * block_m extra rows) but pay
+  more per step (measured at m 4096, k = n = 1024, 8 groups: 128 rows 1.15x and 512
+  rows 1.13x the time of 256)."""
+  if target_backend() != "xla":
+    return 64, 32, 64
+  return 256, k, n
+
+
+def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
+               preferred_element_type: Any = None, block_m: int | None = None,
+               block_k: int | None = None, block_n: int | None = None) -> jax.Array:
+  """out[i] = lhs[i] @ rhs[g(i)], g(i) the group owning row i; see the module docstring.
+
+  lhs (m, k); rhs (num_groups, k, n); group_sizes (num_groups,) non-negative ints, in
+  row order (rows past their sum give 0). Output (m, n) of `preferred_element_type`
+  (default: the promoted input dtype), accumulated in float32. `block_m` rows per
+  tile, `block_k`/`block_n` the k and n tiles (defaults: 64/32/64 on Triton, 256 and
+  whole k and n on the CPU). Differentiable in lhs and rhs; the backward pass runs
+  as kernels too.
+  """
+  op = "ragged_dot"
+  check_float(op, "lhs", lhs)
+  check_float(op, "rhs", rhs)
+  if lhs.ndim != 2 or rhs.ndim != 3:
+    raise fail(op, f"expected lhs (m, k) and rhs (num_groups, k, n), got shapes "
+                   f"{lhs.shape} and {rhs.shape}")
+  m, k = lhs.shape
+  groups, _, n = rhs.shape
+  if rhs.shape[1] != k:
+    raise fail(op, f"rhs {rhs.shape} does not fit lhs {lhs.shape}: rhs.shape[1] must be "
+                   f"lhs's k = {k}")
+  if not hasattr(group_sizes, "dtype") or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+    raise fail(op, f"group_sizes must be integers, got "
+                   f"{getattr(group_sizes, 'dtype', type(group_sizes).__name__)}")
+  if group_sizes.shape != (groups,):
+    raise fail(op, f"group_sizes must have shape ({groups},) (one size per group of rhs), "
+                   f"got {group_sizes.shape}")
+  if preferred_element_type is not None and not jnp.issubdtype(preferred_element_type,
+                                                                jnp.floating):
+    raise fail(op, f"preferred_element_type must be a floating-point dtype, got "
+                   f"{preferred_element_type!r}")
+  dm, dk, dn = _defaults(k, n)
+  block_m, block_k, block_n = block_m or dm, block_k or dk, block_n or dn
+  for name, value in (("block_m", block_m), ("block_k", block_k), ("block_n", block_n)):
+    check_block(op, name, value)
+  dtype = jnp.result_type(lhs, rhs)
+  out_dtype = jnp.dtype(preferred_element_type or dtype)
+  if m == 0 or k == 0 or n == 0 or groups == 0:
+    return jnp.zeros((m, n), out_dtype)
+  ends = jnp.clip(jnp.cumsum(group_sizes.astype(jnp.int32)), 0, m)
+  offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
+  c = _Config(block_m=min(block_m, m), block_k=min(block_k, k), block_n=min(block_n, n),
+              out_dtype=out_dtype)
+  return _ragged_dot(lhs.astype(dtype), rhs.astype(dtype), offsets, c)
+
+
+grouped_matmul = ragged_dot
