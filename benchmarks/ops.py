@@ -226,7 +226,30 @@ def _decode(size: Size) -> list[Benchmark]:
                make_inputs=make_inputs, out_shapes=None, grad=False, rtol=1e-4, atol=1e-4)
 
 
-FAMILIES = (_normalization, _softmax, _cross_entropy, _rope, _glu, _attention, _decode)
+_PAGED = {"full": (8, 32, 8, 4096, 128, 16), "small": (4, 8, 2, 512, 64, 16),
+          "tiny": (2, 4, 2, 64, 16, 8)}
+
+
+def _paged(size: Size) -> list[Benchmark]:
+  from pallet.ops import paged_attention_reference
+  b, h, hkv, s, d, page = _PAGED[size]
+  pages = b * s // page
+
+  def make_inputs(key):
+    k1, k2 = jax.random.split(key)
+    q, k, v = _normal(k1, (b, h, d), (hkv, pages, page, d), (hkv, pages, page, d))
+    table = jax.random.permutation(k2, pages).reshape(b, s // page).astype(jnp.int32)
+    return q, k, v, (jnp.arange(b, dtype=jnp.int32) * 7919) % s + 1, table
+
+  return _rows("paged_attention", "paged_attention", "paged_attention",
+               paged_attention_reference, grid=(b, hkv),
+               shapes=f"B{b} Hq{h} Hkv{hkv} S{s} D{d} f32, {page}-token pages shuffled, "
+                      f"varied lengths",
+               make_inputs=make_inputs, out_shapes=None, grad=False, rtol=1e-4, atol=1e-4)
+
+
+FAMILIES = (_normalization, _softmax, _cross_entropy, _rope, _glu, _attention, _decode,
+            _paged)
 
 
 def benchmarks(size: Size) -> list[Benchmark]:
