@@ -72,6 +72,10 @@ CASES = {
     "layer_norm_residual": lambda: _norm_case(ops.layer_norm, True),
     "rms_norm": lambda: _norm_case(ops.rms_norm, False),
     "rms_norm_residual": lambda: _norm_case(ops.rms_norm, True),
+    "ragged_dot": lambda: (
+        _grad_of(lambda a, b: ops.ragged_dot(a, b, jnp.asarray([900, 300, 0, 1200, 77, 600, 519,
+                                                                500], jnp.int32)), 0, 1),
+        (random_array((4096, 1024), BF16), random_array((8, 1024, 2048), BF16))),
 }
 
 
