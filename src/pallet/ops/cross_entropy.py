@@ -6,9 +6,14 @@ h by one (hidden, block_v) slab of W and folds it into a running max, a running 
 of exponentials (online logsumexp) and the label's logit, all kept per row across the
 vocabulary axis (sequential; row blocks are independent).
 Backward: with p = softmax(logits) recomputed one slab at a time,
-d logits = (p - onehot(label)) * g, and two kernels contract it:
-  dh = d logits @ W^T  (grid: row blocks x vocabulary blocks, vocabulary sequential),
-  dW = h^T @ d logits  (grid: vocabulary blocks x row blocks, rows sequential).
+d logits = (p - onehot(label)) * g is contracted twice:
+  dh = d logits @ W^T  and  dW = h^T @ d logits.
+On the CPU one kernel does both (grid: vocabulary blocks x row blocks, all sequential;
+each slab's dW block resident across the row blocks, the whole dh resident across the
+grid), so the logits are recomputed once: four matrix products in all, against the
+three of a twin that holds the logits. A GPU program cannot hold all of dh, so there
+two kernels each recompute the logits: one for dh (vocabulary sequential), one for dW
+(rows sequential).
 Labels < 0 are ignored (loss 0, no gradient), as with ignore_index=-100 elsewhere.
 """
 from __future__ import annotations
@@ -129,7 +134,7 @@ def _dh_kernel(vocab: int, block_v: int, block_h: int):
   return kernel
 
 
-def _dw_kernel(rows: int, block_n: int, block_v: int, block_h: int, upcast: bool):
+def _dw_kernel(rows: int, block_n: int, block_v: int, block_h: int):
   def kernel(h_ref, w_ref, labels_ref, lse_ref, g_ref, dw_ref):
     i = pl.program_id(1)
 
@@ -139,9 +144,6 @@ def _dw_kernel(rows: int, block_n: int, block_v: int, block_h: int, upcast: bool
 
     d, _ = _dlogits(h_ref, w_ref, labels_ref, lse_ref, g_ref, pl.program_id(0), block_v,
                     block_h)
-    # On the CPU, float32 operands: XLA's CPU runtime cannot run the bf16 x bf16 -> f32
-    # product this contraction over rows becomes once the backend widens the row blocks.
-    dtype = F32 if upcast else h_ref.dtype
     ragged = rows % block_n != 0
     valid = i * block_n + lax.broadcasted_iota(jnp.int32, (block_n, 1), 0) < rows
     if ragged:  # the block's rows past the array are unspecified
@@ -151,8 +153,46 @@ def _dw_kernel(rows: int, block_n: int, block_v: int, block_h: int, upcast: bool
       h = h_ref[:, part]
       if ragged:
         h = jnp.where(valid, h, jnp.zeros_like(h))
-      dw_ref[part, :] += lax.dot_general(h.astype(dtype), d.astype(dtype), _CONTRACT_FIRST,
+      dw_ref[part, :] += lax.dot_general(h, d.astype(h.dtype), _CONTRACT_FIRST,
                                          preferred_element_type=F32)
+
+    _over_hidden(block_h, h_ref.shape[1], update)
+
+  return kernel
+
+
+def _grads_kernel(rows: int, vocab: int, block_n: int, block_v: int, block_h: int):
+  """dh and dW from one recomputation of each (rows, vocabulary slab) block of logits
+  (the CPU backward; float32 operands, as XLA's CPU runtime lacks bf16 x bf16 -> f32
+  for these transposed products)."""
+  ragged_rows, ragged_vocab = rows % block_n != 0, vocab % block_v != 0
+
+  def kernel(h_ref, w_ref, labels_ref, lse_ref, g_ref, dh_ref, dw_ref):
+    j, i = pl.program_id(0), pl.program_id(1)
+
+    @pl.when((i == 0) & (j == 0))
+    def _():
+      dh_ref[...] = jnp.zeros(dh_ref.shape, F32)
+
+    @pl.when(i == 0)
+    def _():
+      dw_ref[...] = jnp.zeros(dw_ref.shape, F32)
+
+    d, cols = _dlogits(h_ref, w_ref, labels_ref, lse_ref, g_ref, j, block_v, block_h)
+    valid = i * block_n + lax.broadcasted_iota(jnp.int32, (block_n, 1), 0) < rows
+    if ragged_rows or ragged_vocab:  # rows and columns past the arrays are unspecified
+      d = jnp.where(valid & (cols < vocab), d, 0.0)
+    block_rows = pl.ds(i * block_n, block_n)
+
+    def update(part):
+      h, w = h_ref[:, part].astype(F32), w_ref[part, :].astype(F32)
+      if ragged_rows:
+        h = jnp.where(valid, h, 0.0)
+      if ragged_vocab:
+        w = jnp.where(cols[:1] < vocab, w, 0.0)
+      dh_ref[block_rows, part] += lax.dot_general(d, w, _CONTRACT_LAST,
+                                                  preferred_element_type=F32)
+      dw_ref[part, :] += lax.dot_general(h, d, _CONTRACT_FIRST, preferred_element_type=F32)
 
     _over_hidden(block_h, h_ref.shape[1], update)
 
@@ -198,6 +238,18 @@ def _loss_bwd(block_n, block_v, block_h, saved, g):
   vocab = w.shape[1]
   g = jnp.where(labels >= 0, g.astype(F32), 0.0)
   nb, vb = cdiv(n, block_n), cdiv(vocab, block_v)
+  if target_backend() == "xla":
+    rows, slab, vector = _specs(1, 0, block_n, block_v, hidden)
+    whole = pl.BlockSpec((nb * block_n, hidden), lambda j, i: (0, 0))
+    dh, dw = pl.pallas_call(
+        _grads_kernel(n, vocab, block_n, block_v, block_h),
+        out_shape=[jax.ShapeDtypeStruct((nb * block_n, hidden), F32),
+                   jax.ShapeDtypeStruct((hidden, vocab), F32)],
+        grid=(vb, nb), in_specs=[rows, slab, vector, vector, vector],
+        out_specs=[whole, slab], name="linear_cross_entropy_grads",
+        compiler_params=pl.CompilerParams(dimension_semantics=("arbitrary", "arbitrary")),
+    )(h, w, labels, lse, g)
+    return dh[:n].astype(h.dtype), dw.astype(w.dtype), None
   rows, slab, vector = _specs(0, 1, block_n, block_v, hidden)
   dh = pl.pallas_call(
       _dh_kernel(vocab, block_v, block_h), out_shape=jax.ShapeDtypeStruct((n, hidden), F32),
@@ -205,11 +257,10 @@ def _loss_bwd(block_n, block_v, block_h, saved, g):
       name="linear_cross_entropy_dh",
       compiler_params=pl.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
   )(h, w, labels, lse, g)
-  on_cpu = target_backend() == "xla"
-  dw_block_v = block_v if on_cpu else _gpu_dw_block(hidden, block_v)
+  dw_block_v = _gpu_dw_block(hidden, block_v)
   rows, slab, vector = _specs(1, 0, block_n, dw_block_v, hidden)
   dw = pl.pallas_call(
-      _dw_kernel(n, block_n, dw_block_v, block_h, on_cpu),
+      _dw_kernel(n, block_n, dw_block_v, block_h),
       out_shape=jax.ShapeDtypeStruct((hidden, vocab), F32),
       grid=(cdiv(vocab, dw_block_v), nb), in_specs=[rows, slab, vector, vector, vector],
       out_specs=slab,
@@ -244,8 +295,8 @@ def linear_cross_entropy(h: jax.Array, w: jax.Array, labels: jax.Array, *,
   `block_n` rows and `block_v` vocabulary entries per grid step; products over the
   hidden axis go `block_h` units at a time (must divide hidden; the whole axis at
   once if not). Defaults: (16, 128, 64) on Triton, (128, 512, hidden) on the CPU.
-  Differentiable in h and w (the backward pass recomputes the logits slab by slab in
-  two kernels).
+  Differentiable in h and w (the backward pass recomputes the logits slab by slab:
+  once on the CPU, once per gradient on a GPU).
   """
   op = "linear_cross_entropy"
   check_float(op, "h", h)
