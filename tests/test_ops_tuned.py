@@ -34,4 +34,4 @@ def test_pallet_tune_lists_every_tuned_op():
   names = {c.name for c in ops.tuning_cases("tiny")}
   assert names == {f"ops/{n}" for n in ("layer_norm", "rms_norm", "softmax", "swiglu",
                                          "linear_cross_entropy", "rotary_embedding",
-                                         "flash_attention", "paged_attention")}
+                                         "flash_attention", "paged_attention", "ragged_dot")}

@@ -19,11 +19,12 @@ from pallet.ops.glu import swiglu as _swiglu
 from pallet.ops.normalization import layer_norm as _layer_norm
 from pallet.ops.normalization import rms_norm as _rms_norm
 from pallet.ops.paged_attention import paged_attention as _paged_attention
+from pallet.ops.ragged_dot import ragged_dot as _ragged_dot
 from pallet.ops.rope import rotary_embedding as _rotary_embedding
 from pallet.ops.softmax import softmax as _softmax
 
 __all__ = ["layer_norm", "rms_norm", "softmax", "linear_cross_entropy", "rotary_embedding",
-           "swiglu", "flash_attention", "paged_attention", "tuning_cases"]
+           "swiglu", "flash_attention", "paged_attention", "ragged_dot", "tuning_cases"]
 
 _ROWS = [{"block_rows": r} for r in (None, 1, 8, 32, 128)]
 
@@ -49,6 +50,13 @@ flash_attention = autotune(
              {"block_q": 256, "block_k": 128}, {"block_q": 128, "block_k": 512}])
 paged_attention = autotune(_paged_attention, key=("q", "k_pages", "page_indices"),
                            configs=[{"pages_per_compute_block": p} for p in (None, 1, 4, 16, 64)])
+ragged_dot = autotune(
+    _ragged_dot, key=("lhs", "rhs"),
+    configs=[{"block_m": None, "block_k": None, "block_n": None},
+             {"block_m": 128, "block_k": None, "block_n": None},
+             {"block_m": 512, "block_k": None, "block_n": None},
+             {"block_m": 128, "block_k": 32, "block_n": 128},
+             {"block_m": 64, "block_k": 64, "block_n": 128}])
 
 
 def tuning_cases(size: str = "full") -> list[Case]:
@@ -69,6 +77,10 @@ def tuning_cases(size: str = "full") -> list[Case]:
   k_pages = jax.random.normal(keys[1], (2, pages, 16, 64))
   table = jax.random.permutation(keys[2], pages).reshape(4, pages // 4)
   lengths = jnp.array([pages * 4, pages * 2, pages, 1], jnp.int32)
+  tokens, experts = 4096 >> shrink, 8                # MoE: uneven groups, one empty
+  moe_x = jax.random.normal(keys[0], (tokens, d))
+  moe_w = jax.random.normal(keys[1], (experts, d, d)) / d ** 0.5
+  moe_sizes = jnp.array([22, 7, 0, 29, 2, 15, 13, 12], jnp.int32) * tokens // 100
   return [Case("ops/layer_norm", lambda: layer_norm(x, w, w)),
           Case("ops/rms_norm", lambda: rms_norm(x, w)),
           Case("ops/softmax", lambda: softmax(x)),
@@ -79,5 +91,6 @@ def tuning_cases(size: str = "full") -> list[Case]:
           Case("ops/paged_attention",
                lambda: paged_attention(jnp.swapaxes(q[0, :, :4], 0, 1), k_pages, k_pages,
                                        lengths, table)),
+          Case("ops/ragged_dot", lambda: ragged_dot(moe_x, moe_w, moe_sizes)),
           ]
 
