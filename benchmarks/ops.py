@@ -248,8 +248,39 @@ def _paged(size: Size) -> list[Benchmark]:
                make_inputs=make_inputs, out_shapes=None, grad=False, rtol=1e-4, atol=1e-4)
 
 
+_RAGGED = {"full": (4096, 1024, 1024), "small": (1024, 256, 256), "tiny": (128, 32, 32)}
+_EXPERT_SHARES = (22, 7, 0, 29, 2, 15, 13, 12)   # percent of the tokens per expert
+
+
+def _ragged_dot(size: Size) -> list[Benchmark]:
+  from pallet.ops import ragged_dot_reference
+  m, k, n = _RAGGED[size]
+  groups = len(_EXPERT_SHARES)
+  sizes = jnp.asarray([share * m // 100 for share in _EXPERT_SHARES], jnp.int32)
+  make_inputs = lambda key: (*_normal(key, (m, k), (groups, k, n)), sizes)
+  shapes = (f"m{m} k{k} n{n} f32, {groups} groups of {'/'.join(map(str, sizes.tolist()))} "
+            f"rows (MoE)")
+  rows = _rows("ragged_dot", "ragged_dot", "ragged_dot", ragged_dot_reference,
+               grid=(math.ceil(m / 256), 1), shapes=shapes, make_inputs=make_inputs,
+               out_shapes=None, grad=False, rtol=1e-4, atol=1e-4)
+  rows.append(Benchmark(
+      name="op_ragged_dot_grad", family=FAMILY, grid=rows[0].grid,
+      shapes=shapes + ", fwd+bwd (dlhs, drhs)",
+      make_inputs=lambda key: (*make_inputs(key), jax.random.normal(key, (m, n), jnp.float32)),
+      reference=_ragged_vjp(ragged_dot_reference),
+      build_pallas=_builder("ragged_dot", "ragged_dot", _ragged_vjp), rtol=1e-3, atol=1e-3))
+  return rows
+
+
+def _ragged_vjp(fn: Callable) -> Callable:
+  def program(lhs, rhs, group_sizes, g):
+    _, pullback = jax.vjp(lambda lhs, rhs: fn(lhs, rhs, group_sizes), lhs, rhs)
+    return pullback(g)
+  return program
+
+
 FAMILIES = (_normalization, _softmax, _cross_entropy, _rope, _glu, _attention, _decode,
-            _paged)
+            _paged, _ragged_dot)
 
 
 def benchmarks(size: Size) -> list[Benchmark]:
