@@ -248,7 +248,7 @@ def _paged(size: Size) -> list[Benchmark]:
                make_inputs=make_inputs, out_shapes=None, grad=False, rtol=1e-4, atol=1e-4)
 
 
-_RAGGED = {"full": (4096, 1024, 1024), "small": (1024, 256, 256), "tiny": (128, 32, 32)}
+_RAGGED = {"full": (4096, 1024, 1024), "small": (1024, 256, 256), "tiny": (512, 32, 32)}
 _EXPERT_SHARES = (22, 7, 0, 29, 2, 15, 13, 12)   # percent of the tokens per expert
 
 
