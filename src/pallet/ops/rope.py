@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 import pallet as pl
-from pallet.ops._common import F32, cdiv, check_block, check_float, fail
+from pallet.ops._common import F32, cdiv, check_block, check_float, fail, target_backend
 from pallet.helpers import next_power_of_2
 
 __all__ = ["rotary_embedding", "rotary_embedding_reference"]
@@ -89,7 +89,8 @@ def rotary_embedding(x: jax.Array, positions: jax.Array | None = None, *,
   """RoPE of x (batch, seq, heads, head_dim), "rotate half" layout.
 
   `positions`: int (batch, seq) or (seq,), default 0..seq-1. `block_seq` sequence
-  positions per grid step (default: a power of two fitting ~4K elements with all heads).
+  positions per grid step (default: the whole sequence on the CPU; on a GPU a power of
+  two fitting ~4K elements with all heads).
   Differentiable in x.
   """
   op = "rotary_embedding"
@@ -104,6 +105,8 @@ def rotary_embedding(x: jax.Array, positions: jax.Array | None = None, *,
     if positions.shape not in ((seq,), (batch, seq)):
       raise fail(op, f"positions has shape {positions.shape}, expected ({seq},) or "
                      f"({batch}, {seq})")
+  if block_seq is None and target_backend() == "xla":
+    block_seq = seq  # XLA fuses the whole pass; smaller blocks only add layout temporaries
   if block_seq is None:
     block_seq = max(1, min(64, 4096 // next_power_of_2(heads * d)))
   check_block(op, "block_seq", block_seq)
