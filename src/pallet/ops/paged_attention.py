@@ -23,16 +23,11 @@ from pallet.ops._common import F32, cdiv, check_block, check_float, fail, target
 __all__ = ["paged_attention", "paged_attention_reference"]
 
 
-def _used_pages(lengths: jax.Array, pages_per_sequence: int, page_size: int) -> jax.Array:
-  """(batch, pages_per_sequence) bool: which block-table entries hold tokens."""
-  return jnp.arange(pages_per_sequence)[None, :] * page_size < lengths[:, None]
-
-
 def _invalid(lengths: jax.Array, page_indices: jax.Array, total_pages: int,
              page_size: int) -> jax.Array:
-  """(batch,) bool: sequences that use a block-table entry naming no page; their
-  output is NaN (an index out of range is never silently read as another page)."""
-  used = _used_pages(lengths, page_indices.shape[1], page_size)
+  """(batch,) bool: sequences that use a block-table entry (one below their length)
+  naming no page; their output is NaN, never another page's data."""
+  used = jnp.arange(page_indices.shape[1])[None, :] * page_size < lengths[:, None]
   out_of_range = (page_indices < 0) | (page_indices >= total_pages)
   return jnp.any(used & out_of_range, axis=1)
 
