@@ -56,6 +56,15 @@ def test_grouped_matmul_is_ragged_dot_under_jit():
   assert float(jnp.abs(out[45:]).max()) == 0.0     # rows past the groups
 
 
+def test_group_sizes_get_no_gradient_as_in_lax():
+  lhs, rhs = random_array((24, 8)), random_array((2, 8, 4))
+  sizes = jnp.asarray([10, 14], jnp.int32)
+  with on_test_backend():
+    out, pullback = jax.vjp(ops.ragged_dot, lhs, rhs, sizes)
+    d_sizes = pullback(random_array(out.shape))[2]
+  assert d_sizes.dtype == jax.dtypes.float0 and d_sizes.shape == (2,)
+
+
 @settings(max_examples=12, deadline=None, derandomize=True)
 @given(st.lists(st.integers(0, 6), min_size=4, max_size=4), st.integers(0, 8))
 def test_random_group_sizes(cuts, tail):
