@@ -8,10 +8,10 @@ and out[rows of g] = lhs[rows of g] @ rhs[g]; rows after the last group give 0 (
 Kernels (the group offsets are a small whole-array input read inside the body; no
 index map depends on them, so every backend keeps a static grid):
 - gmm, grid (row tiles, column tiles): a tile of rows finds the range of groups its
-  rows touch from the offsets and loops over them, each group's product taken over
-  the tile's rows with the other groups' rows zeroed, so a tile that straddles a group
-  boundary is computed once per group it touches (about (m / block_m + groups) tile
-  products for m / block_m dense ones). Every program owns its output tile: no
+  rows touch from the offsets and loops over the non-empty ones, each group's
+  product taken over the tile's rows with the other groups' rows zeroed, so a tile
+  that straddles a group boundary is computed once per group it touches (about
+  m / block_m + groups tile products for m / block_m dense ones). Every program owns its output tile: no
   revisits, no races where programs run concurrently.
 - tgmm, grid (groups, k tiles, n tiles): the gradient of rhs, per group the sum over
   its row tiles of lhs_tile^T @ dout_tile; a group without rows loops zero times and
@@ -96,7 +96,10 @@ def _gmm_kernel(block_m: int, block_c: int, contraction: int, transpose_rhs: boo
             rhs_ref[g, pl.ds(start, block_c), :]
         return acc + lax.dot_general(x, w, dims, preferred_element_type=F32)
 
-      return lax.fori_loop(0, c_tiles, piece, acc)
+      # An empty group inside the tile's range (between two groups that meet in it)
+      # would add a product of zeros: skip it.
+      return lax.cond(off_ref[g] < off_ref[g + 1],
+                      lambda acc: lax.fori_loop(0, c_tiles, piece, acc), lambda acc: acc, acc)
 
     acc = lax.fori_loop(g_lo, g_hi, group, jnp.zeros(o_ref.shape, F32))
     o_ref[...] = acc.astype(o_ref.dtype)
