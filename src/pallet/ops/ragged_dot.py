@@ -11,8 +11,8 @@ index map depends on them, so every backend keeps a static grid):
   rows touch from the offsets and loops over the non-empty ones, each group's
   product taken over the tile's rows with the other groups' rows zeroed, so a tile
   that straddles a group boundary is computed once per group it touches (about
-  m / block_m + groups tile products for m / block_m dense ones). Every program owns its output tile: no
-  revisits, no races where programs run concurrently.
+  m / block_m + groups tile products for m / block_m dense ones). Every program owns
+  its output tile: no revisits, no races where programs run concurrently.
 - tgmm, grid (groups, k tiles, n tiles): the gradient of rhs, per group the sum over
   its row tiles of lhs_tile^T @ dout_tile; a group without rows loops zero times and
   writes zeros.
