@@ -29,6 +29,7 @@ def _problem(heads, kv_heads, page_size, pages_per_sequence, dtype, batch=3, d=3
     (8, 2, 4, 10, 3),      # GQA; 3 pages per step do not divide 10
     (4, 1, 16, 4, None),   # MQA, default block
     (2, 2, 8, 5, 2),       # MHA
+    (6, 2, 6, 7, 2),       # group, page size and 12-token block not powers of two
 ])
 def test_paged_attention(heads, kv_heads, page_size, pages_per_sequence, block, dtype):
   q, k, v, table = _problem(heads, kv_heads, page_size, pages_per_sequence, dtype)
