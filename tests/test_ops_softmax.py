@@ -43,6 +43,35 @@ def test_linear_cross_entropy(n, hidden, vocab, block_n, block_v, block_h, dtype
            scale=1 if dtype == jnp.float32 else 2)
 
 
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("n,hidden,vocab,block_n,block_v,block_h", [
+    (37, 48, 300, 16, 64, 16),     # rows ragged, 3 hidden chunks
+    (9, 40, 77, None, None, None),  # default blocks
+])
+def test_linear_cross_entropy_reduced(n, hidden, vocab, block_n, block_v, block_h, dtype,
+                                      reduction):
+  h = random_array((n, hidden), dtype)
+  w = (random_array((hidden, vocab), jnp.float32) / np.sqrt(hidden)).astype(dtype)
+  labels = _labels(n, vocab, seed=n * vocab)
+  check_op(lambda h, w, **k: ops.linear_cross_entropy(h, w, labels, **k),
+           lambda h, w, **k: ops.linear_cross_entropy_reference(h, w, labels, **k),
+           (h, w), argnums=(0, 1), blocks=dict(block_n=block_n, block_v=block_v, block_h=block_h),
+           scale=1 if dtype == jnp.float32 else 2, reduction=reduction)
+
+
+def test_linear_cross_entropy_mean_counts_only_rows_not_ignored():
+  h, w = random_array((16, 8)), random_array((8, 40))
+  labels = _labels(16, 40, seed=3)
+  rows = ops.linear_cross_entropy(h, w, labels)
+  mean = ops.linear_cross_entropy(h, w, labels, reduction="mean")
+  np.testing.assert_allclose(float(mean), float(rows.sum()) / int((labels >= 0).sum()),
+                             rtol=1e-6)
+  import jax
+  dh = jax.grad(lambda h: ops.linear_cross_entropy(h, w, labels, reduction="mean"))(h)
+  assert float(jnp.abs(dh[labels < 0]).sum()) == 0 < float(jnp.abs(dh).sum())
+
+
 def test_linear_cross_entropy_ignored_rows_have_no_loss_or_gradient():
   h, w = random_array((16, 8)), random_array((8, 40))
   labels = jnp.full((16,), -100, jnp.int32).at[3].set(5)
@@ -58,6 +87,9 @@ def test_errors_name_the_op_and_argument():
   h, w = random_array((8, 16)), random_array((12, 32))
   with pytest.raises(PalletError, match=r"linear_cross_entropy: w has shape \(12, 32\)"):
     ops.linear_cross_entropy(h, w, jnp.zeros(8, jnp.int32))
+  with pytest.raises(PalletError, match=r"linear_cross_entropy: reduction 'avg' is not one of "
+                                        r"\['none', 'sum', 'mean'\]"):
+    ops.linear_cross_entropy(h, w.T[:16], jnp.zeros(8, jnp.int32), reduction="avg")
   with pytest.raises(PalletError, match="labels must be integers"):
     ops.linear_cross_entropy(h, w.T[:16], jnp.zeros(8))
   with pytest.raises(PalletError, match="softmax: x must be a floating-point array"):

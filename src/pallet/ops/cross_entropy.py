@@ -14,6 +14,11 @@ grid), so the logits are recomputed once: four matrix products in all, against t
 three of a twin that holds the logits. A GPU program cannot hold all of dh, so there
 two kernels each recompute the logits: one for dh (vocabulary sequential), one for dW
 (rows sequential).
+With reduction="sum" or "mean" the cotangent is one scalar, so on the CPU the forward
+pass under differentiation computes the gradients for a cotangent of one in the same
+kernel as the loss (grid: row blocks, each step holding its rows' logits over the
+whole vocabulary), and the backward pass only scales them: three products, as the
+twin. Plain forward calls (no differentiation) run the forward kernel above.
 Labels < 0 are ignored (loss 0, no gradient), as with ignore_index=-100 elsewhere.
 """
 from __future__ import annotations
@@ -34,13 +39,30 @@ _CONTRACT_LAST = (((1,), (1,)), ((), ()))    # a @ b^T
 _CONTRACT_FIRST = (((0,), (0,)), ((), ()))   # a^T @ b
 
 
-def linear_cross_entropy_reference(h: jax.Array, w: jax.Array, labels: jax.Array) -> jax.Array:
+REDUCTIONS = ("none", "sum", "mean")
+
+
+def linear_cross_entropy_reference(h: jax.Array, w: jax.Array, labels: jax.Array, *,
+                                   reduction: str = "none") -> jax.Array:
   """jax.numpy twin: per-row loss (float32) from the full logits h @ w (float32 math:
-  XLA's CPU runtime has no bf16 x bf16 -> f32 product for the transposed dots)."""
+  XLA's CPU runtime has no bf16 x bf16 -> f32 product for the transposed dots),
+  reduced as `linear_cross_entropy` does."""
   logits = jnp.dot(h.astype(F32), w.astype(F32))
   lse = jax.nn.logsumexp(logits, axis=-1)
   picked = jnp.take_along_axis(logits, jnp.maximum(labels, 0)[:, None], axis=-1)[:, 0]
-  return jnp.where(labels >= 0, lse - picked, 0.0)
+  return _reduce(jnp.where(labels >= 0, lse - picked, 0.0), labels, reduction)
+
+
+def _reduce(losses: jax.Array, labels: jax.Array, reduction: str) -> jax.Array:
+  """Per-row losses summed, or averaged over the rows not ignored (NaN when all are)."""
+  if reduction == "none":
+    return losses
+  total = jnp.sum(losses)
+  return total if reduction == "sum" else total / _counted(labels)
+
+
+def _counted(labels: jax.Array) -> jax.Array:
+  return jnp.sum(labels >= 0).astype(F32)
 
 
 def _columns(block_n: int, block_v: int, step):
@@ -199,6 +221,47 @@ def _grads_kernel(rows: int, vocab: int, block_n: int, block_v: int, block_h: in
   return kernel
 
 
+def _rows_kernel(rows: int, block_n: int, block_h: int, weighted: bool):
+  """Loss, dh and dW of whole vocabulary rows: one product for the logits, one each
+  for dh and dW (dW accumulates over the row blocks). The cotangent is g per row
+  (weighted: an input) or one (the reduced losses' forward)."""
+  ragged = rows % block_n != 0
+
+  def kernel(h_ref, w_ref, labels_ref, *refs):
+    g_ref, (loss_ref, dh_ref, dw_ref) = (refs[0], refs[1:]) if weighted else (None, refs)
+    i = pl.program_id(0)
+
+    @pl.when(i == 0)
+    def _():
+      dw_ref[...] = jnp.zeros(dw_ref.shape, F32)
+
+    s = _logits(h_ref, w_ref, block_h)
+    m = jnp.max(s, axis=1, keepdims=True)
+    e = jnp.exp(s - m)
+    total = jnp.sum(e, axis=1, keepdims=True)
+    labels = labels_ref[...][:, None]
+    onehot = lax.broadcasted_iota(jnp.int32, s.shape, 1) == labels
+    picked = jnp.sum(jnp.where(onehot, s, 0.0), axis=1, keepdims=True)
+    counted = labels >= 0
+    if ragged:  # the block's rows past the array are unspecified
+      counted &= i * block_n + lax.broadcasted_iota(jnp.int32, labels.shape, 0) < rows
+    loss_ref[...] = jnp.where(counted, m + jnp.log(total) - picked, 0.0)[:, 0]
+    d = jnp.where(counted, e / total - onehot.astype(F32), 0.0)
+    if weighted:
+      d = d * g_ref[...][:, None]
+
+    def update(part):
+      h, w = h_ref[:, part].astype(F32), w_ref[part, :].astype(F32)
+      if ragged:
+        h = jnp.where(counted, h, 0.0)
+      dh_ref[:, part] = lax.dot_general(d, w, _CONTRACT_LAST, preferred_element_type=F32)
+      dw_ref[part, :] += lax.dot_general(h, d, _CONTRACT_FIRST, preferred_element_type=F32)
+
+    _over_hidden(block_h, h_ref.shape[1], update)
+
+  return kernel
+
+
 def _specs(n_axis: int, v_axis: int, block_n: int, block_v: int, hidden: int):
   """BlockSpecs for (h, w, per-row vectors) on a 2-D grid with the given axis roles."""
   rows = pl.BlockSpec((block_n, hidden), lambda *g: (g[n_axis], 0))
@@ -273,6 +336,53 @@ def _loss_bwd(block_n, block_v, block_h, saved, g):
 
 _loss.defvjp(_loss_fwd, _loss_bwd)
 
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _reduced(h, w, labels, reduction, block_n, block_v, block_h):
+  """A summed or averaged loss (CPU): its gradient is that of a cotangent of one
+  (or 1/count) per row, so the forward under differentiation computes it already,
+  from logits it holds for `block_n` rows at a time: three products in all."""
+  return _reduce(_forward(h, w, labels, block_n, block_v, block_h)[0], labels, reduction)
+
+
+def _reduced_fwd(h, w, labels, reduction, block_n, block_v, block_h):
+  del block_v  # whole vocabulary rows per step
+  losses, dh, dw = _by_rows(h, w, labels, None, block_n, block_h)
+  scale = jnp.ones((), F32) if reduction == "sum" else 1.0 / _counted(labels)
+  return _reduce(losses, labels, reduction), (dh.astype(h.dtype), dw.astype(w.dtype), scale)
+
+
+def _by_rows(h, w, labels, g, block_n, block_h):
+  """(losses, dh, dW) in float32 from whole vocabulary rows, for a cotangent of g per
+  row (None: one)."""
+  n, hidden = h.shape
+  vocab = w.shape[1]
+  block_n = min(block_n, _ROWS_OF_LOGITS // vocab) or 1
+  rows = pl.BlockSpec((block_n, hidden), lambda i: (i, 0))
+  vector = pl.BlockSpec((block_n,), lambda i: (i,))
+  whole = pl.BlockSpec((hidden, vocab), lambda i: (0, 0))
+  weighted = g is not None
+  return pl.pallas_call(
+      _rows_kernel(n, block_n, block_h, weighted),
+      out_shape=[jax.ShapeDtypeStruct((n,), F32), jax.ShapeDtypeStruct((n, hidden), F32),
+                 jax.ShapeDtypeStruct((hidden, vocab), F32)],
+      grid=(cdiv(n, block_n),), in_specs=[rows, whole, vector] + [vector] * weighted,
+      out_specs=[vector, rows, whole], name="linear_cross_entropy_rows",
+      compiler_params=pl.CompilerParams(dimension_semantics=("arbitrary",)),
+  )(h, w, labels, *([g] if weighted else []))
+
+
+def _reduced_bwd(reduction, block_n, block_v, block_h, saved, g):
+  dh, dw, scale = saved
+  g = g.astype(F32) * scale
+  return (g * dh).astype(dh.dtype), (g * dw).astype(dw.dtype), None
+
+
+_reduced.defvjp(_reduced_fwd, _reduced_bwd)
+
+# Logits a step of the reduced forward holds: its row block shrinks to fit (4 MiB).
+_ROWS_OF_LOGITS = 1 << 20
+
 # A GPU program holds its (hidden, block_v) float32 slab of dW in registers: at most this
 # many elements (32 per thread at 8 warps; hidden 512 with 128 columns spilled on sm_80).
 _GPU_DW_SLAB = 8192
@@ -286,12 +396,17 @@ def _gpu_dw_block(hidden: int, block_v: int) -> int:
 
 
 def linear_cross_entropy(h: jax.Array, w: jax.Array, labels: jax.Array, *,
-                         block_n: int | None = None, block_v: int | None = None,
-                         block_h: int | None = None) -> jax.Array:
-  """Per-row cross-entropy loss (float32, shape (rows,)) of logits h @ w against
-  integer `labels`, computed without materializing the logits.
+                         reduction: str = "none", block_n: int | None = None,
+                         block_v: int | None = None, block_h: int | None = None) -> jax.Array:
+  """Cross-entropy loss (float32) of logits h @ w against integer `labels`, computed
+  without materializing the logits.
 
   h: (rows, hidden); w: (hidden, vocabulary); labels: (rows,) ints, < 0 to ignore a row.
+  `reduction`: "none" (the loss per row, shape (rows,)), "sum", or "mean" (over the
+  rows not ignored; NaN if all are). With "sum" or "mean" on the CPU, the forward pass
+  under differentiation also computes the gradients, from the logits of `block_n`
+  rows (fewer for a vocabulary over 8K) over the whole vocabulary at a time: one
+  matrix product fewer than "none" needs.
   `block_n` rows and `block_v` vocabulary entries per grid step; products over the
   hidden axis go `block_h` units at a time (must divide hidden; the whole axis at
   once if not). Defaults: (16, 128, 64) on Triton, (128, 512, hidden) on the CPU.
@@ -299,6 +414,8 @@ def linear_cross_entropy(h: jax.Array, w: jax.Array, labels: jax.Array, *,
   once on the CPU, once per gradient on a GPU).
   """
   op = "linear_cross_entropy"
+  if reduction not in REDUCTIONS:
+    raise fail(op, f"reduction {reduction!r} is not one of {list(REDUCTIONS)}")
   check_float(op, "h", h)
   check_float(op, "w", w)
   if h.ndim != 2 or w.ndim != 2:
@@ -319,4 +436,7 @@ def linear_cross_entropy(h: jax.Array, w: jax.Array, labels: jax.Array, *,
     check_block(op, name, value)
   if hidden % block_h:
     block_h = hidden
-  return _loss(h, w, labels.astype(jnp.int32), block_n, block_v, block_h)
+  labels = labels.astype(jnp.int32)
+  if reduction != "none" and not gpu:
+    return _reduced(h, w, labels, reduction, block_n, block_v, block_h)
+  return _reduce(_loss(h, w, labels, block_n, block_v, block_h), labels, reduction)
