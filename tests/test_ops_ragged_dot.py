@@ -42,6 +42,13 @@ def test_preferred_element_type():
          preferred_element_type=jnp.float32)
 
 
+def test_mixed_input_dtypes_promote_as_lax_does():
+  lhs, rhs = random_array((30, 16), jnp.bfloat16), random_array((2, 16, 8))
+  check_op(ops.ragged_dot, ops.ragged_dot_reference,
+           (lhs, rhs, jnp.asarray([12, 18], jnp.int32)), argnums=(0, 1),
+           blocks=dict(block_m=8))
+
+
 def test_sizes_summing_past_m_are_clipped_as_lax_ragged_dot_does():
   _check(40, 16, 8, [20, 30, 10], blocks=(16, 16, 8))
 
