@@ -154,6 +154,12 @@ def _cross_entropy(size: Size) -> list[Benchmark]:
       reference=_ce_vjp(m.linear_cross_entropy_reference),
       build_pallas=_builder("cross_entropy", "linear_cross_entropy", _ce_vjp),
       rtol=1e-3, atol=1e-3))
+  rows.append(Benchmark(
+      name="op_linear_cross_entropy_mean_grad", family=FAMILY, grid=rows[0].grid,
+      shapes=rows[0].shapes + ", mean loss, grad (dh, dW)", make_inputs=make_inputs,
+      reference=_ce_mean_grad(m.linear_cross_entropy_reference),
+      build_pallas=_builder("cross_entropy", "linear_cross_entropy", _ce_mean_grad),
+      rtol=1e-3, atol=1e-3))
   return rows
 
 
@@ -161,6 +167,13 @@ def _ce_vjp(fn: Callable) -> Callable:
   def program(h, w, labels, g):
     _, pullback = jax.vjp(lambda h, w: fn(h, w, labels), h, w)
     return pullback(g)
+  return program
+
+
+def _ce_mean_grad(fn: Callable) -> Callable:
+  """The training step's case: the gradient of the mean loss (a scalar cotangent)."""
+  def program(h, w, labels):
+    return jax.grad(lambda h, w: fn(h, w, labels, reduction="mean"), argnums=(0, 1))(h, w)
   return program
 
 
