@@ -25,25 +25,26 @@ def _problem(heads, kv_heads, page_size, pages_per_sequence, dtype, batch=3, d=3
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("heads,kv_heads,page_size,pages_per_sequence,block", [
-    (8, 2, 4, 10, 3),      # GQA; 3 pages per step do not divide 10
-    (4, 1, 16, 4, None),   # MQA, default block
-    (2, 2, 8, 5, 2),       # MHA
-    (6, 2, 6, 7, 2),       # group, page size and 12-token block not powers of two
+@pytest.mark.parametrize("heads,kv_heads,page_size,pages_per_sequence,block,splits", [
+    (8, 2, 4, 10, 3, 2),          # GQA; 3 pages per step do not divide 10; 2 splits of 2 steps
+    (4, 1, 16, 4, None, None),    # MQA, default block and splits
+    (2, 2, 8, 5, 2, 1),           # MHA, one program per sequence
+    (6, 2, 6, 7, 2, 3),           # group, page size, 12-token block not powers of two; 3 splits
 ])
-def test_paged_attention(heads, kv_heads, page_size, pages_per_sequence, block, dtype):
+def test_paged_attention(heads, kv_heads, page_size, pages_per_sequence, block, splits, dtype):
   q, k, v, table = _problem(heads, kv_heads, page_size, pages_per_sequence, dtype)
   capacity = page_size * pages_per_sequence
   lengths = jnp.asarray([capacity, capacity // 3 + 1, 0], jnp.int32)  # full, partial page, empty
   check_op(ops.paged_attention, ops.paged_attention_reference, (q, k, v, lengths, table),
-           grad=False, blocks=dict(pages_per_compute_block=block))
+           grad=False, blocks=dict(pages_per_compute_block=block, k_splits=splits))
 
 
 def test_softcap_scale_and_lengths_past_the_table():
   q, k, v, table = _problem(4, 2, 4, 6, jnp.float32)
   lengths = jnp.asarray([100, 7, 24], jnp.int32)   # 100 > 24 tokens: clamped to the table
   check_op(ops.paged_attention, ops.paged_attention_reference, (q, k, v, lengths, table),
-           grad=False, blocks=dict(pages_per_compute_block=4), softcap=2.0, scale=0.3)
+           grad=False, blocks=dict(pages_per_compute_block=1, k_splits=4), softcap=2.0,
+           scale=0.3)
 
 
 def test_unused_entries_are_ignored_and_bad_pages_give_nan():
@@ -80,6 +81,8 @@ def test_errors_name_the_op_and_argument():
     ops.paged_attention(q, k, k, lengths, table, softcap=0.0)
   with pytest.raises(PalletError, match="pages_per_compute_block must be a positive int"):
     ops.paged_attention(q, k, k, lengths, table, pages_per_compute_block=0)
+  with pytest.raises(PalletError, match="k_splits must be a positive int"):
+    ops.paged_attention(q, k, k, lengths, table, k_splits=1.5)
 
 
 @pytest.mark.cpu_only

@@ -4,10 +4,11 @@ stored in fixed-size pages shared by all sequences, addressed through block tabl
 q (batch, heads, d); k_pages, v_pages (kv_heads, total_pages, page_size, d); lengths
 (batch,) ints; page_indices (batch, pages_per_sequence) ints: token t of sequence b is
 row t % page_size of page page_indices[b, t // page_size]. One program per (batch, kv
-head) takes the group's heads // kv_heads query rows together and loops over only the
-compute blocks (pages_per_compute_block pages each) below the sequence's length,
-gathering each block's key/value rows through the block table (online softmax).
-Inference only: no VJP.
+head, split) takes the group's heads // kv_heads query rows together and loops over
+only the compute blocks (pages_per_compute_block pages each) of its split below the
+sequence's length, gathering each block's key/value rows through the block table
+(online softmax); the splits' partial results are combined after the kernel (flash
+decoding: enough GPU programs at small batch). Inference only: no VJP.
 """
 from __future__ import annotations
 
@@ -62,9 +63,14 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
   return jnp.where(bad[:, None, None], jnp.nan, o).astype(q.dtype)
 
 
-def _kernel(scale: float, softcap: float | None, page_size: int, block: int, capacity: int):
-  def kernel(len_ref, table_ref, q_ref, k_ref, v_ref, o_ref):
+def _kernel(scale: float, softcap: float | None, page_size: int, block: int, capacity: int,
+            blocks_per_split: int | None):
+  def kernel(len_ref, table_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref):
     length = jnp.minimum(len_ref[0], capacity)
+    first, last = 0, (length + block - 1) // block
+    if blocks_per_split is not None:   # this program's share of the blocks
+      first = pl.program_id(2) * blocks_per_split
+      last = jnp.minimum(last, first + blocks_per_split)
     q = q_ref[...]
     g, d = q.shape
 
@@ -86,16 +92,24 @@ def _kernel(scale: float, softcap: float | None, page_size: int, block: int, cap
       return m_new, l * alpha + jnp.sum(p, axis=1), acc
 
     init = (jnp.full((g,), -jnp.inf, F32), jnp.zeros((g,), F32), jnp.zeros((g, d), F32))
-    _, l, acc = lax.fori_loop(0, (length + block - 1) // block, step, init)
-    o_ref[...] = (acc / jnp.where(l == 0, 1.0, l)[:, None]).astype(o_ref.dtype)
+    m_ref[...], l_ref[...], acc_ref[...] = lax.fori_loop(first, last, step, init)
 
   return kernel
+
+
+def _combine(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
+  """The splits' partial softmaxes (axis 2) as one: each rescaled to the common max."""
+  top = jnp.max(m, axis=2, keepdims=True)
+  w = jnp.exp(m - jnp.where(top == -jnp.inf, 0.0, top))    # 0 for a split with no keys
+  total = jnp.sum(w * l, axis=2)
+  return jnp.sum(w[..., None] * acc, axis=2) / jnp.where(total == 0, 1.0, total)[..., None]
 
 
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lengths: jax.Array,
                     page_indices: jax.Array, *, scale: float | None = None,
                     softcap: float | None = None,
-                    pages_per_compute_block: int | None = None) -> jax.Array:
+                    pages_per_compute_block: int | None = None,
+                    k_splits: int | None = None) -> jax.Array:
   """Attention of one query per sequence over its first `lengths[b]` tokens, stored in
   the pages its block table names.
 
@@ -105,7 +119,10 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, length
   entries name no page (< 0 or >= total_pages) gets NaN. `softcap`: scores become
   softcap * tanh(s / softcap). Default scale 1/sqrt(d). `pages_per_compute_block`:
   pages per loop step (default: 16 tokens' worth on Triton, spill-free at head_dim 128
-  on sm_80/sm_90/gfx942; 128 tokens' worth on the CPU).
+  on sm_80/sm_90/gfx942; 128 tokens' worth on the CPU). `k_splits`: programs that
+  share one sequence's blocks, their partial softmaxes combined after the kernel, so a
+  GPU has enough programs at small batch (default: about 256 programs in all on
+  Triton, 1 on the CPU).
   """
   op = "paged_attention"
   for name, x in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
@@ -132,23 +149,39 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, length
   check_block(op, "pages_per_compute_block", pages_per_compute_block)
   pages = page_indices.shape[1]
   pages_per_block = min(pages, pages_per_compute_block)
+  blocks = cdiv(pages, pages_per_block)
+  if k_splits is None:
+    k_splits = 1 if target_backend() == "xla" else cdiv(256, b * hkv)
+  check_block(op, "k_splits", k_splits)
+  per_split = cdiv(blocks, min(k_splits, blocks))
+  splits = cdiv(blocks, per_split)
   lengths = lengths.astype(jnp.int32)
   table = jnp.clip(page_indices.astype(jnp.int32), 0, total_pages - 1)
-  padded = cdiv(pages, pages_per_block) * pages_per_block
-  if padded != pages:
-    table = jnp.pad(table, ((0, 0), (0, padded - pages)))
+  if blocks * pages_per_block != pages:
+    table = jnp.pad(table, ((0, 0), (0, blocks * pages_per_block - pages)))
   groups = h // hkv
-  qg = q.reshape(b, hkv, groups, d)
-  kv_spec = pl.BlockSpec((None, total_pages * page_size, d), lambda bi, hi: (hi, 0, 0))
-  q_spec = pl.BlockSpec((None, None, groups, d), lambda bi, hi: (bi, hi, 0, 0))
   kernel = _kernel(float(1.0 / math.sqrt(d) if scale is None else scale),
                    None if softcap is None else float(softcap), page_size,
-                   pages_per_block * page_size, pages * page_size)
-  out = pl.pallas_call(
-      kernel, out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype), grid=(b, hkv),
-      in_specs=[pl.BlockSpec((1,), lambda bi, hi: (bi,)),
-                pl.BlockSpec((None, padded), lambda bi, hi: (bi, 0)), q_spec, kv_spec, kv_spec],
-      out_specs=q_spec, name="paged_attention",
-  )(lengths, table, qg, k_pages.reshape(hkv, -1, d), v_pages.reshape(hkv, -1, d))
+                   pages_per_block * page_size, pages * page_size,
+                   per_split if splits > 1 else None)
+  grid = (b, hkv, splits) if splits > 1 else (b, hkv)
+  part = lambda bi, hi, si=0: (bi, hi, si, 0)           # noqa: E731  (b, kv head, split)
+  whole = pl.BlockSpec((None, total_pages * page_size, d), lambda bi, hi, *_: (hi, 0, 0))
+  acc, m, l = pl.pallas_call(
+      kernel, grid=grid,
+      out_shape=[jax.ShapeDtypeStruct((b, hkv, splits, groups, d), F32),
+                 jax.ShapeDtypeStruct((b, hkv, splits, groups), F32),
+                 jax.ShapeDtypeStruct((b, hkv, splits, groups), F32)],
+      in_specs=[pl.BlockSpec((1,), lambda bi, *_: (bi,)),
+                pl.BlockSpec((None, blocks * pages_per_block), lambda bi, *_: (bi, 0)),
+                pl.BlockSpec((None, None, groups, d), lambda bi, hi, *_: (bi, hi, 0, 0)),
+                whole, whole],
+      out_specs=[pl.BlockSpec((None, None, None, groups, d), lambda *i: part(*i) + (0,)),
+                 pl.BlockSpec((None, None, None, groups), part),
+                 pl.BlockSpec((None, None, None, groups), part)],
+      name="paged_attention",
+  )(lengths, table, q.reshape(b, hkv, groups, d), k_pages.reshape(hkv, -1, d),
+    v_pages.reshape(hkv, -1, d))
+  out = _combine(acc, m, l).reshape(b, h, d)
   bad = _invalid(lengths, page_indices, total_pages, page_size)
-  return jnp.where(bad[:, None, None], jnp.nan, out.reshape(b, h, d)).astype(q.dtype)
+  return jnp.where(bad[:, None, None], jnp.nan, out).astype(q.dtype)

@@ -49,7 +49,9 @@ flash_attention = autotune(
     configs=[{"block_q": None, "block_k": None}, {"block_q": 64, "block_k": 64},
              {"block_q": 256, "block_k": 128}, {"block_q": 128, "block_k": 512}])
 paged_attention = autotune(_paged_attention, key=("q", "k_pages", "page_indices"),
-                           configs=[{"pages_per_compute_block": p} for p in (None, 1, 4, 16, 64)])
+                           configs=[{"pages_per_compute_block": p, "k_splits": k}
+                                    for p, k in ((None, None), (1, None), (4, None), (16, None),
+                                                 (64, None), (None, 1), (None, 16))])
 ragged_dot = autotune(
     _ragged_dot, key=("lhs", "rhs"),
     configs=[{"block_m": None, "block_k": None, "block_n": None},
