@@ -69,8 +69,10 @@ def test_errors_name_the_op_and_argument():
   q = q[:, :2]
   with pytest.raises(PalletError, match=r"paged_attention: lengths must be \(2,\) ints"):
     ops.paged_attention(q, k, k, jnp.zeros(2), table)
-  with pytest.raises(PalletError, match=r"page_indices must be \(2, pages_per_sequence\) ints"):
+  with pytest.raises(PalletError, match=r"page_indices must be \(2, pages_per_sequence >= 1\)"):
     ops.paged_attention(q, k, k, lengths, jnp.zeros((3, 3), jnp.int32))
+  with pytest.raises(PalletError, match=r"page_indices must be .* got \(2, 0\) int32"):
+    ops.paged_attention(q, k, k, lengths, jnp.zeros((2, 0), jnp.int32))
   with pytest.raises(PalletError, match=r"page_indices must be .* ints, got \(2, 3\) float32"):
     ops.paged_attention(q, k, k, lengths, jnp.zeros((2, 3)))
   with pytest.raises(PalletError, match="v_pages must be a floating-point array"):

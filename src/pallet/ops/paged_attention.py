@@ -133,14 +133,14 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, length
                    f"{v_pages.shape}")
   b, h, d = q.shape
   hkv, total_pages, page_size, _ = k_pages.shape
-  if k_pages.shape[3] != d or h % hkv:
-    raise fail(op, f"k_pages {k_pages.shape} does not fit q {q.shape}: head_dim must match "
-                   f"and heads must be a multiple of kv_heads")
+  if k_pages.shape[3] != d or h % hkv or not total_pages * page_size:
+    raise fail(op, f"k_pages {k_pages.shape} does not fit q {q.shape}: head_dim must match, "
+                   f"heads must be a multiple of kv_heads, and pages must hold tokens")
   if lengths.shape != (b,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
     raise fail(op, f"lengths must be ({b},) ints, got {lengths.shape} {lengths.dtype}")
-  if (page_indices.ndim != 2 or page_indices.shape[0] != b
+  if (page_indices.ndim != 2 or page_indices.shape[0] != b or not page_indices.shape[1]
       or not jnp.issubdtype(page_indices.dtype, jnp.integer)):
-    raise fail(op, f"page_indices must be ({b}, pages_per_sequence) ints, got "
+    raise fail(op, f"page_indices must be ({b}, pages_per_sequence >= 1) ints, got "
                    f"{page_indices.shape} {page_indices.dtype}")
   if softcap is not None and not softcap > 0:
     raise fail(op, f"softcap must be positive or None, got {softcap!r}")
