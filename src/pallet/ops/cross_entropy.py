@@ -5,20 +5,23 @@ Forward: grid (row blocks, vocabulary blocks); each step multiplies a block of r
 h by one (hidden, block_v) slab of W and folds it into a running max, a running sum
 of exponentials (online logsumexp) and the label's logit, all kept per row across the
 vocabulary axis (sequential; row blocks are independent).
-Backward: with p = softmax(logits) recomputed one slab at a time,
-d logits = (p - onehot(label)) * g is contracted twice:
+Backward, with p = softmax(logits) and d logits = (p - onehot(label)) * g:
   dh = d logits @ W^T  and  dW = h^T @ d logits.
-On the CPU one kernel does both (grid: vocabulary blocks x row blocks, all sequential;
-each slab's dW block resident across the row blocks, the whole dh resident across the
-grid), so the logits are recomputed once: four matrix products in all, against the
-three of a twin that holds the logits. A GPU program cannot hold all of dh, so there
-two kernels each recompute the logits: one for dh (vocabulary sequential), one for dW
-(rows sequential).
+On the CPU one kernel (grid: row blocks, in order) recomputes each block's logits
+over the whole vocabulary (`block_n` rows at a time, fewer for a large vocabulary:
+never the whole (rows, vocabulary) array) with their log-sum-exp, and gives that
+block's dh and its term of dW (resident across the grid): four matrix products with
+the forward, against the three of a twin that holds the logits. The VJP saves only the
+inputs, so where only the gradients are used XLA drops the forward kernel.
+A GPU program holds no whole vocabulary row: there the forward saves the
+log-sum-exp and two kernels each recompute the logits slab by slab: one for dh
+(grid: row blocks x vocabulary slabs, slabs in order), one for dW (vocabulary slabs
+x row blocks, rows in order).
 With reduction="sum" or "mean" the cotangent is one scalar, so on the CPU the forward
-pass under differentiation computes the gradients for a cotangent of one in the same
-kernel as the loss (grid: row blocks, each step holding its rows' logits over the
-whole vocabulary), and the backward pass only scales them: three products, as the
-twin. Plain forward calls (no differentiation) run the forward kernel above.
+pass under differentiation runs the CPU kernel above for a cotangent of one, giving
+loss and gradients in one pass, and the backward pass only scales them: three
+products, as the twin. Plain forward calls (no differentiation) run the forward
+kernel alone.
 Labels < 0 are ignored (loss 0, no gradient), as with ignore_index=-100 elsewhere.
 """
 from __future__ import annotations
@@ -183,44 +186,6 @@ def _dw_kernel(rows: int, block_n: int, block_v: int, block_h: int):
   return kernel
 
 
-def _grads_kernel(rows: int, vocab: int, block_n: int, block_v: int, block_h: int):
-  """dh and dW from one recomputation of each (rows, vocabulary slab) block of logits
-  (the CPU backward; float32 operands, as XLA's CPU runtime lacks bf16 x bf16 -> f32
-  for these transposed products)."""
-  ragged_rows, ragged_vocab = rows % block_n != 0, vocab % block_v != 0
-
-  def kernel(h_ref, w_ref, labels_ref, lse_ref, g_ref, dh_ref, dw_ref):
-    j, i = pl.program_id(0), pl.program_id(1)
-
-    @pl.when((i == 0) & (j == 0))
-    def _():
-      dh_ref[...] = jnp.zeros(dh_ref.shape, F32)
-
-    @pl.when(i == 0)
-    def _():
-      dw_ref[...] = jnp.zeros(dw_ref.shape, F32)
-
-    d, cols = _dlogits(h_ref, w_ref, labels_ref, lse_ref, g_ref, j, block_v, block_h)
-    valid = i * block_n + lax.broadcasted_iota(jnp.int32, (block_n, 1), 0) < rows
-    if ragged_rows or ragged_vocab:  # rows and columns past the arrays are unspecified
-      d = jnp.where(valid & (cols < vocab), d, 0.0)
-    block_rows = pl.ds(i * block_n, block_n)
-
-    def update(part):
-      h, w = h_ref[:, part].astype(F32), w_ref[part, :].astype(F32)
-      if ragged_rows:
-        h = jnp.where(valid, h, 0.0)
-      if ragged_vocab:
-        w = jnp.where(cols[:1] < vocab, w, 0.0)
-      dh_ref[block_rows, part] += lax.dot_general(d, w, _CONTRACT_LAST,
-                                                  preferred_element_type=F32)
-      dw_ref[part, :] += lax.dot_general(h, d, _CONTRACT_FIRST, preferred_element_type=F32)
-
-    _over_hidden(block_h, h_ref.shape[1], update)
-
-  return kernel
-
-
 def _rows_kernel(rows: int, block_n: int, block_h: int, weighted: bool):
   """Loss, dh and dW of whole vocabulary rows: one product for the logits, one each
   for dh and dW (dW accumulates over the row blocks). The cotangent is g per row
@@ -285,6 +250,26 @@ def _forward(h, w, labels, block_n, block_v, block_h):
   return jnp.where(labels >= 0, lse - t, 0.0), lse
 
 
+def _by_rows(h, w, labels, g, block_n, block_h):
+  """(losses, dh, dW) in float32 from whole vocabulary rows, for a cotangent of g per
+  row (None: one)."""
+  n, hidden = h.shape
+  vocab = w.shape[1]
+  block_n = min(block_n, _ROWS_OF_LOGITS // vocab) or 1
+  rows = pl.BlockSpec((block_n, hidden), lambda i: (i, 0))
+  vector = pl.BlockSpec((block_n,), lambda i: (i,))
+  whole = pl.BlockSpec((hidden, vocab), lambda i: (0, 0))
+  weighted = g is not None
+  return pl.pallas_call(
+      _rows_kernel(n, block_n, block_h, weighted),
+      out_shape=[jax.ShapeDtypeStruct((n,), F32), jax.ShapeDtypeStruct((n, hidden), F32),
+                 jax.ShapeDtypeStruct((hidden, vocab), F32)],
+      grid=(cdiv(n, block_n),), in_specs=[rows, whole, vector] + [vector] * weighted,
+      out_specs=[vector, rows, whole], name="linear_cross_entropy_rows",
+      compiler_params=pl.CompilerParams(dimension_semantics=("arbitrary",)),
+  )(h, w, labels, *([g] if weighted else []))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _loss(h, w, labels, block_n, block_v, block_h):
   return _forward(h, w, labels, block_n, block_v, block_h)[0]
@@ -292,7 +277,9 @@ def _loss(h, w, labels, block_n, block_v, block_h):
 
 def _loss_fwd(h, w, labels, block_n, block_v, block_h):
   loss, lse = _forward(h, w, labels, block_n, block_v, block_h)
-  return loss, (h, w, labels, lse)
+  # The CPU backward recomputes the log-sum-exp along with the logits: saving only the
+  # inputs lets XLA drop this forward kernel where only the gradients are used.
+  return loss, (h, w, labels, lse if target_backend() != "xla" else None)
 
 
 def _loss_bwd(block_n, block_v, block_h, saved, g):
@@ -300,19 +287,10 @@ def _loss_bwd(block_n, block_v, block_h, saved, g):
   n, hidden = h.shape
   vocab = w.shape[1]
   g = jnp.where(labels >= 0, g.astype(F32), 0.0)
+  if lse is None:
+    _, dh, dw = _by_rows(h, w, labels, g, block_n, block_h)
+    return dh.astype(h.dtype), dw.astype(w.dtype), None
   nb, vb = cdiv(n, block_n), cdiv(vocab, block_v)
-  if target_backend() == "xla":
-    rows, slab, vector = _specs(1, 0, block_n, block_v, hidden)
-    whole = pl.BlockSpec((nb * block_n, hidden), lambda j, i: (0, 0))
-    dh, dw = pl.pallas_call(
-        _grads_kernel(n, vocab, block_n, block_v, block_h),
-        out_shape=[jax.ShapeDtypeStruct((nb * block_n, hidden), F32),
-                   jax.ShapeDtypeStruct((hidden, vocab), F32)],
-        grid=(vb, nb), in_specs=[rows, slab, vector, vector, vector],
-        out_specs=[whole, slab], name="linear_cross_entropy_grads",
-        compiler_params=pl.CompilerParams(dimension_semantics=("arbitrary", "arbitrary")),
-    )(h, w, labels, lse, g)
-    return dh[:n].astype(h.dtype), dw.astype(w.dtype), None
   rows, slab, vector = _specs(0, 1, block_n, block_v, hidden)
   dh = pl.pallas_call(
       _dh_kernel(vocab, block_v, block_h), out_shape=jax.ShapeDtypeStruct((n, hidden), F32),
@@ -352,26 +330,6 @@ def _reduced_fwd(h, w, labels, reduction, block_n, block_v, block_h):
   return _reduce(losses, labels, reduction), (dh.astype(h.dtype), dw.astype(w.dtype), scale)
 
 
-def _by_rows(h, w, labels, g, block_n, block_h):
-  """(losses, dh, dW) in float32 from whole vocabulary rows, for a cotangent of g per
-  row (None: one)."""
-  n, hidden = h.shape
-  vocab = w.shape[1]
-  block_n = min(block_n, _ROWS_OF_LOGITS // vocab) or 1
-  rows = pl.BlockSpec((block_n, hidden), lambda i: (i, 0))
-  vector = pl.BlockSpec((block_n,), lambda i: (i,))
-  whole = pl.BlockSpec((hidden, vocab), lambda i: (0, 0))
-  weighted = g is not None
-  return pl.pallas_call(
-      _rows_kernel(n, block_n, block_h, weighted),
-      out_shape=[jax.ShapeDtypeStruct((n,), F32), jax.ShapeDtypeStruct((n, hidden), F32),
-                 jax.ShapeDtypeStruct((hidden, vocab), F32)],
-      grid=(cdiv(n, block_n),), in_specs=[rows, whole, vector] + [vector] * weighted,
-      out_specs=[vector, rows, whole], name="linear_cross_entropy_rows",
-      compiler_params=pl.CompilerParams(dimension_semantics=("arbitrary",)),
-  )(h, w, labels, *([g] if weighted else []))
-
-
 def _reduced_bwd(reduction, block_n, block_v, block_h, saved, g):
   dh, dw, scale = saved
   g = g.astype(F32) * scale
@@ -404,14 +362,14 @@ def linear_cross_entropy(h: jax.Array, w: jax.Array, labels: jax.Array, *,
   h: (rows, hidden); w: (hidden, vocabulary); labels: (rows,) ints, < 0 to ignore a row.
   `reduction`: "none" (the loss per row, shape (rows,)), "sum", or "mean" (over the
   rows not ignored; NaN if all are). With "sum" or "mean" on the CPU, the forward pass
-  under differentiation also computes the gradients, from the logits of `block_n`
-  rows (fewer for a vocabulary over 8K) over the whole vocabulary at a time: one
-  matrix product fewer than "none" needs.
+  under differentiation also computes the gradients: one matrix product fewer than
+  "none" needs where the loss is used.
   `block_n` rows and `block_v` vocabulary entries per grid step; products over the
   hidden axis go `block_h` units at a time (must divide hidden; the whole axis at
-  once if not). Defaults: (16, 128, 64) on Triton, (128, 512, hidden) on the CPU.
-  Differentiable in h and w (the backward pass recomputes the logits slab by slab:
-  once on the CPU, once per gradient on a GPU).
+  once if not). Defaults: (16, 128, 64) on Triton, (128, 512, hidden) on the CPU,
+  where the gradient kernel takes `block_n` rows (fewer for a vocabulary over 8K)
+  over the whole vocabulary per step. Differentiable in h and w (the backward pass
+  recomputes the logits: once on the CPU, once per gradient on a GPU).
   """
   op = "linear_cross_entropy"
   if reduction not in REDUCTIONS:
