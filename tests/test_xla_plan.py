@@ -856,14 +856,14 @@ def test_program_id_keeps_vmap_on_overhanging_blocks():
   assert_close(jax.jit(fn)(x), x + (jnp.arange(20) // 8)[:, None].astype(f32))
 
 
-def test_bf16_row_blocks_run_widened_even_when_they_divide():
-  x = random_array((32, 128), jnp.bfloat16)
+@pytest.mark.parametrize("dtype", [f32, jnp.bfloat16])
+def test_row_blocks_run_widened_when_they_divide(dtype):
+  x = random_array((32, 128), dtype)
   fn = _row_kernel_call(lambda x: [_softmax_rows(x.astype(f32))], x)
   plan = _plan(fn, x)
   assert plan.merged == [0] and plan.vectorized == []
-  assert_close(jax.jit(fn)(x)[0], _softmax_rows(x.astype(f32)).astype(jnp.bfloat16))
-  f32_plan = _plan(_row_kernel_call(lambda x: [_softmax_rows(x)], x.astype(f32)), x.astype(f32))
-  assert f32_plan.vectorized == [0] and f32_plan.merged == []
+  assert "stablehlo.reshape" not in jax.jit(fn).lower(x).as_text()
+  assert_close(jax.jit(fn)(x)[0], _softmax_rows(x.astype(f32)).astype(dtype))
 
 
 # ------------------------------------------------------------------ skipped matrix products
@@ -925,3 +925,53 @@ def test_read_only_operands_of_data_dependent_loops_are_not_copied_per_program()
   text = jax.jit(fn).lower(n, table).as_text()
   loops = [line for line in text.splitlines() if "stablehlo.while" in line]
   assert loops and not any("8x256x64" in line for line in loops)   # the table: no carry
+
+
+# ------------------------------------------------------------------ folded index arithmetic
+def test_static_ref_indices_fold_before_the_program_is_emitted():
+  # Each `ref[k]` discharges to a bounds normalisation on literals (`k < 0 ? k + n : k`).
+  def kernel(x_ref, o_ref):
+    o_ref[0] = x_ref[1] * x_ref[2]
+    o_ref[1] = x_ref[0] - x_ref[3]
+  x = random_array((2, 4, 8, 16))
+  spec = pl.BlockSpec((None, 4, 8, 16), lambda i: (i, 0, 0, 0))
+  out_spec = pl.BlockSpec((None, 2, 8, 16), lambda i: (i, 0, 0, 0))
+  fn = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((2, 2, 8, 16), f32), grid=(2,),
+                      in_specs=[spec], out_specs=out_spec)
+  text = jax.jit(fn).lower(x).as_text()
+  assert "stablehlo.compare" not in text and "stablehlo.select" not in text
+  assert_close(jax.jit(fn)(x), jnp.stack([x[:, 1] * x[:, 2], x[:, 0] - x[:, 3]], axis=1))
+
+
+def test_when_on_a_constant_grid_index_runs_only_its_branch():
+  # The merged k axis runs once with k == 0: `pl.when(k == 0)` needs no switch.
+  def kernel(x_ref, y_ref, o_ref):
+    @pl.when(pl.program_id(2) == 0)
+    def _():
+      o_ref[...] = jnp.zeros_like(o_ref)
+    o_ref[...] += jnp.dot(x_ref[...], y_ref[...], preferred_element_type=f32)
+  x, y = random_array((16, 32)), random_array((32, 24))
+  fn = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((16, 24), f32), grid=(2, 3, 4),
+                      in_specs=[pl.BlockSpec((8, 8), lambda i, j, k: (i, k)),
+                                pl.BlockSpec((8, 8), lambda i, j, k: (k, j))],
+                      out_specs=pl.BlockSpec((8, 8), lambda i, j, k: (i, j)))
+  assert _plan(fn, x, y).merged == [2]
+  text = jax.jit(fn).lower(x, y).as_text()
+  assert "stablehlo.case" not in text and "stablehlo.compare" not in text
+  assert_close(jax.jit(fn)(x, y), x @ y, matmul=True)
+
+
+def test_fold_literals_keeps_what_is_not_constant():
+  from pallet.backends.xla.literal_folding import fold_literals
+
+  def f(x, i):
+    k = lax.select(3 < 0, 3 + 8, 3)          # folds to 3
+    j = lax.select(i < 0, i + 8, i)          # depends on i: kept
+    return lax.dynamic_slice_in_dim(x, k, 2) + lax.dynamic_slice_in_dim(x, j, 2)
+  closed = jax.make_jaxpr(f)(jnp.arange(8.0), 1)
+  folded = fold_literals(closed)
+  assert len(folded.jaxpr.eqns) < len(closed.jaxpr.eqns)
+  assert any(e.primitive.name == "select_n" for e in folded.jaxpr.eqns)
+  x = random_array((8,))
+  for i in (1, -3):
+    assert_close(jax.core.eval_jaxpr(folded.jaxpr, folded.consts, x, i)[0], f(x, i))
