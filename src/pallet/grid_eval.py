@@ -109,7 +109,7 @@ def apply_array_equation(eqn: Any, ins: Sequence[Any]) -> list[np.ndarray]:
   avals = [v.aval for v in (*eqn.invars, *eqn.outvars)]
   moves = name in _MOVES or (name == "convert_element_type"
                              and avals[0].dtype == avals[-1].dtype)
-  if len(eqn.outvars) != 1 or not all(_exact(a) or (moves and _plain(a)) for a in avals):
+  if len(eqn.outvars) != 1 or not all(exact(a) or (moves and _plain(a)) for a in avals):
     raise Unsupported("arithmetic on values that are not integers or booleans")
   out_aval = eqn.outvars[0].aval
   xs = [np.asarray(x) for x in ins]
@@ -177,7 +177,8 @@ def _plain(aval: Any) -> bool:
   return isinstance(dtype, np.dtype)
 
 
-def _exact(aval: Any) -> bool:
+def exact(aval: Any) -> bool:
+  """Whether NumPy computes on values of `aval` exactly as XLA (integers, booleans)."""
   dtype = getattr(aval, "dtype", None)
   try:
     return dtype is not None and (dtype == np.bool_ or np.issubdtype(dtype, np.integer))

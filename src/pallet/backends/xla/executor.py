@@ -21,7 +21,7 @@ from jax import lax
 from pallet import _internals as internals
 from pallet import checks
 from pallet.backends.xla.plan import ExecutionPlan, OperandPlan, element_scale, make_plan
-from pallet.backends.xla import widening
+from pallet.backends.xla import literal_folding, widening
 from pallet.backends.xla.static_indices import fold_static_indices
 from pallet.backends.xla.widening import Widening
 from pallet.tracing import KernelDescription
@@ -46,12 +46,12 @@ def discharged_body(kernel: KernelDescription, widened: Widening | None = None,
     pure = widened.pure
     evaluate = lambda *args: widening.evaluate(pure.jaxpr, pure.consts, args, widened.tags)
   else:
-    pure = internals.discharge_state(kernel.jaxpr)
+    pure = literal_folding.fold_literals(internals.discharge_state(kernel.jaxpr))
     # what differs between the programs vmapped together: their ids and every block
     G = len(gm.grid) + len(gm.dynamic_axes)
     varying = [g in vectorized for g in range(G)] + [True] * (len(pure.jaxpr.invars) - G)
     pure = fold_static_indices(pure, varying if vectorized else None)
-    evaluate = lambda *args: jax.core.eval_jaxpr(pure.jaxpr, pure.consts, *args)
+    evaluate = lambda *args: literal_folding.evaluate(pure.jaxpr, pure.consts, args)
 
   def body(ids, prefetch, ins, outs, state):
     del prefetch
@@ -225,10 +225,15 @@ def _gather_table(table: np.ndarray, plan: ExecutionPlan) -> np.ndarray:
 
 
 def _unravel(flat: Any, axes: Sequence[int], sizes: Sequence[int]) -> dict[int, Any]:
+  """Grid indices of loop step `flat` (>= 0: truncating division is floor division,
+  two operations where jnp's `%` and `//` emit a call with sign fix-ups each)."""
   ids = {}
   for g, n in zip(reversed(axes), reversed(sizes)):
-    ids[g] = flat % n
-    flat = flat // n
+    if isinstance(n, int) and n == 1:
+      ids[g] = 0
+      continue
+    n = np.int32(n) if isinstance(n, int) else n
+    ids[g], flat = lax.rem(flat, n), lax.div(flat, n)
   return ids
 
 
@@ -268,8 +273,11 @@ def _vectorized_body(body: Body, plan: ExecutionPlan, in_slabs: list[_Slab],
   """
   V, G = plan.vectorized, len(plan.grid)
 
+  def at(b, vid):
+    return vid if isinstance(b, int) and b == 0 else b + vid
+
   def point(vids, base, prefetch, ins, outs, scratch):
-    ids = [base[g] + vids[V.index(g)] if g in V else base[g] for g in range(G)]
+    ids = [at(base[g], vids[V.index(g)]) if g in V else base[g] for g in range(G)]
     return body(ids + list(base[G:]), prefetch, ins, outs, scratch)
 
   fn = point
@@ -342,8 +350,8 @@ def build(kernel: KernelDescription, plan: ExecutionPlan | None = None) -> Calla
       loop = {**_unravel(s, plan.outer, outer_sizes), **_unravel(r, plan.inner, inner_sizes)}
       return [loop[g] * plan.chunk.get(g, 1) if g in loop else 0 for g in range(len(grid))]
 
-    def step(s, r, outs, scratch):
-      ids = base_ids(s, r)
+    def step(s, r, outs, scratch, ids=None):
+      ids = base_ids(s, r) if ids is None else ids
       ins = [sl.cut(x, st.at(s, r, ids)) for x, sl, st in zip(padded_in, in_slabs, in_starts)]
       results, scratch = vbody(ids + sizes, prefetch, ins, outs, scratch)
       for x, shape in zip(results, out_shapes):
@@ -351,13 +359,13 @@ def build(kernel: KernelDescription, plan: ExecutionPlan | None = None) -> Calla
           raise TypeError(f"vectorized body gave a block of shape {x.shape}, expected {shape}")
       return results, scratch
 
-    def load(bufs, s, r):
-      ids = base_ids(s, r) if n_dyn else ()
+    def load(bufs, s, r, ids=None):
+      ids = (base_ids(s, r) if n_dyn else ()) if ids is None else ids
       return [sl.batch_first(sl.cut(b, st.at(s, r, ids)))
               for b, sl, st in zip(bufs, out_slabs, out_starts)]
 
-    def store(bufs, slabs, s, r):
-      ids = base_ids(s, r) if n_dyn else ()
+    def store(bufs, slabs, s, r, ids=None):
+      ids = (base_ids(s, r) if n_dyn else ()) if ids is None else ids
       return [sl.merge(b, x, st.at(s, r, ids))
               for b, x, sl, st in zip(bufs, slabs, out_slabs, out_starts)]
 
@@ -382,8 +390,9 @@ def build(kernel: KernelDescription, plan: ExecutionPlan | None = None) -> Calla
 
       def inner_step(r, c):
         bufs, scratch = c
-        slabs, scratch = step(s, r, load(bufs, s, r), scratch)
-        return store(bufs, slabs, s, r), scratch
+        ids = base_ids(s, r)   # once per step: load, body and store share it
+        slabs, scratch = step(s, r, load(bufs, s, r, ids), scratch, ids)
+        return store(bufs, slabs, s, r, ids), scratch
       return _loop(n_inner, inner_step, (bufs, scratch))
 
     bufs, _ = _loop(n_outer, outer_step, (bufs, scratch))

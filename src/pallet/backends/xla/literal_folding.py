@@ -1,0 +1,156 @@
+"""Scalar index arithmetic on literals, folded before the body is emitted.
+
+State discharge writes every static index of a ref (`x_ref[0]`, `sem_ref[1]`) as a
+bounds normalisation on literals (`select(0 < 0, 0 + n, 0)`). A kernel that
+indexes refs a lot carries thousands of them: half of the lowered module of JAX's
+TPU paged attention (DMA double-buffering). XLA folds them, but only after JAX has
+traced them again for the emitted program and lowered them to StableHLO, which is
+first-call time. `fold_literals` evaluates scalar integer and boolean equations
+whose operands are all literals (with grid_eval's NumPy rules, exact as in XLA),
+puts literals in place of their results and the chosen operand in place of a
+select on a literal predicate, in the jaxprs of calls, conds, loops and scans too.
+
+`evaluate` runs a jaxpr the same way with the values known when the emitted
+program is traced: grid indices that are constants there (axes merged into the
+blocks, loops of one step) fold too, and a `cond` (`pl.when`) on one of them runs
+only its branch instead of both under a switch.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+from jax.extend.core import ClosedJaxpr, Literal
+
+from pallet import _internals as internals
+from pallet import grid_eval
+
+# Equations whose inner jaxprs are plain computations of their operands.
+_NESTED = {"cond": ("branches",), "while": ("cond_jaxpr", "body_jaxpr"), "scan": ("jaxpr",),
+           "pjit": ("jaxpr",), "jit": ("jaxpr",), "closed_call": ("call_jaxpr",)}
+
+
+def fold_literals(closed: ClosedJaxpr) -> ClosedJaxpr:
+  """`closed` with scalar literal arithmetic folded (itself if there is none)."""
+  jaxpr = _fold(closed.jaxpr)
+  return closed if jaxpr is closed.jaxpr else ClosedJaxpr(jaxpr, closed.consts)
+
+
+def _fold(jaxpr: Any) -> Any:
+  subst: dict = {}
+  read = lambda x: x if isinstance(x, Literal) else subst.get(x, x)
+  eqns, changed = [], False
+  for eqn in jaxpr.eqns:
+    invars = [read(x) for x in eqn.invars]
+    moved = any(a is not b for a, b in zip(invars, eqn.invars))
+    folded = None if eqn.effects else _evaluate(eqn, invars)
+    if folded is not None:
+      subst.update(zip(eqn.outvars, folded))
+      changed = True
+      continue
+    params = _folded_params(eqn)
+    if params is not eqn.params or moved:
+      eqn = eqn.replace(invars=invars, params=params)
+      changed = True
+    eqns.append(eqn)
+  if not changed:
+    return jaxpr
+  return jaxpr.replace(eqns=eqns, outvars=[read(x) for x in jaxpr.outvars])
+
+
+def _scalar_exact(aval: Any) -> bool:
+  return getattr(aval, "shape", None) == () and grid_eval.exact(aval)
+
+
+def _evaluate(eqn: Any, invars: list) -> list | None:
+  """Literals (or, for a select on a literal, the chosen operand) for the equation's
+  results; None where it is not folded."""
+  if not all(isinstance(x, Literal) for x in invars[:1 if eqn.primitive.name == "select_n"
+                                                   else len(invars)]):
+    return None
+  if eqn.primitive.name == "select_n":
+    which, cases = invars[0], invars[1:]
+    if not _scalar_exact(which.aval) or any(c.aval != eqn.outvars[0].aval for c in cases):
+      return None
+    return [cases[int(np.clip(int(which.val), 0, len(cases) - 1))]]
+  if eqn.primitive.name in _NESTED or not all(
+      _scalar_exact(v.aval) for v in (*invars, *eqn.outvars)):
+    return None
+  try:
+    outs = grid_eval.apply_equation(eqn, [np.asarray(x.val, x.aval.dtype) for x in invars])
+  except grid_eval.Unsupported:
+    return None
+  return [Literal(np.asarray(o, v.aval.dtype)[()], v.aval) for v, o in zip(eqn.outvars, outs)]
+
+
+def _folded_params(eqn: Any) -> dict:
+  names = _NESTED.get(eqn.primitive.name, ())
+  params = eqn.params
+  for name in names:
+    value = params.get(name)
+    if value is None:
+      continue
+    new = tuple(_fold_closed(b) for b in value) if isinstance(value, tuple) \
+        else _fold_closed(value)
+    unchanged = all(a is b for a, b in zip(new, value)) if isinstance(value, tuple) \
+        else new is value
+    if not unchanged:
+      params = {**params, name: new}
+  return params
+
+
+def _fold_closed(x: Any) -> Any:
+  if isinstance(x, ClosedJaxpr):
+    return fold_literals(x)
+  return _fold(x) if hasattr(x, "eqns") else x
+
+
+def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+  """`jaxpr` on `args` (as `jax.core.eval_jaxpr`), with scalar integer arithmetic on
+  constants done in NumPy and conds on a constant index run as their branch."""
+  env: dict = dict(zip(jaxpr.constvars, consts))
+  env.update(zip(jaxpr.invars, args))
+  read = lambda x: x.val if isinstance(x, Literal) else env[x]
+  for eqn in jaxpr.eqns:
+    ins = [read(x) for x in eqn.invars]
+    outs = _known_results(eqn, ins)
+    if outs is None:
+      outs = _bind(eqn, ins)
+    env.update(zip(eqn.outvars, outs))
+  return [read(x) for x in jaxpr.outvars]
+
+
+def _constant(x: Any) -> np.ndarray | None:
+  """`x` as a NumPy scalar where it is a constant (not traced) scalar."""
+  if internals.is_tracer(x) or not hasattr(x, "__array__") and not isinstance(x, (bool, int)):
+    return None
+  value = np.asarray(x)
+  return value if value.ndim == 0 else None
+
+
+def _known_results(eqn: Any, ins: list) -> list | None:
+  if eqn.primitive.name == "cond":
+    index = _constant(ins[0])
+    if index is None:
+      return None
+    branches = eqn.params["branches"]
+    branch = branches[int(np.clip(int(index), 0, len(branches) - 1))]
+    return evaluate(branch.jaxpr, branch.consts, ins[1:])
+  if eqn.effects or eqn.primitive.name in _NESTED or not all(
+      _scalar_exact(v.aval) for v in (*eqn.invars, *eqn.outvars)):
+    return None
+  values = [_constant(x) for x in ins]
+  if any(v is None for v in values):
+    return None
+  try:
+    return grid_eval.apply_equation(
+        eqn, [v.astype(x.aval.dtype) for v, x in zip(values, eqn.invars)])
+  except grid_eval.Unsupported:
+    return None
+
+
+def _bind(eqn: Any, args: list) -> list:
+  bind_params = eqn.primitive.get_bind_params(eqn.params)
+  subfuns, params = bind_params if isinstance(bind_params, tuple) else ((), bind_params)
+  outs = eqn.primitive.bind(*subfuns, *args, **params)
+  return list(outs) if eqn.primitive.multiple_results else [outs]
