@@ -44,15 +44,23 @@ def _positions(positions, batch, seq):
   return jnp.broadcast_to(positions, (batch, seq))
 
 
-def _kernel(sign: float):
+def _kernel(sign: float, one_store: bool):
+  """one_store: write the block at once as the sum of its two zero-padded halves, a
+  form XLA fuses into one pass over memory (two half-width stores cost it a
+  concatenation); a Triton program stores each half."""
   def kernel(pos_ref, freq_ref, x_ref, o_ref):
     half = freq_ref.shape[0]
     angles = pos_ref[...].astype(F32)[:, None] * freq_ref[...][None, :]   # (block, half)
     cos, sin = jnp.cos(angles)[:, None, :], sign * jnp.sin(angles)[:, None, :]
     x1 = x_ref[:, :, :half].astype(F32)
     x2 = x_ref[:, :, half:].astype(F32)
-    o_ref[:, :, :half] = (x1 * cos - x2 * sin).astype(o_ref.dtype)
-    o_ref[:, :, half:] = (x2 * cos + x1 * sin).astype(o_ref.dtype)
+    y1, y2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    if one_store:
+      pad = lambda y, before: jnp.pad(y, ((0, 0), (0, 0), (before, half - before)))
+      o_ref[...] = (pad(y1, 0) + pad(y2, half)).astype(o_ref.dtype)
+    else:
+      o_ref[:, :, :half] = y1.astype(o_ref.dtype)
+      o_ref[:, :, half:] = y2.astype(o_ref.dtype)
   return kernel
 
 
@@ -60,7 +68,7 @@ def _rotate(x, positions, freqs, sign, block_seq):
   batch, seq, heads, d = x.shape
   spec = pl.BlockSpec((None, block_seq, heads, d), lambda b, s: (b, s, 0, 0))
   return pl.pallas_call(
-      _kernel(sign), out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+      _kernel(sign, target_backend() == "xla"), out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
       grid=(batch, cdiv(seq, block_seq)),
       in_specs=[pl.BlockSpec((None, block_seq), lambda b, s: (b, s)),
                 pl.BlockSpec((d // 2,), lambda b, s: (0,)), spec],
