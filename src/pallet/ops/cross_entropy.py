@@ -338,7 +338,8 @@ def _reduced_bwd(reduction, block_n, block_v, block_h, saved, g):
 
 _reduced.defvjp(_reduced_fwd, _reduced_bwd)
 
-# Logits a step of the reduced forward holds: its row block shrinks to fit (4 MiB).
+# Logits one step of the CPU gradient kernel holds at most (4 MiB of float32): its row
+# block shrinks to fit a large vocabulary.
 _ROWS_OF_LOGITS = 1 << 20
 
 # A GPU program holds its (hidden, block_v) float32 slab of dW in registers: at most this
