@@ -152,5 +152,6 @@ def _known_results(eqn: Any, ins: list) -> list | None:
 def _bind(eqn: Any, args: list) -> list:
   bind_params = eqn.primitive.get_bind_params(eqn.params)
   subfuns, params = bind_params if isinstance(bind_params, tuple) else ((), bind_params)
-  outs = eqn.primitive.bind(*subfuns, *args, **params)
+  with internals.equation_context(eqn):   # source lines and names, as eval_jaxpr keeps
+    outs = eqn.primitive.bind(*subfuns, *args, **params)
   return list(outs) if eqn.primitive.multiple_results else [outs]
