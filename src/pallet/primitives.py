@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend.core import Primitive
+from jax.extend.core import Literal, Primitive
 from jax.interpreters import mlir
 
 from pallet import _internals as internals
@@ -261,8 +261,8 @@ def _load_discharge(in_avals, out_avals, ref_value, *args, tree, has_other):
   flat, (mask, *other) = _split(args, [tree.num_leaves, 1 + has_other])
   offsets = _element_offsets(ref_value.shape, jax.tree_util.tree_unflatten(tree, flat))
   view = _gather(ref_value, offsets)
-  fill = other[0] if other else jnp.zeros_like(view)
-  return (None,) * len(in_avals), jnp.where(mask, view, fill)
+  fill = other[0] if other else lax.full_like(view, 0)
+  return (None,) * len(in_avals), lax.select(mask, view, fill)
 
 
 # ------------------------------------------------------------------ masked store
@@ -295,9 +295,11 @@ store_p.def_effectful_abstract_eval(_store_abstract_eval)
 def _scatter_into(ref_value, offsets, mask, update_fn):
   """Applies `update_fn(flat_ref.at[offsets])` with masked-out offsets dropped."""
   size = math.prod(ref_value.shape)
-  offsets = jnp.where(offsets < 0, size, offsets)
+  # lax, not jnp.where: jnp.where traces its jitted implementation per new shape
+  past_end = lax.full_like(offsets, size)
+  offsets = lax.select(lax.lt(offsets, lax.full_like(offsets, 0)), past_end, offsets)
   if mask is not None:
-    offsets = jnp.where(mask, offsets, size)
+    offsets = lax.select(mask, offsets, past_end)
   flat = update_fn(ref_value.reshape(-1).at[offsets.reshape(-1)])
   return flat.reshape(ref_value.shape)
 
@@ -425,7 +427,9 @@ def _sequential_rmw(ref_value, offsets, value, mask, combine):
   def segmented(a, b):
     starts_a, va = a
     starts_b, vb = b
-    return starts_a | starts_b, jnp.where(starts_b, vb, combine(va, vb))
+    # lax, not jnp.where: every level of the scan has its own shape, for which
+    # jnp.where would trace its jitted implementation anew
+    return lax.bitwise_or(starts_a, starts_b), lax.select(starts_b, vb, combine(va, vb))
   _, running = lax.associative_scan(segmented, (first, lane_values))
   flat = ref_value.reshape(-1)
   base = flat.at[targets].get(mode="fill", fill_value=0)
@@ -436,18 +440,57 @@ def _sequential_rmw(ref_value, offsets, value, mask, combine):
   return new_flat.reshape(ref_value.shape), old.reshape(offsets.shape)
 
 
+def _atomic_operands(ref_value, args, tree, has_mask):
+  flat, (value, *mask) = _split(args, [tree.num_leaves, 1 + has_mask])
+  offsets = _element_offsets(ref_value.shape, jax.tree_util.tree_unflatten(tree, flat))
+  return offsets, value, (mask[0] if mask else None)
+
+
+def _atomic_scatter(ref_value, offsets, value, mask, op):
+  return _scatter_into(ref_value, offsets, mask,
+                       lambda at: getattr(at, op)(jnp.ravel(value), mode="drop"))
+
+
 @internals.register_discharge_rule(atomic_rmw_p)
 def _atomic_rmw_discharge(in_avals, out_avals, ref_value, *args, tree, op, has_mask):
-  flat, (value, *mask) = _split(args, [tree.num_leaves, 1 + has_mask])
-  mask = mask[0] if mask else None
-  offsets = _element_offsets(ref_value.shape, jax.tree_util.tree_unflatten(tree, flat))
+  offsets, value, mask = _atomic_operands(ref_value, args, tree, has_mask)
   new_ref, old = _sequential_rmw(ref_value, offsets, value, mask, _ATOMIC_COMBINE[op])
   if op in _ATOMIC_SCATTER:
     # Same final state, but a plain scatter is far cheaper; the sort above is then
     # only kept by XLA when the kernel uses the returned old values.
-    new_ref = _scatter_into(ref_value, offsets, mask,
-                            lambda at: getattr(at, op)(jnp.ravel(value), mode="drop"))
+    new_ref = _atomic_scatter(ref_value, offsets, value, mask, op)
   return (new_ref,) + (None,) * (len(in_avals) - 1), old
+
+
+# An atomic_rmw whose returned old values nothing reads, for the ops whose final
+# state is a scatter: `unread_atomics_as_updates` substitutes it before a discharge,
+# which then traces no sort and scan for the old values (costly to trace and lower,
+# though XLA drops them).
+atomic_update_p = Primitive("atomic_update")
+atomic_update_p.def_effectful_abstract_eval(_atomic_rmw_abstract_eval)
+
+
+@internals.register_discharge_rule(atomic_update_p)
+def _atomic_update_discharge(in_avals, out_avals, ref_value, *args, tree, op, has_mask):
+  offsets, value, mask = _atomic_operands(ref_value, args, tree, has_mask)
+  new_ref = _atomic_scatter(ref_value, offsets, value, mask, op)
+  unread = lax.full(out_avals[0].shape, 0, out_avals[0].dtype)
+  return (new_ref,) + (None,) * (len(in_avals) - 1), unread
+
+
+def unread_atomics_as_updates(closed_jaxpr: Any) -> Any:
+  """`closed_jaxpr` with its top-level add/max/min atomics whose results are never
+  read bound as `atomic_update` (same final state); the same jaxpr if there are none."""
+  jaxpr = closed_jaxpr.jaxpr
+  read = {v for e in jaxpr.eqns for v in e.invars if not isinstance(v, Literal)}
+  read.update(v for v in jaxpr.outvars if not isinstance(v, Literal))
+  eqns = [e.replace(primitive=atomic_update_p)
+          if (e.primitive is atomic_rmw_p and e.params["op"] in _ATOMIC_SCATTER
+              and e.outvars[0] not in read) else e
+          for e in jaxpr.eqns]
+  if all(a is b for a, b in zip(eqns, jaxpr.eqns)):
+    return closed_jaxpr
+  return closed_jaxpr.replace(jaxpr=jaxpr.replace(eqns=eqns))
 
 
 atomic_cas_p = Primitive("atomic_cas")

@@ -26,7 +26,7 @@ import numpy as np
 from jax.extend.core import Literal
 
 from pallet import _internals as internals
-from pallet import grid_eval
+from pallet import grid_eval, primitives, trace_cache
 from pallet.grid_analysis import apply_equation, is_var as _is_var
 from pallet.tracing import KernelDescription
 
@@ -344,10 +344,18 @@ def evaluate_resets(resets: tuple[ResetPredicate, ...], grid: tuple[int, ...]) -
   return table.reshape(grid)
 
 
+@trace_cache.kernel_cache
+def discharged(kernel: KernelDescription) -> Any:
+  """The kernel's pure (state-discharged) jaxpr. Discharging traces every
+  equation's rule, so the analyses and the emitted body share one per kernel;
+  atomics whose results nothing reads discharge to plain scatters."""
+  return internals.discharge_state(primitives.unread_atomics_as_updates(kernel.jaxpr))
+
+
 def analyse_body(kernel: KernelDescription) -> BodyFacts:
   gm = kernel.grid_mapping
   G = len(gm.grid)
-  pure = internals.discharge_state(kernel.jaxpr)
+  pure = discharged(kernel)
   feeds: set[int] = set()
   in_deps = [frozenset({g}) for g in range(G)] + [frozenset()] * (len(pure.jaxpr.invars) - G)
   _grid_dependencies(pure.jaxpr, in_deps, feeds)
@@ -376,7 +384,7 @@ def blocks_merge_along(kernel: KernelDescription, tiled: dict[int, int]) -> str 
   sum over the axis of every step's term. Otherwise, a reason why not.
   """
   gm = kernel.grid_mapping
-  pure = internals.discharge_state(kernel.jaxpr)
+  pure = discharged(kernel)
   jaxpr = pure.jaxpr
   G, n_pre, n_in = len(gm.grid), len(gm.prefetch_avals), len(gm.inputs)
   stacked: dict[Any, int] = {}           # value -> its widened (kernel) dimension

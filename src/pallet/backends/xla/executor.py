@@ -21,7 +21,7 @@ from jax import lax
 from pallet import _internals as internals
 from pallet import checks
 from pallet.backends.xla.plan import ExecutionPlan, OperandPlan, element_scale, make_plan
-from pallet.backends.xla import literal_folding, widening
+from pallet.backends.xla import body_analysis, literal_folding, widening
 from pallet.backends.xla.static_indices import fold_static_indices
 from pallet.backends.xla.widening import Widening
 from pallet.tracing import KernelDescription
@@ -46,7 +46,7 @@ def discharged_body(kernel: KernelDescription, widened: Widening | None = None,
     pure = widened.pure
     evaluate = lambda *args: widening.evaluate(pure.jaxpr, pure.consts, args, widened.tags)
   else:
-    pure = literal_folding.fold_literals(internals.discharge_state(kernel.jaxpr))
+    pure = literal_folding.fold_literals(body_analysis.discharged(kernel))
     # what differs between the programs vmapped together: their ids and every block
     G = len(gm.grid) + len(gm.dynamic_axes)
     varying = [g in vectorized for g in range(G)] + [True] * (len(pure.jaxpr.invars) - G)

@@ -48,7 +48,8 @@ from pallet import _internals as internals
 from pallet import grid_analysis, grid_eval
 from pallet.dma import DMA_PRIMITIVE_NAMES
 from pallet.backends.xla.body_analysis import (BodyFacts, analyse_body,
-                                                blocks_merge_along, evaluate_resets)
+                                                blocks_merge_along, discharged,
+                                                evaluate_resets)
 from pallet.grid_mapping import BlockMapping, GridMapping
 from pallet.tracing import KernelDescription
 
@@ -332,7 +333,7 @@ def _skipping_axes(kernel: KernelDescription) -> dict[int, float]:
   grid = gm.grid
   if not grid or None in grid:
     return {}
-  pure = internals.discharge_state(kernel.jaxpr)
+  pure = discharged(kernel)
   jaxpr = pure.jaxpr
   ids = jaxpr.invars[:len(grid)]
   producer = {v: e for e in jaxpr.eqns for v in e.outvars}
@@ -375,7 +376,7 @@ def _unbatchable_body(kernel: KernelDescription) -> str | None:
   if known:
     return (f"the kernel uses {', '.join(known)}, whose batching rule gives wrong shapes "
             f"for kernel operands, so the body never runs under vmap")
-  missing = sorted(_without_batching_rule(internals.discharge_state(kernel.jaxpr).jaxpr))
+  missing = sorted(_without_batching_rule(discharged(kernel).jaxpr))
   if missing:
     return (f"the kernel uses {', '.join(missing)}, which has no batching rule, so the body "
             f"cannot run under vmap")

@@ -28,8 +28,8 @@ import numpy as np
 from jax import lax
 from jax.extend.core import Literal
 
-from pallet import _internals as internals
 from pallet import trace_cache
+from pallet.backends.xla import body_analysis
 from pallet.tracing import KernelDescription
 
 _ELEMENTWISE = frozenset({
@@ -67,7 +67,7 @@ def analyse(kernel: KernelDescription, axis: int, tiled_inputs: tuple[tuple[int,
   gm = kernel.grid_mapping
   if gm.scratch_avals or gm.prefetch_avals or gm.dynamic_axes:
     return "scratch, scalar prefetch or traced grid sizes"
-  pure = internals.discharge_state(kernel.jaxpr)
+  pure = body_analysis.discharged(kernel)
   jaxpr = pure.jaxpr
   G, n_in, n_out = len(gm.grid), len(gm.inputs), len(gm.outputs)
   tags: dict = {}
