@@ -23,6 +23,7 @@ otherwise copies those operands once per program.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Sequence
 
 import jax
@@ -141,7 +142,7 @@ class _Folder:
       return self.cond(eqn, ins)
     known = all(isinstance(x, _Known) for x in ins)
     if known and not eqn.effects and not _subjaxprs(eqn) and all(
-        _numeric(v.aval) and np.prod(v.aval.shape, dtype=np.int64) <= MAX_FOLDED_ELEMENTS
+        _numeric(v.aval) and math.prod(v.aval.shape) <= MAX_FOLDED_ELEMENTS
         for v in eqn.outvars):
       try:   # NumPy first: an eager JAX op compiles a program per primitive and shape
         return [_Known(o) for o in grid_eval.apply_array_equation(eqn, [x.value for x in ins])]
