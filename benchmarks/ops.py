@@ -34,8 +34,17 @@ def _peer_module(module: str) -> types.ModuleType:
   shim = types.ModuleType("pallas_interpreted")
   shim.__dict__.update({k: v for k, v in vars(jpl).items() if not k.startswith("__")})
   shim.pallas_call = functools.partial(jpl.pallas_call, interpret=True)
+  shim.CompilerParams = _peer_compiler_params(jpl)
   copy.pl = shim
   return copy
+
+
+def _peer_compiler_params(jpl: Any) -> Callable[..., Any]:
+  """pallet's `pl.CompilerParams` takes any backend's fields; JAX's is a Protocol. The
+  interpreter honours only the grid's dimension semantics, so the peer gets those."""
+  def params(dimension_semantics: Any = None, **_backend_specific: Any) -> Any:
+    return jpl.tpu.CompilerParams(dimension_semantics=dimension_semantics)
+  return params
 
 
 def _builder(module: str, name: str, wrap: Callable[[Callable], Callable]):

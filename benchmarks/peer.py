@@ -18,4 +18,5 @@ def peer_pallas() -> types.SimpleNamespace:
   public = {name: getattr(pallas, name) for name in dir(pallas)
             if not name.startswith("_")}
   public.update(atomic_add=pallas_triton.atomic_add, tpu=pallas_tpu)
-  return types.SimpleNamespace(**public)
+  # kernels that import a sibling namespace by name (`pl.__name__ + ".tpu"`) find JAX's
+  return types.SimpleNamespace(__name__=pallas.__name__, **public)
