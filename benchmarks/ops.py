@@ -73,13 +73,16 @@ def _vjp(fn: Callable) -> Callable:
 
 def _rows(name: str, module: str, op: str, reference: Callable, *, grid: tuple[int, ...],
           shapes: str, make_inputs: Callable, out_shapes: Callable, kwargs: dict | None = None,
-          rtol: float = 1e-4, atol: float = 1e-4, grad: bool = True) -> list[Benchmark]:
-  """The forward row `op_<name>` and, with grad, the `op_<name>_grad` row."""
+          blocks: dict | None = None, rtol: float = 1e-4, atol: float = 1e-4,
+          grad: bool = True) -> list[Benchmark]:
+  """The forward row `op_<name>` and, with grad, the `op_<name>_grad` row (`kwargs`
+  go to op and reference, `blocks` to the op only; without them it runs its defaults)."""
   kwargs = kwargs or {}
   bind = lambda f: (lambda *a: f(*a, **kwargs))
+  bind_op = lambda f: (lambda *a: f(*a, **kwargs, **(blocks or {})))
   rows = [Benchmark(name=f"op_{name}", family=FAMILY, grid=grid, shapes=shapes,
                     make_inputs=make_inputs, reference=bind(reference),
-                    build_pallas=_builder(module, op, bind), rtol=rtol, atol=atol)]
+                    build_pallas=_builder(module, op, bind_op), rtol=rtol, atol=atol)]
   if grad:
     def with_cotangent(key):
       k1, k2 = jax.random.split(key)
@@ -92,7 +95,7 @@ def _rows(name: str, module: str, op: str, reference: Callable, *, grid: tuple[i
     rows.append(Benchmark(
         name=f"op_{name}_grad", family=FAMILY, grid=grid, shapes=shapes + ", fwd+bwd",
         make_inputs=with_cotangent, reference=_vjp(bind(reference)),
-        build_pallas=_builder(module, op, lambda f: _vjp(bind(f))), rtol=rtol * 10,
+        build_pallas=_builder(module, op, lambda f: _vjp(bind_op(f))), rtol=rtol * 10,
         atol=atol * 10))
   return rows
 
@@ -190,26 +193,33 @@ _ROPE = {"full": (4, 1024, 16, 128), "small": (2, 256, 4, 64), "tiny": (2, 32, 2
 
 
 def _rope(size: Size) -> list[Benchmark]:
+  """At the op's CPU default (one block per sequence); the tiny smoke size passes
+  8-position blocks so its grid has several steps along the sequence too."""
   from pallet.ops import rotary_embedding_reference
   b, t, heads, d = _ROPE[size]
-  block = max(1, min(64, 4096 // (1 << (heads * d - 1).bit_length())))
+  block = 8 if size == "tiny" else t
   return _rows("rotary_embedding", "rope", "rotary_embedding", rotary_embedding_reference,
                grid=(b, math.ceil(t / block)), shapes=f"{b}x{t}x{heads}x{d} f32 (batch, seq, "
                f"heads, head_dim), {block}-position blocks", make_inputs=lambda k: _normal(k, (b, t, heads, d)),
-               out_shapes=_like, rtol=1e-4, atol=1e-4)
+               out_shapes=_like, rtol=1e-4, atol=1e-4,
+               blocks={"block_seq": 8} if size == "tiny" else None)
 
 
 _GLU = {"full": (4096, 2816), "small": (512, 704), "tiny": (64, 96)}
 
 
 def _glu(size: Size) -> list[Benchmark]:
+  """At the op's CPU default (the whole array in one block, which XLA fuses like the
+  twin); the tiny smoke size passes 16x32 blocks so its grid has several steps."""
   from pallet.ops import swiglu_reference
   n, f = _GLU[size]
-  cols = min(1024, 1 << (f - 1).bit_length())
+  rows, cols = (16, 32) if size == "tiny" else (n, f)
   return _rows("swiglu", "glu", "swiglu", swiglu_reference,
-               grid=(math.ceil(n / max(1, 4096 // cols)), math.ceil(f / cols)),
-               shapes=f"{n}x{f} f32 gate and up", make_inputs=lambda k: _normal(k, (n, f), (n, f)),
-               out_shapes=_like, rtol=1e-5, atol=1e-5)
+               grid=(math.ceil(n / rows), math.ceil(f / cols)),
+               shapes=f"{n}x{f} f32 gate and up, {rows}x{cols} blocks",
+               make_inputs=lambda k: _normal(k, (n, f), (n, f)), out_shapes=_like,
+               rtol=1e-5, atol=1e-5,
+               blocks={"block_rows": 16, "block_cols": 32} if size == "tiny" else None)
 
 
 _ATTN = {"full": (1, 8, 2, 1024, 64), "small": (1, 4, 2, 256, 64), "tiny": (1, 2, 1, 64, 16)}
