@@ -31,7 +31,7 @@ def test_untuned_calls_use_the_plain_ops_defaults(monkeypatch, fresh_cache):
 
 
 def test_pallet_tune_lists_every_tuned_op():
-  names = {c.name for c in ops.tuning_cases("tiny")}
+  names = {"/".join(c.name.split("/")[:2]) for c in ops.tuning_cases("tiny")}
   assert names == {f"ops/{n}" for n in ("layer_norm", "rms_norm", "softmax", "swiglu",
                                          "linear_cross_entropy", "rotary_embedding",
                                          "flash_attention", "paged_attention", "ragged_dot")}

@@ -55,6 +55,7 @@ paged_attention = autotune(_paged_attention, key=("q", "k_pages", "page_indices"
 ragged_dot = autotune(
     _ragged_dot, key=("lhs", "rhs"),
     configs=[{"block_m": None, "block_k": None, "block_n": None},
+             {"block_m": 64, "block_k": None, "block_n": None},
              {"block_m": 128, "block_k": None, "block_n": None},
              {"block_m": 512, "block_k": None, "block_n": None},
              {"block_m": 128, "block_k": 32, "block_n": 128},
@@ -62,7 +63,8 @@ ragged_dot = autotune(
 
 
 def tuning_cases(size: str = "full") -> list[Case]:
-  """One case per tuned op at the benchmark suite's problem sizes."""
+  """One case per tuned op at the benchmark suite's problem sizes (`ops/<op>`), and
+  `ops/<op>/<variant>` cases at shapes its defaults were not chosen for."""
   shrink = {"full": 0, "small": 2, "tiny": 4}[size]
   keys = jax.random.split(jax.random.key(0), 4)
   n, d = 4096 >> shrink, 1024 >> shrink
@@ -83,10 +85,22 @@ def tuning_cases(size: str = "full") -> list[Case]:
   moe_x = jax.random.normal(keys[0], (tokens, d))
   moe_w = jax.random.normal(keys[1], (experts, d, d)) / d ** 0.5
   moe_sizes = jnp.array([22, 7, 0, 29, 2, 15, 13, 12], jnp.int32) * tokens // 100
+  # Shapes the defaults were not chosen for: many small experts (a row tile straddles
+  # several groups and is multiplied once per group it touches), narrow rows, and a
+  # 32K vocabulary.
+  many_sizes = jnp.bincount(jax.random.randint(keys[3], (tokens,), 0, 64), length=64)
+  narrow, narrow_w = (jax.random.normal(keys[2], (65536 >> shrink, 128)),
+                      jax.random.normal(keys[3], (128,)))
+  big_h = jax.random.normal(keys[0], (4096 >> shrink, 256))
+  big_w = jax.random.normal(keys[1], (256, 32768 >> shrink)) / 16
+  big_labels = jax.random.randint(keys[2], (4096 >> shrink,), 0, 32768 >> shrink)
   return [Case("ops/layer_norm", lambda: layer_norm(x, w, w)),
+          Case("ops/layer_norm/narrow_rows", lambda: layer_norm(narrow, narrow_w, narrow_w)),
           Case("ops/rms_norm", lambda: rms_norm(x, w)),
           Case("ops/softmax", lambda: softmax(x)),
           Case("ops/linear_cross_entropy", lambda: linear_cross_entropy(h, wv, labels)),
+          Case("ops/linear_cross_entropy/large_vocabulary",
+               lambda: linear_cross_entropy(big_h, big_w, big_labels)),
           Case("ops/rotary_embedding", lambda: rotary_embedding(r)),
           Case("ops/swiglu", lambda: swiglu(x, x * 0.5)),
           Case("ops/flash_attention", lambda: flash_attention(q, kv, kv, causal=True)),
@@ -94,5 +108,8 @@ def tuning_cases(size: str = "full") -> list[Case]:
                lambda: paged_attention(jnp.swapaxes(q[0, :, :4], 0, 1), k_pages, k_pages,
                                        lengths, table)),
           Case("ops/ragged_dot", lambda: ragged_dot(moe_x, moe_w, moe_sizes)),
+          Case("ops/ragged_dot/64_experts",
+               lambda: ragged_dot(moe_x, jnp.tile(moe_w[:, :, :256], (8, 1, 1)),
+                                  many_sizes.astype(jnp.int32))),
           ]
 
