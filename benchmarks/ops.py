@@ -63,11 +63,15 @@ def _builder(module: str, name: str, wrap: Callable[[Callable], Callable]):
   return build
 
 
-def _vjp(fn: Callable) -> Callable:
-  """(*args, cotangent) -> the VJP of fn at args."""
+def _vjp(fn: Callable, wrt: int | None = None) -> Callable:
+  """(*args, cotangent) -> the VJP of fn at args, w.r.t. its first `wrt` args (all by
+  default; the rest, e.g. integer labels or group sizes, held fixed)."""
   def program(*args):
-    _, pullback = jax.vjp(fn, *args[:-1])
-    return pullback(args[-1])
+    inputs, cotangent = args[:-1], args[-1]
+    count = len(inputs) if wrt is None else wrt
+    fixed = inputs[count:]
+    _, pullback = jax.vjp(lambda *diff: fn(*diff, *fixed), *inputs[:count])
+    return pullback(cotangent)
   return program
 
 
@@ -163,8 +167,9 @@ def _cross_entropy(size: Size) -> list[Benchmark]:
       name="op_linear_cross_entropy_grad", family=FAMILY, grid=rows[0].grid,
       shapes=rows[0].shapes + ", fwd+bwd (dh, dW)",
       make_inputs=lambda k: (*make_inputs(k), jax.random.normal(k, (n,), jnp.float32)),
-      reference=_ce_vjp(m.linear_cross_entropy_reference),
-      build_pallas=_builder("cross_entropy", "linear_cross_entropy", _ce_vjp),
+      reference=_vjp(m.linear_cross_entropy_reference, wrt=2),
+      build_pallas=_builder("cross_entropy", "linear_cross_entropy",
+                            functools.partial(_vjp, wrt=2)),
       rtol=1e-3, atol=1e-3))
   rows.append(Benchmark(
       name="op_linear_cross_entropy_mean_grad", family=FAMILY, grid=rows[0].grid,
@@ -173,13 +178,6 @@ def _cross_entropy(size: Size) -> list[Benchmark]:
       build_pallas=_builder("cross_entropy", "linear_cross_entropy", _ce_mean_grad),
       rtol=1e-3, atol=1e-3))
   return rows
-
-
-def _ce_vjp(fn: Callable) -> Callable:
-  def program(h, w, labels, g):
-    _, pullback = jax.vjp(lambda h, w: fn(h, w, labels), h, w)
-    return pullback(g)
-  return program
 
 
 def _ce_mean_grad(fn: Callable) -> Callable:
@@ -299,16 +297,10 @@ def _ragged_dot(size: Size) -> list[Benchmark]:
       name="op_ragged_dot_grad", family=FAMILY, grid=rows[0].grid,
       shapes=shapes + ", fwd+bwd (dlhs, drhs)",
       make_inputs=lambda key: (*make_inputs(key), jax.random.normal(key, (m, n), jnp.float32)),
-      reference=_ragged_vjp(ragged_dot_reference),
-      build_pallas=_builder("ragged_dot", "ragged_dot", _ragged_vjp), rtol=1e-3, atol=1e-3))
+      reference=_vjp(ragged_dot_reference, wrt=2),
+      build_pallas=_builder("ragged_dot", "ragged_dot", functools.partial(_vjp, wrt=2)),
+      rtol=1e-3, atol=1e-3))
   return rows
-
-
-def _ragged_vjp(fn: Callable) -> Callable:
-  def program(lhs, rhs, group_sizes, g):
-    _, pullback = jax.vjp(lambda lhs, rhs: fn(lhs, rhs, group_sizes), lhs, rhs)
-    return pullback(g)
-  return program
 
 
 FAMILIES = (_normalization, _softmax, _cross_entropy, _rope, _glu, _attention, _decode,
