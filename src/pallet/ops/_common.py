@@ -71,3 +71,26 @@ def target_backend() -> str:
   sizes differ per backend (a GPU program's registers versus XLA's whole arrays)."""
   from pallet.backends import resolve
   return resolve(None, False)[0]
+
+
+def online_softmax_start(rows: int, width: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The empty (running max, running sum, accumulator) of an online softmax over
+  key blocks, for `rows` queries and value width `width`."""
+  return (jnp.full((rows,), -jnp.inf, F32), jnp.zeros((rows,), F32),
+          jnp.zeros((rows, width), F32))
+
+
+def online_softmax_step(carry: tuple[jax.Array, jax.Array, jax.Array], scores: jax.Array,
+                        values: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """One key block of an online softmax (flash attention's inner step): rescale what
+  the earlier blocks summed to the new running max, add this block's exp(scores)
+  and exp(scores) @ values. Masked scores are -inf; a row whose scores are all -inf
+  so far keeps sum 0 (its max stays -inf, rescaled against 0, never NaN)."""
+  m, l, acc = carry
+  m_new = jnp.maximum(m, jnp.max(scores, axis=1))
+  m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+  p = jnp.exp(scores - m_safe[:, None])
+  alpha = jnp.exp(m - m_safe)
+  acc = acc * alpha[:, None] + jnp.dot(p.astype(values.dtype), values,
+                                       preferred_element_type=F32)
+  return m_new, l * alpha + jnp.sum(p, axis=1), acc

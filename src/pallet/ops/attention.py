@@ -26,7 +26,8 @@ import jax.numpy as jnp
 from jax import lax
 
 import pallet as pl
-from pallet.ops._common import F32, cdiv, check_block, check_float, fail, target_backend
+from pallet.ops._common import (F32, cdiv, check_block, check_float, fail,
+                                online_softmax_start, online_softmax_step, target_backend)
 
 __all__ = ["flash_attention", "attention_reference"]
 
@@ -142,22 +143,13 @@ def _forward_kernel(c: _Config):
     bq, d = q.shape
 
     def step(j, carry):
-      m, l, acc = carry
       keys = pl.ds(j * c.block_k, c.block_k)
       s, _ = _scores(q, k_ref[keys, :], c, i * c.block_q, j * c.block_k, q_seg,
                      ks_ref[keys] if c.segments else None)
-      m_new = jnp.maximum(m, jnp.max(s, axis=1))
-      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-      p = jnp.exp(s - m_safe[:, None])
-      alpha = jnp.exp(m - m_safe)
-      l = l * alpha + jnp.sum(p, axis=1)
-      acc = acc * alpha[:, None] + jnp.dot(p.astype(v_ref.dtype), v_ref[keys, :],
-                                           preferred_element_type=F32)
-      return m_new, l, acc
+      return online_softmax_step(carry, s, v_ref[keys, :])
 
     lo, hi = _key_blocks(c, i, k_ref.shape[0] // c.block_k)
-    init = (jnp.full((bq,), -jnp.inf, F32), jnp.zeros((bq,), F32), jnp.zeros((bq, d), F32))
-    m, l, acc = lax.fori_loop(lo, hi, step, init)
+    m, l, acc = lax.fori_loop(lo, hi, step, online_softmax_start(bq, d))
     empty = l == 0.0
     o_ref[...] = (acc / jnp.where(empty, 1.0, l)[:, None]).astype(o_ref.dtype)
     # Rows with no visible key: +inf makes every recomputed probability exp(s - lse) 0.

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 from jax import lax
 
 import pallet as pl
-from pallet.ops._common import F32, cdiv, check_block, check_float, fail, target_backend
+from pallet.ops._common import (F32, cdiv, check_block, check_float, fail,
+                                online_softmax_start, online_softmax_step, target_backend)
 
 __all__ = ["decode_attention", "decode_attention_reference"]
 
@@ -44,22 +45,15 @@ def _kernel(scale: float, block_k: int, max_len: int):
     g, d = q.shape
 
     def step(j, carry):
-      m, l, acc = carry
       keys = pl.ds(j * block_k, block_k)
       s = lax.dot_general(q, k_ref[keys, :], (((1,), (1,)), ((), ())),
                           preferred_element_type=F32) * scale
       pos = j * block_k + lax.broadcasted_iota(jnp.int32, s.shape, 1)
       s = jnp.where(pos < length, s, -jnp.inf)
-      m_new = jnp.maximum(m, jnp.max(s, axis=1))
-      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-      p = jnp.exp(s - m_safe[:, None])
-      alpha = jnp.exp(m - m_safe)
-      acc = acc * alpha[:, None] + jnp.dot(p.astype(v_ref.dtype), v_ref[keys, :],
-                                           preferred_element_type=F32)
-      return m_new, l * alpha + jnp.sum(p, axis=1), acc
+      return online_softmax_step(carry, s, v_ref[keys, :])
 
-    init = (jnp.full((g,), -jnp.inf, F32), jnp.zeros((g,), F32), jnp.zeros((g, d), F32))
-    _, l, acc = lax.fori_loop(0, (length + block_k - 1) // block_k, step, init)
+    _, l, acc = lax.fori_loop(0, (length + block_k - 1) // block_k, step,
+                              online_softmax_start(g, d))
     o_ref[...] = (acc / jnp.where(l == 0, 1.0, l)[:, None]).astype(o_ref.dtype)
 
   return kernel

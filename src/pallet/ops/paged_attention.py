@@ -19,7 +19,8 @@ import jax.numpy as jnp
 from jax import lax
 
 import pallet as pl
-from pallet.ops._common import F32, cdiv, check_block, check_float, fail, target_backend
+from pallet.ops._common import (F32, cdiv, check_block, check_float, fail,
+                                online_softmax_start, online_softmax_step, target_backend)
 
 __all__ = ["paged_attention", "paged_attention_reference"]
 
@@ -75,7 +76,6 @@ def _kernel(scale: float, softcap: float | None, page_size: int, block: int, cap
     g, d = q.shape
 
     def step(j, carry):
-      m, l, acc = carry
       pos = j * block + lax.broadcasted_iota(jnp.int32, (block,), 0)
       rows = table_ref[pos // page_size] * page_size + pos % page_size
       s = lax.dot_general(q, k_ref[rows, :], (((1,), (1,)), ((), ())),
@@ -83,16 +83,10 @@ def _kernel(scale: float, softcap: float | None, page_size: int, block: int, cap
       if softcap is not None:
         s = softcap * jnp.tanh(s / softcap)
       s = jnp.where((pos < length)[None, :], s, -jnp.inf)
-      m_new = jnp.maximum(m, jnp.max(s, axis=1))
-      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-      p = jnp.exp(s - m_safe[:, None])
-      alpha = jnp.exp(m - m_safe)
-      acc = acc * alpha[:, None] + jnp.dot(p.astype(v_ref.dtype), v_ref[rows, :],
-                                           preferred_element_type=F32)
-      return m_new, l * alpha + jnp.sum(p, axis=1), acc
+      return online_softmax_step(carry, s, v_ref[rows, :])
 
-    init = (jnp.full((g,), -jnp.inf, F32), jnp.zeros((g,), F32), jnp.zeros((g, d), F32))
-    m_ref[...], l_ref[...], acc_ref[...] = lax.fori_loop(first, last, step, init)
+    m_ref[...], l_ref[...], acc_ref[...] = lax.fori_loop(first, last, step,
+                                                         online_softmax_start(g, d))
 
   return kernel
 
