@@ -127,6 +127,63 @@ def test_overhanging_writes_are_dropped_not_wrapped():
   assert_close(out, x + 1)
 
 
+@pytest.mark.cpu_only
+@pytest.mark.parametrize("dtype, pad", [(jnp.float32, np.nan), (jnp.int32, np.iinfo(np.int32).min)])
+@pytest.mark.parametrize("how", ["interpret", "poison_switch"])
+def test_reads_past_the_edge_are_poisoned_in_interpret_mode(dtype, pad, how):
+  # As in Pallas's interpreter: a block read past its array's edge holds NaN (the
+  # integer minimum), so a kernel that lets it into a result shows it.
+  x = random_array((5,), dtype)
+
+  def copy(x_ref, o_ref):
+    o_ref[...] = x_ref[...]
+  call = dict(out_shape=jax.ShapeDtypeStruct((8,), dtype), grid=(1,),
+              in_specs=[pl.BlockSpec((8,), lambda i: (0,))])
+  if how == "interpret":
+    out = pl.pallas_call(copy, interpret=True, **call)(x)
+  else:
+    with pl.enable_poison_buffers(True):
+      out = pl.pallas_call(copy, **call)(x)
+  expected = jnp.concatenate([x, jnp.full((3,), pad, dtype)])
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(expected))
+
+
+@pytest.mark.cpu_only
+def test_unmasked_reduction_over_the_edge_shows_in_interpret_mode():
+  # A matmul whose K blocks overhang K and are not masked reads padding into every
+  # result: NaN under interpret=True (as in Pallas); masked, the result is right.
+  x, y = random_array((16, 20)), random_array((20, 16))
+
+  def matmul(masked):
+    def kernel(x_ref, y_ref, o_ref):
+      k = pl.program_id(0)
+      @pl.when(k == 0)
+      def _():
+        o_ref[...] = jnp.zeros_like(o_ref)
+      a, b = x_ref[...], y_ref[...]
+      if masked:
+        valid = k * 8 + jnp.arange(8) < 20
+        a, b = jnp.where(valid[None, :], a, 0.0), jnp.where(valid[:, None], b, 0.0)
+      o_ref[...] += jnp.dot(a, b, preferred_element_type=f32)
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((16, 16), f32), grid=(3,),
+                          in_specs=[pl.BlockSpec((16, 8), lambda k: (0, k)),
+                                    pl.BlockSpec((8, 16), lambda k: (k, 0))],
+                          out_specs=pl.BlockSpec((16, 16), lambda k: (0, 0)), interpret=True)
+  assert np.isnan(np.asarray(matmul(False)(x, y))).all()
+  assert_close(matmul(True)(x, y), x @ y, matmul=True)
+
+
+@pytest.mark.cpu_only
+def test_unwritten_outputs_are_poisoned_in_interpret_mode():
+  x = random_array((4, 8))
+
+  def kernel(x_ref, o_ref):
+    o_ref[:2] = x_ref[:2] * 2.0
+  out = pl.pallas_call(kernel, out_shape=sds(x), interpret=True)(x)
+  assert_close(out[:2], x[:2] * 2.0)
+  assert np.isnan(np.asarray(out[2:])).all()
+
+
 def test_overhanging_reduction_masks_out_of_range_reads():
   # Reads past the edge are unspecified: a correct kernel masks them.
   n, block = 11, 4

@@ -277,11 +277,16 @@ def uninitialized(shape: tuple[int, ...], dtype: Any, *, poison: bool | None = N
   """Contents for memory a kernel must write before reading: zeros, or with
   poisoning on (default: `pl.enable_poison_buffers`) NaN for floats, the minimum
   for integers and True for booleans, so a read before a write shows."""
+  return jnp.full(shape, fill_value(dtype, poison=poison), jnp.dtype(dtype))
+
+
+def fill_value(dtype: Any, *, poison: bool | None = None) -> Any:
+  """The value of memory that holds no data (see `uninitialized`), as a scalar."""
   dtype = jnp.dtype(dtype)
   if not (enable_poison_buffers.value if poison is None else poison):
-    return jnp.zeros(shape, dtype)
+    return dtype.type(0)
   if jnp.issubdtype(dtype, jnp.inexact):
-    return jnp.full(shape, jnp.nan, dtype)
+    return dtype.type(float("nan"))
   if jnp.issubdtype(dtype, jnp.integer):
-    return jnp.full(shape, jnp.iinfo(dtype).min, dtype)
-  return jnp.ones(shape, dtype)
+    return jnp.iinfo(dtype).min
+  return True

@@ -75,7 +75,7 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *,
       check_options = checking.options(interpret)
     except ValueError as e:
       raise PalletError(f"pallas_call of kernel '{name}': {e}") from None
-    with _checking_trace(check_options):
+    with _checking_trace(check_options, poison=interpret is True):
       return _launch(kernel, name, args, out_shape, grid, dynamic_sizes, in_specs, out_specs,
                      tuple(scratch_shapes), num_scalar_prefetch, aliases, debug,
                      backend_name, run_interpret, compiler_params, dimension_semantics,
@@ -84,11 +84,13 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *,
 
 
 @contextlib.contextmanager
-def _checking_trace(options: Any) -> Iterator[None]:
+def _checking_trace(options: Any, poison: bool) -> Iterator[None]:
   """Checking mode traces kernels with fresh memory poisoned (and pl.debug_check on
-  where asked), as the checks expect; see pallet/checking."""
+  where asked), as the checks expect; see pallet/checking. `interpret=True` poisons
+  too, as Pallas's interpreter does: unwritten outputs and the padding past an
+  array's edge read as NaN there, so a kernel that depends on them shows it."""
   with contextlib.ExitStack() as stack:
-    if options is not None and options.uninitialized:
+    if poison or options is not None and options.uninitialized:
       stack.enter_context(checks.enable_poison_buffers(True))
     if options is not None and options.debug_checks:
       stack.enter_context(checks.enable_debug_checks(True))

@@ -329,7 +329,7 @@ def build(kernel: KernelDescription, plan: ExecutionPlan | None = None) -> Calla
       m = op.mapping
       init = inputs[aliases[o]] if o in aliases else checks.uninitialized(
           m.array_shape, m.dtype, poison=kernel.poison_buffers)
-      bufs.append(_pad(init, op))
+      bufs.append(_pad(init, op, kernel.poison_buffers))
     if 0 in grid:
       return _unpad(bufs, plan)
     if n_dyn:
@@ -341,7 +341,7 @@ def build(kernel: KernelDescription, plan: ExecutionPlan | None = None) -> Calla
                    for i, op in enumerate(plan.inputs)]
       out_starts = [_Starts(op, plan, runtime[len(inputs) + i] if runtime else None)
                     for i, op in enumerate(plan.outputs)]
-    padded_in = [_pad(x, op) for x, op in zip(inputs, plan.inputs)]
+    padded_in = [_pad(x, op, kernel.poison_buffers) for x, op in zip(inputs, plan.inputs)]
     # Kernels with scalar prefetch loop every grid axis (see plan.py): no batch axes then.
     scratch = prefetch + [jnp.zeros(parallel_chunks + a.shape, a.dtype)
                           for a in gm.scratch_avals]
@@ -401,8 +401,12 @@ def build(kernel: KernelDescription, plan: ExecutionPlan | None = None) -> Calla
   return run
 
 
-def _pad(x: jax.Array, op: OperandPlan) -> jax.Array:
-  return jnp.pad(x, op.pad) if any(p != (0, 0) for p in op.pad) else x
+def _pad(x: jax.Array, op: OperandPlan, poison: bool) -> jax.Array:
+  """`x` padded for blocks past its edges; the padding is poisoned (NaN) with the
+  kernel's buffers, so a kernel that mixes it into its results shows it."""
+  if all(p == (0, 0) for p in op.pad):
+    return x
+  return jnp.pad(x, op.pad, constant_values=checks.fill_value(x.dtype, poison=poison))
 
 
 def _loop(n: Any, step: Callable, carry: Any) -> Any:
