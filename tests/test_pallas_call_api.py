@@ -16,8 +16,8 @@ f32 = jnp.float32
 
 
 def test_pytree_inputs_outputs_and_specs():
-  # A list out_shape hands the kernel one parameter per output (like Pallas); a
-  # dict input arrives as a dict of refs.
+  # A list out_shape hands the kernel one parameter per output and the results
+  # come back as a tuple (both like Pallas); a dict input arrives as a dict of refs.
   def kernel(xs, y_ref, sum_ref, prod_ref):
     a_ref, b_ref = xs["a"], xs["b"]
     sum_ref[...] = a_ref[...] + y_ref[...]
@@ -28,8 +28,8 @@ def test_pytree_inputs_outputs_and_specs():
   out = pallas_call(kernel, out_shape=[sds(a), sds(b)], grid=(4,),
                     in_specs=[{"a": spec, "b": spec}, spec],
                     out_specs=[spec, spec])({"a": a, "b": b}, y)
-  assert isinstance(out, list)
-  assert_close(out, [a + y, b * y])
+  assert isinstance(out, tuple)
+  assert_close(out, (a + y, b * y))
 
 
 def test_dict_out_shape_and_tuple_specs_interchangeable_with_lists():

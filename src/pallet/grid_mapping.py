@@ -24,6 +24,11 @@ class PalletError(ValueError):
   """A kernel was launched with inputs or specs that do not fit together."""
 
 
+class PalletSignatureError(PalletError, TypeError):
+  """A kernel or index map takes another number of arguments than pallas_call passes
+  it: a TypeError too, as calling it with them is in Pallas."""
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockDimension:
   """One dimension of a block: 'blocked' (index map gives a block index),
@@ -217,8 +222,9 @@ def trace_index_map(index_map: Callable | None, grid: tuple[int | None, ...],
     if not (required <= n_args and (total is None or n_args <= total)):
       arity = str(required) if required == total else f"{required} to {total}"
       extra = f" plus {n_prefetch} scalar-prefetch refs" if n_prefetch else ""
-      raise PalletError(f"{where}: index_map takes {arity} positional arguments but the "
-                        f"grid {grid} has {len(grid)} axes{extra}; it must take {n_args}")
+      raise PalletSignatureError(f"{where}: index_map takes {arity} positional arguments but "
+                                 f"the grid {grid} has {len(grid)} axes{extra}; it must take "
+                                 f"{n_args}")
 
   def flat_index_map(*args):
     ids, refs = args[:len(grid)], args[len(grid):]

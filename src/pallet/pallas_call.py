@@ -56,6 +56,8 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *,
   (Pallas serialises it into the HLO for tools; pallet has no such consumer).
   """
   name = name or tracing.kernel_name(kernel)
+  if isinstance(out_shape, list):   # results come back as a tuple, as in Pallas
+    out_shape = tuple(out_shape)
   num_scalar_prefetch = 0
   if grid_spec is not None:
     grid, in_specs, out_specs = grid_spec.grid, grid_spec.in_specs, grid_spec.out_specs
@@ -274,7 +276,7 @@ def _check_kernel_arity(kernel, name, n_refs, n_prefetch, n_in, n_out, n_scratch
     parts.insert(0, f"{n_prefetch} scalar-prefetch operands")
   if n_scratch:
     parts.append(f"{n_scratch} scratch buffers")
-  raise PalletError(f"kernel '{name}' takes {arity} positional parameters "
+  raise gm_lib.PalletSignatureError(f"kernel '{name}' takes {arity} positional parameters "
                     f"({', '.join(params or [])}) but pallas_call passes {n_refs} refs: "
                     f"{', '.join(parts)}")
 
