@@ -67,6 +67,24 @@ def test_bitcast_repacks_along_dim(src, dst, dim):
                                 np.ascontiguousarray(expected).view(np.uint8))
 
 
+@pytest.mark.parametrize("dim", [-2, -1])
+def test_bitcast_splits_bytes_into_int4_and_back(dim):
+  # Sub-byte types count 4 bits, not the byte NumPy stores them in: an int8 splits
+  # into two int4s along `dim`, low nibble first (sign-extended), and packs back.
+  x = random_array((8, 16), jnp.int8)
+  shape = list(x.shape)
+  shape[dim] *= 2
+  nibbles = _run(lambda v: pltpu.bitcast(v, jnp.int4, dim), x,
+                 jax.ShapeDtypeStruct(tuple(shape), jnp.int4))
+  moved = np.moveaxis(np.asarray(x), dim, -1)
+  low, high = (moved.astype(np.int8) << 4) >> 4, moved.astype(np.int8) >> 4
+  expected = np.moveaxis(np.stack([low, high], -1).reshape(*moved.shape[:-1], -1), -1, dim)
+  np.testing.assert_array_equal(np.asarray(nibbles).astype(np.int8), expected)
+  back = _run(lambda v: pltpu.bitcast(v, jnp.int8, dim), nibbles,
+              jax.ShapeDtypeStruct(x.shape, jnp.int8))
+  np.testing.assert_array_equal(np.asarray(back), np.asarray(x))
+
+
 def test_bitcast_errors():
   with pytest.raises(pl.PalletError, match="second-minor"):
     pltpu.bitcast(jnp.zeros((8,), jnp.float32), jnp.int32)

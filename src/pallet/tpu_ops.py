@@ -82,9 +82,15 @@ def bitcast(x: jax.Array, ty: Any, dim: int = -2) -> jax.Array:
 
 
 def _bits(dtype: Any) -> int:
+  """Bits per element; sub-byte types (int4, float4) count their own width, not the
+  byte NumPy stores them in."""
   dtype = jnp.dtype(dtype)
   if dtype == jnp.bool_:
     raise PalletError("pltpu.bitcast: bool has no bit layout to reinterpret")
+  if jnp.issubdtype(dtype, jnp.integer):
+    return jnp.iinfo(dtype).bits
+  if jnp.issubdtype(dtype, jnp.floating):
+    return jnp.finfo(dtype).bits
   return dtype.itemsize * 8
 
 
