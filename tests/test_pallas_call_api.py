@@ -201,6 +201,41 @@ def test_program_id_and_num_programs(grid):
   np.testing.assert_array_equal(sizes, np.broadcast_to(np.array(grid), (*grid, nd)))
 
 
+def test_num_programs_of_a_static_grid_is_a_python_int_in_kernels_and_index_maps():
+  # As in Pallas: a static grid size is a Python int (it can size Python loops and
+  # shapes), and pl.num_programs / pl.program_id answer inside index maps too.
+  seen = []
+
+  def reversed_rows(i):
+    seen.append(pl.num_programs(0))
+    return pl.num_programs(0) - 1 - i, 0
+
+  def kernel(x_ref, o_ref):
+    n = pl.num_programs(0)
+    seen.append(n)
+    o_ref[...] = x_ref[...] * sum(range(n))    # a Python loop over the grid size
+
+  x = random_array((4, 8))
+  out = pallas_call(kernel, out_shape=sds(x), grid=(4,),
+                    in_specs=[pl.BlockSpec((1, 8), reversed_rows)],
+                    out_specs=pl.BlockSpec((1, 8), lambda i: (i, 0)))(x)
+  assert_close(out, x[::-1] * 6)
+  assert seen and all(type(n) is int and n == 4 for n in seen)
+
+
+@pytest.mark.cpu_only
+def test_num_programs_of_a_traced_axis_in_an_index_map_is_a_clear_error():
+  @jax.jit
+  def run(n, x):
+    return pl.pallas_call(lambda x_ref, o_ref: None, out_shape=sds(x), grid=(n,),
+                          in_specs=[pl.BlockSpec((1, 8), lambda i: (pl.num_programs(0) - i, 0))],
+                          out_specs=pl.BlockSpec((1, 8), lambda i: (i, 0)))(x)
+  with pytest.raises(pl.PalletError, match=r"pl.num_programs\(0\) in an index map of "
+                     r"kernel '<lambda>' at .*test_pallas_call_api.py:\d+: .*computed at run "
+                     r"time.*scalar-prefetch"):
+    run(4, random_array((4, 8)))
+
+
 def test_grid_as_int_and_cdiv():
   assert pl.cdiv(10, 4) == 3 and pl.cdiv(8, 4) == 2
   assert int(pl.cdiv(jnp.int32(10), jnp.int32(4))) == 3

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallet import primitives
 from pallet import specs as specs_lib
 from pallet._internals import AbstractRef, Slice, is_tracer
 
@@ -203,7 +204,8 @@ def kernel_parameter_names(kernel: Callable) -> list[str] | None:
 def trace_index_map(index_map: Callable | None, grid: tuple[int | None, ...],
                     prefetch_avals: Sequence[jax.core.ShapedArray],
                     ndim: int, where: str, prefetch_tree: Any = None,
-                    slice_dims: frozenset[int] = frozenset()) -> Any:
+                    slice_dims: frozenset[int] = frozenset(),
+                    kernel_name: str | None = None) -> Any:
   """Traces an index map to a jaxpr returning `ndim` int32 scalars.
 
   The jaxpr takes the flat prefetch refs; `prefetch_tree` re-nests them as the
@@ -228,7 +230,9 @@ def trace_index_map(index_map: Callable | None, grid: tuple[int | None, ...],
 
   def flat_index_map(*args):
     ids, refs = args[:len(grid)], args[len(grid):]
-    out = index_map(*ids, *jax.tree_util.tree_unflatten(prefetch_tree, refs))
+    # pl.program_id / pl.num_programs answer inside index maps too, as in Pallas
+    with primitives.grid_context(ids, grid, kernel_name):
+      out = index_map(*ids, *jax.tree_util.tree_unflatten(prefetch_tree, refs))
     if not isinstance(out, (tuple, list)):
       out = (out,)
     if len(out) != ndim:
@@ -256,7 +260,8 @@ def trace_index_map(index_map: Callable | None, grid: tuple[int | None, ...],
 
 def block_mapping(spec: Any, aval: jax.core.ShapedArray, origin: str,
                   grid: tuple[int | None, ...], prefetch_avals: Sequence[jax.core.ShapedArray],
-                  where: str, prefetch_tree: Any = None, output: bool = False) -> BlockMapping:
+                  where: str, prefetch_tree: Any = None, output: bool = False,
+                  kernel_name: str | None = None) -> BlockMapping:
   """Resolves one operand's spec against its shape."""
   shape = tuple(aval.shape)
   if spec is None or spec is specs_lib.no_block_spec:
@@ -288,7 +293,7 @@ def block_mapping(spec: Any, aval: jax.core.ShapedArray, origin: str,
                       f"block would write back its unspecified tail); use pl.Element and "
                       f"a masked store instead")
   jaxpr = trace_index_map(spec.index_map, grid, prefetch_avals, len(shape), where,
-                          prefetch_tree, slice_dims)
+                          prefetch_tree, slice_dims, kernel_name)
   return BlockMapping(origin=origin, array_shape=shape, dtype=aval.dtype, dims=dims,
                       index_map=jaxpr, memory_space=memory_space, whole=whole,
                       index_map_source=_function_source(spec.index_map))

@@ -230,13 +230,14 @@ def _grid_mapping(kernel, name, args, out_shape, grid, in_specs, out_specs, in_a
   out_spec_list = gm_lib.match_specs(out_specs, out_shape, "out_specs", name)
   inputs = tuple(
       gm_lib.block_mapping(s, a, origin("input", i, n_pre), grid, prefetch_avals,
-                           where("input", i, n_pre, f"in_specs[{i}]"), prefetch_tree)
+                           where("input", i, n_pre, f"in_specs[{i}]"), prefetch_tree,
+                           kernel_name=name)
       for i, (s, a) in enumerate(zip(in_spec_list, in_avals)))
   outputs = tuple(
       gm_lib.block_mapping(s, a, origin("output", i, n_pre + len(in_avals)), grid,
                            prefetch_avals,
                            where("output", i, n_pre + len(in_avals), f"out_specs[{i}]"),
-                           prefetch_tree, output=True)
+                           prefetch_tree, output=True, kernel_name=name)
       for i, (s, a) in enumerate(zip(out_spec_list, out_avals)))
   return GridMapping(grid=grid, inputs=inputs, outputs=outputs,
                      scratch_avals=scratch_avals, prefetch_avals=prefetch_avals,

@@ -117,10 +117,22 @@ def program_id(axis: int) -> jax.Array:
   return ctx.program_ids[_check_axis(axis, ctx, "program_id")]
 
 
-def num_programs(axis: int) -> jax.Array:
-  """The size of grid axis `axis` (static; returned as an int32 scalar like Pallas)."""
+def num_programs(axis: int) -> int | jax.Array:
+  """The size of grid axis `axis`: a Python int where the size is static (as in
+  Pallas, so it can drive Python loops and shapes), an int32 scalar where it is
+  computed at run time. Works in kernels and in index maps."""
   ctx = _current_grid("num_programs")
-  return jnp.int32(ctx.grid[_check_axis(axis, ctx, "num_programs")])
+  size = ctx.grid[_check_axis(axis, ctx, "num_programs")]
+  if size is None:
+    from pallet.checks import user_source
+    from pallet.grid_mapping import PalletError
+    raise PalletError(f"pl.num_programs({axis}) in an index map of kernel "
+                      f"'{ctx.kernel_name}' at {user_source()}: the size of grid axis {axis} "
+                      f"is computed at run time, which pallet's index maps do not receive; "
+                      f"pass it as a scalar-prefetch operand instead")
+  if isinstance(size, (int, np.integer)):
+    return int(size)
+  return jnp.asarray(size, jnp.int32)
 
 
 # ------------------------------------------------------------------ ref helpers
