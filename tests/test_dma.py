@@ -36,7 +36,8 @@ def test_copy_is_visible_after_wait():
   assert_close(out, x[::-1, 4:12] * 2.0)
 
 
-def test_copies_into_an_any_output_and_add():
+@pytest.mark.parametrize("sem_shape", [(2,), 2])   # an int is a 1-D shape, as in Pallas
+def test_copies_into_an_any_output_and_add(sem_shape):
   x, y = random_array((16, 8)), random_array((16, 8))
 
   def kernel(x_hbm, y_hbm, o_hbm, sems):
@@ -46,7 +47,7 @@ def test_copies_into_an_any_output_and_add():
     pltpu.sync_copy(y_hbm.at[pl.ds(8, 8)], o_hbm.at[pl.ds(0, 8)])
 
   out = pallas_call(kernel, sds(x), in_specs=[ANY, ANY], out_specs=ANY,
-                    scratch_shapes=[pltpu.SemaphoreType.DMA((2,))])(x, y)
+                    scratch_shapes=[pltpu.SemaphoreType.DMA(sem_shape)])(x, y)
   assert_close(out, jnp.concatenate([y[8:], x[8:] + y[:8]]))
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import Primitive, subjaxprs
 
 from pallet import _internals as internals
@@ -48,8 +49,9 @@ class SemaphoreScratch(ScratchShape):
   """
   kind: str = "regular"
 
-  def __call__(self, shape: tuple[int, ...]) -> "SemaphoreScratch":
-    return SemaphoreScratch(tuple(shape), jnp.int32, MemorySpace.SEMAPHORE, self.kind)
+  def __call__(self, shape: int | tuple[int, ...]) -> "SemaphoreScratch":
+    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+    return SemaphoreScratch(shape, jnp.int32, MemorySpace.SEMAPHORE, self.kind)
 
 
 class SemaphoreType:
