@@ -153,7 +153,7 @@ def test_select_ref_reads_and_writes_the_chosen_ref():
   picked = srcs * 2
   picked[:, 0] += srcs[:, 1]
   expected = [np.where((np.arange(4) % 2 == k)[:, None, None], picked, 0) for k in (0, 1)]
-  assert_close(outs, [jnp.asarray(e) for e in expected])
+  assert_close(outs, tuple(jnp.asarray(e) for e in expected))
 
 
 def test_select_ref_over_ref_views():
