@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 
 
-def _bits(dtype: Any) -> int:
+def bit_width(dtype: Any) -> int:
   """Bitwidth of a dtype, sub-byte ones (int4, uint2, float4_e2m1fn) included."""
   dtype = jnp.dtype(dtype)
   if jnp.issubdtype(dtype, jnp.floating):
@@ -29,7 +29,7 @@ def _uint(bits: int) -> Any:
 
 
 def _packing_factor(unpacked_dtype: Any, packed_dtype: Any, api: str) -> int:
-  wide, narrow = _bits(unpacked_dtype), _bits(packed_dtype)
+  wide, narrow = bit_width(unpacked_dtype), bit_width(packed_dtype)
   if wide % narrow:
     raise ValueError(f"{api}: the unpacked bitwidth ({wide}, {jnp.dtype(unpacked_dtype)}) "
                      f"must be a multiple of the packed bitwidth ({narrow}, "
@@ -52,7 +52,7 @@ def _bfloat16_bits(x: jax.Array) -> jax.Array:
 def _low_bits(x: jax.Array, packed_dtype: Any, word: Any) -> jax.Array:
   """The `packed_dtype` encoding of x (converted: rounded for floats, truncated for
   integers) in the low bits of an unsigned `word`."""
-  narrow = _bits(packed_dtype)
+  narrow = bit_width(packed_dtype)
   if jnp.issubdtype(packed_dtype, jnp.floating):
     if x.dtype == jnp.float32 and packed_dtype == jnp.bfloat16:
       return _bfloat16_bits(x).astype(word)
@@ -88,8 +88,8 @@ def pack_elementwise(xs: Sequence[jax.Array], *, packed_dtype: Any) -> jax.Array
   if len(xs) != factor:
     raise ValueError(f"pltpu.pack_elementwise: {first.dtype} packs {factor} values of "
                      f"{packed_dtype}, got {len(xs)} arrays")
-  word = _uint(_bits(first.dtype))
-  narrow = _bits(packed_dtype)
+  word = _uint(bit_width(first.dtype))
+  narrow = bit_width(packed_dtype)
   out = jnp.zeros(first.shape, word)
   for k, x in enumerate(xs):
     out = out | lax.shift_left(_low_bits(x, packed_dtype, word),
@@ -103,8 +103,8 @@ def unpack_elementwise(x: jax.Array, *, index: int, packed_dtype: Any,
   `packed_dtype` and converted to `unpacked_dtype` (sign-extended for signed ints)."""
   x = jnp.asarray(x)
   packed_dtype, unpacked_dtype = jnp.dtype(packed_dtype), jnp.dtype(unpacked_dtype)
-  wide = _bits(unpacked_dtype)
-  if _bits(x.dtype) != wide:
+  wide = bit_width(unpacked_dtype)
+  if bit_width(x.dtype) != wide:
     raise ValueError(f"pltpu.unpack_elementwise: x ({x.dtype}) must have the bitwidth of "
                      f"unpacked_dtype ({unpacked_dtype})")
   factor = _packing_factor(unpacked_dtype, packed_dtype, "pltpu.unpack_elementwise")
@@ -112,7 +112,7 @@ def unpack_elementwise(x: jax.Array, *, index: int, packed_dtype: Any,
     raise ValueError(f"pltpu.unpack_elementwise: index {index} is out of range for "
                      f"{factor} fields per word")
   word = _uint(wide)
-  narrow = _bits(packed_dtype)
+  narrow = bit_width(packed_dtype)
   bits = lax.bitcast_convert_type(x, word) if x.dtype != word else x
   if jnp.issubdtype(packed_dtype, jnp.floating):
     field = lax.shift_right_logical(bits, jnp.asarray(index * narrow, word))
@@ -146,12 +146,12 @@ def join_bits(*, two_bits: jax.Array | None = None,
                      f"{jnp.shape(four_bits)} must have the same shape")
   out = None
   if four_bits is not None:
-    if _bits(four_bits.dtype) != 4:
+    if bit_width(four_bits.dtype) != 4:
       raise ValueError(f"pltpu.join_bits: four_bits must be a 4-bit type, got "
                        f"{four_bits.dtype}")
     out = _low_bits(four_bits, jnp.uint4, jnp.uint8)
   if two_bits is not None:
-    if _bits(two_bits.dtype) != 2:
+    if bit_width(two_bits.dtype) != 2:
       raise ValueError(f"pltpu.join_bits: two_bits must be a 2-bit type, got "
                        f"{two_bits.dtype}")
     two = _low_bits(two_bits, jnp.uint2, jnp.uint8)
@@ -163,7 +163,7 @@ def split_bits(x: jax.Array, bitwidths: tuple[int, ...]) -> tuple[jax.Array, ...
   """Consecutive fields of an 8-bit array, lowest bits first, as int4 / int2 arrays
   (e.g. `bitwidths=(4, 2)` gives bits [3:0] as int4 and bits [5:4] as int2)."""
   x = jnp.asarray(x)
-  if _bits(x.dtype) != 8:
+  if bit_width(x.dtype) != 8:
     raise ValueError(f"pltpu.split_bits: expected an 8-bit array, got {x.dtype}")
   if sum(bitwidths) > 8:
     raise ValueError(f"pltpu.split_bits: bitwidths {tuple(bitwidths)} exceed 8 bits")

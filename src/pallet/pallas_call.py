@@ -277,9 +277,9 @@ def _check_kernel_arity(kernel, name, n_refs, n_prefetch, n_in, n_out, n_scratch
     parts.insert(0, f"{n_prefetch} scalar-prefetch operands")
   if n_scratch:
     parts.append(f"{n_scratch} scratch buffers")
-  raise gm_lib.PalletSignatureError(f"kernel '{name}' takes {arity} positional parameters "
-                    f"({', '.join(params or [])}) but pallas_call passes {n_refs} refs: "
-                    f"{', '.join(parts)}")
+  raise gm_lib.PalletSignatureError(
+      f"kernel '{name}' takes {arity} positional parameters ({', '.join(params or [])}) "
+      f"but pallas_call passes {n_refs} refs: {', '.join(parts)}")
 
 
 # =================================================================== the primitive

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from pallet.bits import bit_width
 from pallet.grid_mapping import PalletError
 
 
@@ -82,16 +83,9 @@ def bitcast(x: jax.Array, ty: Any, dim: int = -2) -> jax.Array:
 
 
 def _bits(dtype: Any) -> int:
-  """Bits per element; sub-byte types (int4, float4) count their own width, not the
-  byte NumPy stores them in."""
-  dtype = jnp.dtype(dtype)
-  if dtype == jnp.bool_:
+  if jnp.dtype(dtype) == jnp.bool_:
     raise PalletError("pltpu.bitcast: bool has no bit layout to reinterpret")
-  if jnp.issubdtype(dtype, jnp.integer):
-    return jnp.iinfo(dtype).bits
-  if jnp.issubdtype(dtype, jnp.floating):
-    return jnp.finfo(dtype).bits
-  return dtype.itemsize * 8
+  return bit_width(dtype)
 
 
 def repeat(x: jax.Array, repeats: int, axis: int) -> jax.Array:
