@@ -211,9 +211,11 @@ def _rows_kernel(rows: int, block_n: int, block_h: int, weighted: bool):
     if ragged:  # the block's rows past the array are unspecified
       counted &= i * block_n + lax.broadcasted_iota(jnp.int32, labels.shape, 0) < rows
     loss_ref[...] = jnp.where(counted, m + jnp.log(total) - picked, 0.0)[:, 0]
-    d = jnp.where(counted, e / total - onehot.astype(F32), 0.0)
+    d = e / total - onehot.astype(F32)
     if weighted:
       d = d * g_ref[...][:, None]
+    # after the weighting: g past the last row is unspecified (NaN when poisoned)
+    d = jnp.where(counted, d, 0.0)
 
     def update(part):
       h, w = h_ref[:, part].astype(F32), w_ref[part, :].astype(F32)
