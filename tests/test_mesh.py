@@ -56,6 +56,31 @@ def test_core_map_in_run_state():
   assert_close(out, x + 1.0)
 
 
+def test_scratch_dicts_are_keyword_refs_for_kernel_and_core_map():
+  mesh = pltpu.create_tensorcore_mesh("core", num_cores=1)
+  x = random_array((8, 128))
+
+  @pl.kernel(out_type=jax.ShapeDtypeStruct(x.shape, x.dtype), mesh=mesh,
+             scratch_types={"b": pltpu.VMEM((8, 128), jnp.float32),
+                            "a": pltpu.VMEM((8, 128), jnp.float32)})
+  def twice_plus_one(x_ref, o_ref, *, a, b):
+    a[...] = x_ref[...] * 2
+    b[...] = a[...] + 1
+    o_ref[...] = b[...]
+  assert_close(twice_plus_one(x), x * 2 + 1)
+
+  def stateful(refs):
+    x_ref, o_ref = refs
+
+    @pl.core_map(mesh, scratch_shapes={"tmp": pltpu.VMEM((8, 128), jnp.float32)})
+    def _(tmp):
+      tmp[...] = x_ref[...] - 1
+      o_ref[...] = tmp[...] * 3
+
+  _, out = pl.run_state(stateful)((x, jnp.zeros_like(x)))
+  assert_close(out, (x - 1) * 3)
+
+
 def test_run_on_first_core_and_barrier():
   mesh = pltpu.create_tensorcore_mesh("core", num_cores=2)
   x = random_array((8, 128))

@@ -65,6 +65,46 @@ def test_grid_spec_object():
   assert_close(out, x @ y, matmul=True)
 
 
+@pytest.mark.parametrize("through", ["pallas_call", "grid_spec"])
+def test_scratch_shapes_dict_reaches_the_kernel_by_keyword(through):
+  # As in Pallas: a dict of scratch shapes is passed by keyword, whatever the order
+  # of the kernel's parameters and of the dict's keys.
+  import pallet.tpu as pltpu
+  x = random_array((16, 128))
+
+  def kernel(x_ref, o_ref, total, doubled):
+    @pl.when(pl.program_id(0) == 0)
+    def _():
+      total[...] = jnp.zeros_like(total)
+    doubled[...] = x_ref[...] * 2
+    total[...] += doubled[...]
+    o_ref[...] = total[...]
+
+  scratch = {"total": pltpu.VMEM((8, 128), f32), "doubled": pltpu.VMEM((8, 128), f32)}
+  spec = pl.BlockSpec((8, 128), lambda i: (i, 0))
+  if through == "pallas_call":
+    call = pallas_call(kernel, sds(x), grid=(2,), in_specs=[spec], out_specs=spec,
+                       scratch_shapes=scratch)
+  else:
+    call = pallas_call(kernel, sds(x), grid_spec=pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=0, grid=(2,), in_specs=[spec], out_specs=spec,
+        scratch_shapes=scratch))
+  running = jnp.cumsum(2 * x.reshape(2, 8, 128), axis=0).reshape(16, 128)
+  assert_close(call(x), running)
+
+
+def test_scratch_shapes_dict_key_the_kernel_lacks_is_a_clear_error():
+  import pallet.tpu as pltpu
+  x = random_array((8, 128))
+
+  def kernel(x_ref, o_ref, acc):
+    o_ref[...] = x_ref[...]
+  call = pl.pallas_call(kernel, sds(x), scratch_shapes={"acum": pltpu.VMEM((8, 128), f32)})
+  with pytest.raises(TypeError, match=r"kernel 'kernel' takes parameters \(x_ref, o_ref, "
+                     r"acc\).*by keyword \(acum\)"):
+    call(x)
+
+
 def test_no_block_spec_passes_whole_arrays():
   def kernel(x_ref, w_ref, o_ref):
     assert x_ref.shape == (4, 6) and w_ref.shape == (6,)

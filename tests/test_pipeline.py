@@ -4,6 +4,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
+from jax import lax
 
 import pallet as pl
 from pallet import tpu as pltpu
@@ -53,6 +54,63 @@ def test_overhanging_blocks_of_different_sizes():
 
   out = pallas_call(kernel, sds(x), in_specs=[ANY], out_specs=ANY)(x)
   assert_close(out, x + 1.0)
+
+
+def test_bounded_slice_windows_move_only_their_slice():
+  # pl.BoundedSlice(n): the index map's pl.ds(start, size) (size <= n, changing per
+  # step) fills the first `size` rows of the window; only those are written back.
+  # The windows run from the end backwards and overlap, and the body adds each row's
+  # position in its window, so writing a whole window back would show.
+  x = random_array((16, 8, 256))
+  starts, sizes = [12, 8, 4, 0], [4, 5, 5, 5]
+
+  def body(x_blk, o_blk):
+    assert x_blk.shape == (6, 8, 128)
+    o_blk[...] = x_blk[...] + lax.broadcasted_iota(jnp.float32, (6, 8, 128), 0)
+
+  def kernel(x_hbm, o_hbm):
+    spec = pl.BlockSpec((pl.BoundedSlice(6), 8, 128),
+                        lambda i, j: (pl.ds((3 - i) * 4, 4 + (i > 0).astype(jnp.int32)), 0, j))
+    pltpu.emit_pipeline(body, grid=(4, 2), in_specs=[spec], out_specs=[spec])(x_hbm, o_hbm)
+
+  out = pallas_call(kernel, sds(x), in_specs=[ANY], out_specs=ANY)(x)
+  expected = x
+  for start, size in zip(starts, sizes):
+    window = x[start:start + size] + jnp.arange(size, dtype=jnp.float32)[:, None, None]
+    expected = expected.at[start:start + size].set(window)
+  assert_close(out, expected)
+
+
+def test_bounded_slice_window_from_scalar_prefetch_bounds():
+  """Data-dependent slice bounds, read from SMEM, tile the rows unevenly."""
+  bounds = jnp.array([[11, 16], [8, 11], [3, 8], [0, 3]], jnp.int32)
+  x = random_array((16, 128))
+
+  def body(x_blk, o_blk):
+    o_blk[...] = x_blk[...] * 2.0
+
+  def kernel(bounds_ref, x_hbm, o_hbm):
+    def index_map(i):
+      start = bounds_ref[i, 0]
+      return pl.ds(start, bounds_ref[i, 1] - start), 0
+    spec = pl.BlockSpec((pl.BoundedSlice(8), 128), index_map)
+    pltpu.emit_pipeline(body, grid=(4,), in_specs=[spec], out_specs=spec)(x_hbm, o_hbm)
+
+  out = pallas_call(kernel, sds(x), grid_spec=pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=1, in_specs=[ANY], out_specs=ANY))(bounds, x)
+  assert_close(out, x * 2.0)
+
+
+def test_bounded_slice_index_map_must_return_a_ds():
+  x = random_array((16, 128))
+
+  def kernel(x_hbm, o_hbm):
+    spec = pl.BlockSpec((pl.BoundedSlice(8), 128), lambda i: (0, 0))
+    pltpu.emit_pipeline(lambda a, b: None, grid=(1,), in_specs=[spec],
+                        out_specs=pl.BlockSpec((8, 128), lambda i: (0, 0)))(x_hbm, o_hbm)
+  with pytest.raises(ValueError, match=r"emit_pipeline in kernel 'kernel' at .*, input 0: "
+                     r"index_map result 0 is 0; a pl.BoundedSlice dimension takes pl.ds"):
+    pl.pallas_call(kernel, sds(x), in_specs=[ANY], out_specs=ANY)(x)
 
 
 def test_emit_pipeline_with_allocations_reused():

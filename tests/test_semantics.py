@@ -129,7 +129,7 @@ def test_overhanging_writes_are_dropped_not_wrapped():
 
 @pytest.mark.cpu_only
 @pytest.mark.parametrize("dtype, pad", [(jnp.float32, np.nan), (jnp.int32, np.iinfo(np.int32).min)])
-@pytest.mark.parametrize("how", ["interpret", "poison_switch"])
+@pytest.mark.parametrize("how", ["interpret", "poison_switch", "jax_flag"])
 def test_reads_past_the_edge_are_poisoned_in_interpret_mode(dtype, pad, how):
   # As in Pallas's interpreter: a block read past its array's edge holds NaN (the
   # integer minimum), so a kernel that lets it into a result shows it.
@@ -141,9 +141,15 @@ def test_reads_past_the_edge_are_poisoned_in_interpret_mode(dtype, pad, how):
               in_specs=[pl.BlockSpec((8,), lambda i: (0,))])
   if how == "interpret":
     out = pl.pallas_call(copy, interpret=True, **call)(x)
-  else:
+  elif how == "poison_switch":
     with pl.enable_poison_buffers(True):
       out = pl.pallas_call(copy, **call)(x)
+  else:   # JAX's own flag, as Pallas code sets it, turns pallet's poisoning on too
+    jax.config.update("jax_pallas_poison_buffers", True)
+    try:
+      out = pl.pallas_call(copy, **call)(x)
+    finally:
+      jax.config.update("jax_pallas_poison_buffers", False)
   expected = jnp.concatenate([x, jnp.full((3,), pad, dtype)])
   np.testing.assert_array_equal(np.asarray(out), np.asarray(expected))
 

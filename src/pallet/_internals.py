@@ -196,6 +196,12 @@ def bool_trace_setting(name: str, help: str) -> Any:
                                 include_in_trace_context=True)
 
 
+def jax_flag(name: str) -> bool:
+  """The value of one of JAX's own boolean config flags; False where this JAX has
+  no flag of that name."""
+  return bool(getattr(jax.config, name, False))
+
+
 def set_setting(state: Any, value: Any) -> None:
   """Sets a state's process-wide value (what `jax.config.update` does by name)."""
   state._set(value)

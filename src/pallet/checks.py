@@ -86,7 +86,9 @@ def debug_checks_enabled() -> bool:
 
 
 def poison_buffers_enabled() -> bool:
-  return enable_poison_buffers.value
+  """pallet's switch, or JAX's own `jax_pallas_poison_buffers` flag (which Pallas
+  code and tests set with `jax.config.update` or `jtu.with_config`)."""
+  return enable_poison_buffers.value or internals.jax_flag("jax_pallas_poison_buffers")
 
 
 # ------------------------------------------------------------------ messages
@@ -283,7 +285,7 @@ def uninitialized(shape: tuple[int, ...], dtype: Any, *, poison: bool | None = N
 def fill_value(dtype: Any, *, poison: bool | None = None) -> Any:
   """The value of memory that holds no data (see `uninitialized`), as a scalar."""
   dtype = jnp.dtype(dtype)
-  if not (enable_poison_buffers.value if poison is None else poison):
+  if not (poison_buffers_enabled() if poison is None else poison):
     return dtype.type(0)
   if jnp.issubdtype(dtype, jnp.inexact):
     return dtype.type(float("nan"))

@@ -191,6 +191,20 @@ def positional_arity_range(fn: Callable) -> tuple[int, int | None] | None:
   return required, total
 
 
+def accepts_call(fn: Callable, n_positional: int, keywords: Sequence[str] = ()) -> bool:
+  """Whether fn can be called with n_positional arguments and these keywords (True
+  when its signature is hidden)."""
+  try:
+    sig = inspect.signature(fn)
+  except (TypeError, ValueError):
+    return True
+  try:
+    sig.bind(*range(n_positional), **dict.fromkeys(keywords))
+  except TypeError:
+    return False
+  return True
+
+
 def kernel_parameter_names(kernel: Callable) -> list[str] | None:
   """Names of the kernel's positional parameters (for messages)."""
   try:

@@ -86,11 +86,12 @@ def kernel(body: Callable[..., None] | None = None, out_type: Any = None, *,
            out_shape: Any = None, scratch_shapes: Any = ()) -> Callable[..., Any]:
   """`pl.kernel(body, out_type, mesh=...)(*args)`, or as a decorator
   `@pl.kernel(out_type=..., mesh=...)`. The body gets (*input refs, *output refs,
-  *scratch refs), all whole arrays; `out_shape`/`scratch_shapes` are accepted as
+  *scratch refs), all whole arrays (a dict of scratch types by keyword); `out_shape`/`scratch_shapes` are accepted as
   older spellings of `out_type`/`scratch_types`."""
   del cost_estimate, metadata
   out_type = out_shape if out_type is None else out_type
-  scratch = tuple(scratch_types or scratch_shapes or ())
+  scratch = scratch_types or scratch_shapes or ()
+  scratch = dict(scratch) if isinstance(scratch, dict) else tuple(scratch)
   if isinstance(mesh, (list, tuple)) or isinstance(body, (list, tuple)):
     raise PalletError("pl.kernel: several bodies on several meshes (MPMD) need cores "
                       "running concurrently; pallet runs one mesh per kernel")
@@ -129,12 +130,13 @@ def core_map(mesh: Any, *, compiler_params: Any = None, interpret: Any = False,
     axes = _mesh_axes(mesh, f"pl.core_map '{kernel_name}'")
     names = tuple(n for n, _ in axes)
     sizes = tuple(s for _, s in axes)
-    scratch = tuple(scratch_shapes.values()) if isinstance(scratch_shapes, dict) else tuple(scratch_shapes)
+    keyword_scratch = dict(scratch_shapes) if isinstance(scratch_shapes, dict) else {}
+    scratch = () if keyword_scratch else tuple(scratch_shapes)
     for index in itertools.product(*(range(s) for s in sizes)):
       ids = tuple(jnp.int32(i) for i in index)
       with primitives.grid_context(ids, sizes, kernel_name=kernel_name, grid_names=names):
-        if scratch:
-          primitives.run_scoped(fn, *scratch)
+        if scratch or keyword_scratch:
+          primitives.run_scoped(fn, *scratch, **keyword_scratch)
         else:
           fn()
     return None

@@ -40,7 +40,7 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *,
                 grid_spec: specs_lib.GridSpec | None = None, grid: Any = (),
                 in_specs: Any = specs_lib.no_block_spec,
                 out_specs: Any = specs_lib.no_block_spec,
-                scratch_shapes: Sequence[Any] = (),
+                scratch_shapes: Sequence[Any] | dict[str, Any] = (),
                 input_output_aliases: dict[int, int] | None = None,
                 debug: bool = False, interpret: bool = False, name: str | None = None,
                 compiler_params: Any = None, cost_estimate: Any = None,
@@ -50,7 +50,8 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *,
 
   Same signature and meaning as `jax.experimental.pallas.pallas_call`; see
   docs/semantics.md. `backend` picks a backend by name ("xla", "triton"); the
-  default is "triton" where a GPU is present and "xla" otherwise. `interpret=True`
+  default is "triton" where a GPU is present and "xla" otherwise. A dict of
+  `scratch_shapes` reaches the kernel as keyword arguments. `interpret=True`
   runs on the CPU backend (or, with backend="triton", the generated Triton code
   under Triton's interpreter). `metadata` is accepted and kept with the kernel
   (Pallas serialises it into the HLO for tools; pallet has no such consumer).
@@ -79,7 +80,7 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *,
       raise PalletError(f"pallas_call of kernel '{name}': {e}") from None
     with _checking_trace(check_options, poison=interpret is True):
       return _launch(kernel, name, args, out_shape, grid, dynamic_sizes, in_specs, out_specs,
-                     tuple(scratch_shapes), num_scalar_prefetch, aliases, debug,
+                     _scratch_tree(scratch_shapes), num_scalar_prefetch, aliases, debug,
                      backend_name, run_interpret, compiler_params, dimension_semantics,
                      grid_names, metadata, check_options)
   return launch
@@ -108,6 +109,12 @@ def _dimension_semantics(params: Any, grid: tuple[int, ...], name: str):
     raise PalletError(f"pallas_call of kernel '{name}': dimension_semantics {semantics} "
                       f"must give one of {_DIMENSION_SEMANTICS} per grid axis {grid}")
   return tuple("parallel" if s in _PARALLEL_SEMANTICS else "arbitrary" for s in semantics)
+
+
+def _scratch_tree(scratch_shapes: Any) -> tuple | dict:
+  """Scratch shapes as given: a sequence (passed positionally, after the outputs) or
+  a dict (passed by keyword, as in Pallas)."""
+  return dict(scratch_shapes) if isinstance(scratch_shapes, dict) else tuple(scratch_shapes)
 
 
 def _as_aval(x: Any, what: str, name: str) -> jax.core.ShapedArray:
@@ -146,21 +153,25 @@ def _launch(kernel, name, args, out_shape, grid, dynamic_sizes, in_specs, out_sp
   flat_out_shapes, out_tree = jax.tree_util.tree_flatten(out_shape)
   out_avals = [_as_aval(o, f"out_shape[{i}]", name) for i, o in enumerate(flat_out_shapes)]
   # Scratch shapes may be pytrees; None entries are empty (the kernel gets None there).
-  flat_scratch = jax.tree_util.tree_leaves(
-      tuple(scratch_shapes), is_leaf=lambda x: isinstance(x, specs_lib.ScratchShape))
-  scratch_avals = tuple(_as_aval(s, f"scratch_shapes[{i}]", name)
-                        for i, s in enumerate(flat_scratch))
+  is_scratch = lambda x: isinstance(x, specs_lib.ScratchShape)
+  flat_scratch_paths = jax.tree_util.tree_flatten_with_path(scratch_shapes, is_leaf=is_scratch)[0]
+  scratch_avals = tuple(_as_aval(s, f"scratch_shapes{jax.tree_util.keystr(path)}", name)
+                        for path, s in flat_scratch_paths)
 
-  # The kernel sees (*prefetch refs, *input refs, *output refs, *scratch refs), with
-  # pytree inputs and outputs handed over as pytrees of refs.
+  # The kernel is called as kernel(*prefetch refs, *input refs, *output refs, *scratch
+  # refs, **keyword scratch refs), with pytree inputs and outputs handed over as pytrees
+  # of refs; the flat refs come in that order (a dict's keys sorted, as JAX flattens it).
   outs_for_kernel = tuple(out_shape) if isinstance(out_shape, (tuple, list)) else (out_shape,)
-  kernel_args = (*prefetch_args, *args, *outs_for_kernel, *scratch_shapes)
-  kernel_args_tree = jax.tree_util.tree_structure(
-      kernel_args, is_leaf=lambda x: isinstance(x, specs_lib.ScratchShape))
+  keyword_scratch = scratch_shapes if isinstance(scratch_shapes, dict) else {}
+  positional = (*prefetch_args, *args, *outs_for_kernel,
+                *(() if keyword_scratch else scratch_shapes))
+  kernel_args_tree = jax.tree_util.tree_structure((positional, keyword_scratch),
+                                                  is_leaf=is_scratch)
 
   def build():
-    _check_kernel_arity(kernel, name, len(kernel_args), len(prefetch_args), len(args),
-                        len(outs_for_kernel), len(scratch_shapes))
+    _check_kernel_arity(kernel, name, len(positional), len(prefetch_args), len(args),
+                        len(outs_for_kernel), len(positional) - len(prefetch_args)
+                        - len(args) - len(outs_for_kernel), tuple(keyword_scratch))
     mapping = _grid_mapping(kernel, name, args, out_shape, grid, in_specs, out_specs,
                             in_avals, out_avals, scratch_avals, prefetch_avals,
                             prefetch_tree, num_scalar_prefetch, dimension_semantics)
@@ -262,21 +273,25 @@ def _check_aliases(aliases, n_prefetch, in_avals, out_avals, name):
   return tuple(resolved)
 
 
-def _check_kernel_arity(kernel, name, n_refs, n_prefetch, n_in, n_out, n_scratch):
+def _check_kernel_arity(kernel, name, n_refs, n_prefetch, n_in, n_out, n_scratch,
+                        keywords=()):
+  """Python's own TypeError would name neither the kernel nor what pallas_call passes."""
+  if gm_lib.accepts_call(kernel, n_refs, keywords):
+    return
   params = gm_lib.kernel_parameter_names(kernel)
-  arity_range = gm_lib.positional_arity_range(kernel)
-  if arity_range is None:
-    return
-  required, total = arity_range
-  if required <= n_refs and (total is None or n_refs <= total):
-    return
-  arity = str(required) if required == total else (
-      f"{required} to {total}" if total is not None else f"at least {required}")
   parts = [f"{n_in} inputs", f"{n_out} outputs"]
   if n_prefetch:
     parts.insert(0, f"{n_prefetch} scalar-prefetch operands")
   if n_scratch:
     parts.append(f"{n_scratch} scratch buffers")
+  if keywords:
+    raise gm_lib.PalletSignatureError(
+        f"kernel '{name}' takes parameters ({', '.join(params or [])}) but pallas_call "
+        f"passes {n_refs} refs by position ({', '.join(parts)}) and the scratch_shapes "
+        f"dict's refs by keyword ({', '.join(keywords)})")
+  required, total = gm_lib.positional_arity_range(kernel)
+  arity = str(required) if required == total else (
+      f"{required} to {total}" if total is not None else f"at least {required}")
   raise gm_lib.PalletSignatureError(
       f"kernel '{name}' takes {arity} positional parameters ({', '.join(params or [])}) "
       f"but pallas_call passes {n_refs} refs: {', '.join(parts)}")

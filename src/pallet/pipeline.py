@@ -21,11 +21,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallet import _internals as internals
+from pallet._internals import Slice
 from pallet import primitives
 from pallet.dma import kernel_site
 from pallet.grid_mapping import PalletError
-from pallet.specs import (BlockSpec, Blocked, Element, MemorySpace, ScratchShape, Squeezed,
-                          no_block_spec)
+from pallet.specs import (BlockSpec, Blocked, BoundedSlice, Element, MemorySpace, ScratchShape,
+                          Squeezed, no_block_spec)
 from pallet.unsupported import Unsupported
 
 # The Mosaic scheduler's own buffers and its mesh-wide prefetching have no meaning
@@ -57,20 +58,25 @@ class _Window:
 
   @property
   def dims(self) -> list[tuple[str, int]]:
-    """(kind, size) per array dimension: 'blocked', 'squeezed' or 'element'."""
+    """(kind, size) per array dimension: 'blocked', 'squeezed', 'element' or 'bounded'
+    (a pl.BoundedSlice: the index map's pl.ds(start, size) fills the first `size`
+    elements of the buffer and the step writes back only those)."""
     out = []
     for d, n in zip(self.spec.block_shape, self.shape):
       if d is None or isinstance(d, Squeezed):
         out.append(("squeezed", 1))
       elif isinstance(d, Element):
         out.append(("element", int(d.block_size)))
+      elif isinstance(d, BoundedSlice):
+        out.append(("bounded", int(d.block_size)))
       elif isinstance(d, Blocked):
         out.append(("blocked", int(d.block_size)))
       elif isinstance(d, (numbers.Integral,)) and not isinstance(d, bool):
         out.append(("blocked", int(d)))
       else:
         raise PalletError(f"{self.where}: block_shape entries must be ints, None, "
-                          f"pl.Squeezed(), pl.Element(n) or pl.Blocked(n); got {d!r}")
+                          f"pl.Squeezed(), pl.Element(n), pl.Blocked(n) or "
+                          f"pl.BoundedSlice(n); got {d!r}")
     return out
 
   @property
@@ -78,8 +84,9 @@ class _Window:
     return ScratchShape(tuple(n for kind, n in self.dims if kind != "squeezed"),
                         self.dtype, MemorySpace.VMEM)
 
-  def starts(self, indices: Sequence[Any]) -> list[Any]:
-    """Element offset of the block in every array dimension at grid step `indices`."""
+  def starts(self, indices: Sequence[Any]) -> list[tuple[Any, Any]]:
+    """(element offset, valid length or None) of the block in every array dimension
+    at grid step `indices`; only a bounded dimension has a length."""
     index_map = self.spec.index_map or (lambda *_: (0,) * len(self.shape))
     block = index_map(*indices)
     if not isinstance(block, (tuple, list)):
@@ -87,20 +94,32 @@ class _Window:
     if len(block) != len(self.shape):
       raise PalletError(f"{self.where}: index_map returned {len(block)} indices but the "
                         f"array has rank {len(self.shape)}")
-    return [jnp.asarray(b, jnp.int32) * (1 if kind == "element" else n)
-            for b, (kind, n) in zip(block, self.dims)]
+    out = []
+    for i, (b, (kind, n)) in enumerate(zip(block, self.dims)):
+      if (kind == "bounded") != isinstance(b, Slice):
+        raise PalletError(f"{self.where}: index_map result {i} is {b!r}; a pl.BoundedSlice "
+                          f"dimension takes pl.ds(start, size) and only such a dimension "
+                          f"does")
+      if kind == "bounded":
+        out.append((jnp.asarray(b.start, jnp.int32), jnp.asarray(b.size, jnp.int32)))
+      else:
+        out.append((jnp.asarray(b, jnp.int32) * (1 if kind == "element" else n), None))
+    return out
 
-  def view(self, starts: Sequence[Any]) -> tuple[tuple[Any, ...], Any]:
+  def view(self, starts: Sequence[tuple[Any, Any]]) -> tuple[tuple[Any, ...], Any]:
     """(index into the array for the block, mask of its in-bounds elements or None)."""
     idx, masks = [], []
-    for s, (kind, n), size in zip(starts, self.dims, self.shape):
+    for (s, length), (kind, n), size in zip(starts, self.dims, self.shape):
       if kind == "squeezed":
         idx.append(s)
         continue
       idx.append(primitives.ds(s, n))
-      overhangs = kind == "element" or size % n
+      overhangs = kind in ("element", "bounded") or size % n
       positions = s + lax.iota(jnp.int32, n)
-      masks.append(((positions >= 0) & (positions < size)) if overhangs else None)
+      valid = (positions >= 0) & (positions < size)
+      if length is not None:
+        valid &= positions < s + length
+      masks.append(valid if overhangs else None)
     mask = None
     for d, m in enumerate(masks):
       if m is not None:

@@ -191,7 +191,7 @@ class GridSpec:
   grid: Any = ()
   in_specs: Any = no_block_spec
   out_specs: Any = no_block_spec
-  scratch_shapes: Sequence[Any] = ()
+  scratch_shapes: Sequence[Any] | dict[str, Any] = ()
   num_scalar_prefetch: int = 0
 
 

@@ -80,5 +80,6 @@ class PrefetchScalarGridSpec(GridSpec):
                in_specs: Any = no_block_spec, out_specs: Any = no_block_spec,
                scratch_shapes: Sequence[Any] = ()):
     super().__init__(grid=grid, in_specs=in_specs, out_specs=out_specs,
-                     scratch_shapes=tuple(scratch_shapes),
+                     scratch_shapes=(dict(scratch_shapes) if isinstance(scratch_shapes, dict)
+                                     else tuple(scratch_shapes)),
                      num_scalar_prefetch=num_scalar_prefetch)

@@ -82,8 +82,8 @@ def trace_kernel(kernel: Callable, name: str, grid_mapping: GridMapping,
                  kernel_args_tree: Any, **description_fields: Any) -> KernelDescription:
   """Traces `kernel` over abstract refs of its blocks.
 
-  `kernel_args_tree` re-nests the flat refs as the kernel expects them
-  (pytrees of inputs and outputs are passed as pytrees of refs).
+  `kernel_args_tree` re-nests the flat refs as the kernel's (positional, keyword)
+  arguments (pytrees of inputs and outputs are passed as pytrees of refs).
   """
   gm = grid_mapping
   ref_avals = ([internals.AbstractRef(a) for a in gm.prefetch_avals]
@@ -99,7 +99,8 @@ def trace_kernel(kernel: Callable, name: str, grid_mapping: GridMapping,
     grid = tuple(sizes.pop(0) if n is None else n for n in gm.grid)
     with primitives.grid_context(ids, grid, name, description_fields.get("grid_names")):
       try:
-        result = kernel(*jax.tree_util.tree_unflatten(kernel_args_tree, refs))
+        positional, keywords = jax.tree_util.tree_unflatten(kernel_args_tree, refs)
+        result = kernel(*positional, **keywords)
       except (ValueError, AssertionError) as e:
         # Caught here, inside the trace, where the traceback still holds JAX's frames
         # (they show which ref the failing operation was applied to).
@@ -133,12 +134,12 @@ def _ref_names(kernel: Callable, kernel_args_tree: Any, n_refs: int) -> tuple[st
   """For messages: the parameter each flat ref is passed as (with its path inside a
   pytree parameter, e.g. "refs['k']"), "" where the signature does not say."""
   params = kernel_parameter_names(kernel) or []
-  nested = jax.tree_util.tree_unflatten(kernel_args_tree, list(range(n_refs)))
+  positional, keywords = jax.tree_util.tree_unflatten(kernel_args_tree, list(range(n_refs)))
+  named_args = [*zip(params, positional), *keywords.items()]
   names = [""] * n_refs
-  for p, arg in enumerate(nested):
-    if p < len(params):
-      for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
-        names[leaf] = params[p] + jax.tree_util.keystr(path)
+  for param, arg in named_args:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
+      names[leaf] = param + jax.tree_util.keystr(path)
   return tuple(names)
 
 
@@ -149,7 +150,10 @@ def _ref_labels(gm: GridMapping, kernel: Callable, kernel_args_tree: Any) -> lis
            + [("input", i) for i in range(len(gm.inputs))]
            + [("output", i) for i in range(len(gm.outputs))]
            + [("scratch", i) for i in range(len(gm.scratch_avals))])
-  # parameter names line up with the flat refs only when every argument is one ref
-  if len(params) < len(kinds) or len(kernel_args_tree.children()) != len(kinds):
+  # parameter names line up with the flat refs only when every argument is one
+  # positional ref
+  positional, keywords = kernel_args_tree.children()
+  if len(params) < len(kinds) or positional.num_leaves != len(kinds) \
+      or len(positional.children()) != len(kinds):
     params = [None] * len(kinds)
   return [f"{kind} {i}" + (f" ('{p}')" if p else "") for (kind, i), p in zip(kinds, params)]
