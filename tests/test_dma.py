@@ -312,3 +312,48 @@ def test_copy_from_a_ref_selected_at_run_time():
       scratch_shapes=[pltpu.VMEM((8, 16), jnp.float32), pltpu.SemaphoreType.DMA])
   out = pallas_call(kernel, sds(a), grid_spec=grid_spec)(choice, a, b)
   assert_close(out, 2 * jnp.where(choice[:, None, None] == 0, a, b))
+
+
+def test_copies_signal_and_wait_on_a_semaphore_selected_at_run_time():
+  """pl.select_ref over semaphores: each copy signals the chosen one of two DMA
+  semaphores and waits on it; the other one is left untouched."""
+  xs = [random_array((8, 16)) for _ in range(4)]
+
+  def kernel(x0, x1, x2, x3, o_hbm, counts_ref, sems):
+    for i, x in enumerate((x0, x1, x2, x3)):
+      chosen = pl.select_ref(jnp.int32(i) % 2, sems.at[0], sems.at[1])
+      copy = pltpu.make_async_copy(x, o_hbm.at[pl.ds(8 * i, 8)], chosen)
+      copy.start()
+      counts_ref[i] = pl.semaphore_read(sems.at[i % 2])   # the chosen one counts the copy
+      counts_ref[4 + i] = pl.semaphore_read(sems.at[1 - i % 2])
+      copy.wait()
+
+  out, counts = pallas_call(
+      kernel, (jax.ShapeDtypeStruct((32, 16), jnp.float32),
+               jax.ShapeDtypeStruct((8,), jnp.int32)),
+      in_specs=[ANY] * 4, out_specs=(ANY, pl.BlockSpec(memory_space=pltpu.SMEM)),
+      scratch_shapes=[pltpu.SemaphoreType.DMA((2,))])(*xs)
+  assert_close(out, jnp.concatenate(xs))
+  np.testing.assert_array_equal(counts, [128] * 4 + [0] * 4)
+
+
+def test_semaphore_signal_wait_and_read_through_select_ref():
+  inc = random_array((2,), jnp.int32, low=1, high=9)
+
+  def kernel(idx_ref, inc_ref, o_ref, s0, s1):
+    chosen = pl.select_ref(idx_ref[0], s0, s1)
+    pl.semaphore_signal(chosen, inc_ref[0])
+    pl.semaphore_signal(s1, inc_ref[1])
+    o_ref[0] = pl.semaphore_read(s0)
+    o_ref[1] = pl.semaphore_read(s1)
+    o_ref[2] = pl.semaphore_read(chosen)
+    pl.semaphore_wait(chosen, inc_ref[0])
+    o_ref[3] = pl.semaphore_read(chosen)
+    pl.semaphore_wait(s1, pl.semaphore_read(s1))
+
+  smem = pl.BlockSpec(memory_space=pltpu.SMEM)
+  call = pallas_call(kernel, jax.ShapeDtypeStruct((4,), jnp.int32), in_specs=[smem, smem],
+                     out_specs=smem, scratch_shapes=[pltpu.SemaphoreType.REGULAR] * 2)
+  a, b = int(inc[0]), int(inc[1])
+  np.testing.assert_array_equal(call(jnp.array([0], jnp.int32), inc), [a, b, a, 0])
+  np.testing.assert_array_equal(call(jnp.array([1], jnp.int32), inc), [0, a + b, a + b, b])

@@ -187,7 +187,8 @@ class AsyncCopyDescriptor:
 
   def start(self, priority: int = 0, *, add: bool = False) -> None:
     """Copies now (a TPU would copy in the background) and signals the semaphore(s)."""
-    for end in ("src_ref", "dst_ref"):   # pl.select_ref: start the copy of the chosen ref
+    # pl.select_ref among refs or semaphores: start the copy with the chosen one
+    for end in ("src_ref", "dst_ref", "dst_sem", "src_sem"):
       chosen = getattr(self, end)
       if isinstance(chosen, SelectedRef):
         chosen.write(lambda r: dataclasses.replace(self, **{end: r}).start(priority, add=add))
@@ -220,6 +221,9 @@ class AsyncCopyDescriptor:
     if sem is None:
       raise PalletError(f"make_async_copy(...).{which}() in {kernel_site()}: this copy has no "
                         f"semaphore to wait on (pass one to make_async_copy)")
+    if isinstance(sem, SelectedRef):   # wait on the chosen semaphore only
+      sem.write(lambda chosen: self._wait_on(ref, chosen, which))
+      return
     if isinstance(ref, SelectedRef):   # every candidate has the same shape: any one sizes the wait
       ref = ref.refs[0]
     base, transforms = primitives.ref_and_transforms(ref)
@@ -308,12 +312,18 @@ def semaphore_signal(sem_or_view: Any, inc: Any = 1, *, device_id: Any = None,
     raise PalletError(f"semaphore_signal in {kernel_site()}: signalling another device or core "
                       f"is not supported on this backend (pallet runs a kernel on one core "
                       f"of one device)")
+  if isinstance(sem_or_view, SelectedRef):
+    sem_or_view.write(lambda chosen: semaphore_signal(chosen, inc))
+    return
   flat, tree = _sem_operands(sem_or_view, "semaphore_signal")
   semaphore_signal_p.bind(*flat, jnp.asarray(inc, jnp.int32), tree=tree)
 
 
 def semaphore_wait(sem_or_view: Any, value: Any = 1, *, decrement: bool = True) -> None:
   """Waits until a semaphore holds at least `value`; then takes `value` off (if `decrement`)."""
+  if isinstance(sem_or_view, SelectedRef):
+    sem_or_view.write(lambda chosen: semaphore_wait(chosen, value, decrement=decrement))
+    return
   message = (f"semaphore_wait in {kernel_site()}: waits for more than the semaphore holds, and "
              f"nothing else can signal it, so on a TPU this wait would never finish")
   flat, tree = _sem_operands(sem_or_view, "semaphore_wait")
@@ -323,6 +333,8 @@ def semaphore_wait(sem_or_view: Any, value: Any = 1, *, decrement: bool = True) 
 
 def semaphore_read(sem_or_view: Any) -> jax.Array:
   """The semaphore's current value (an int32 scalar)."""
+  if isinstance(sem_or_view, SelectedRef):
+    return sem_or_view.read(semaphore_read)
   flat, tree = _sem_operands(sem_or_view, "semaphore_read")
   return semaphore_read_p.bind(*flat, tree=tree)
 
