@@ -86,12 +86,12 @@ def kernel(body: Callable[..., None] | None = None, out_type: Any = None, *,
            out_shape: Any = None, scratch_shapes: Any = ()) -> Callable[..., Any]:
   """`pl.kernel(body, out_type, mesh=...)(*args)`, or as a decorator
   `@pl.kernel(out_type=..., mesh=...)`. The body gets (*input refs, *output refs,
-  *scratch refs), all whole arrays (a dict of scratch types by keyword); `out_shape`/`scratch_shapes` are accepted as
-  older spellings of `out_type`/`scratch_types`."""
+  *scratch refs), all whole arrays (a dict of scratch types by keyword);
+  `out_shape`/`scratch_shapes` are accepted as older spellings of
+  `out_type`/`scratch_types`."""
   del cost_estimate, metadata
   out_type = out_shape if out_type is None else out_type
-  scratch = scratch_types or scratch_shapes or ()
-  scratch = dict(scratch) if isinstance(scratch, dict) else tuple(scratch)
+  scratch = specs_lib.scratch_tree(scratch_types or scratch_shapes or ())
   if isinstance(mesh, (list, tuple)) or isinstance(body, (list, tuple)):
     raise PalletError("pl.kernel: several bodies on several meshes (MPMD) need cores "
                       "running concurrently; pallet runs one mesh per kernel")

@@ -80,7 +80,7 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *,
       raise PalletError(f"pallas_call of kernel '{name}': {e}") from None
     with _checking_trace(check_options, poison=interpret is True):
       return _launch(kernel, name, args, out_shape, grid, dynamic_sizes, in_specs, out_specs,
-                     _scratch_tree(scratch_shapes), num_scalar_prefetch, aliases, debug,
+                     specs_lib.scratch_tree(scratch_shapes), num_scalar_prefetch, aliases, debug,
                      backend_name, run_interpret, compiler_params, dimension_semantics,
                      grid_names, metadata, check_options)
   return launch
@@ -109,12 +109,6 @@ def _dimension_semantics(params: Any, grid: tuple[int, ...], name: str):
     raise PalletError(f"pallas_call of kernel '{name}': dimension_semantics {semantics} "
                       f"must give one of {_DIMENSION_SEMANTICS} per grid axis {grid}")
   return tuple("parallel" if s in _PARALLEL_SEMANTICS else "arbitrary" for s in semantics)
-
-
-def _scratch_tree(scratch_shapes: Any) -> tuple | dict:
-  """Scratch shapes as given: a sequence (passed positionally, after the outputs) or
-  a dict (passed by keyword, as in Pallas)."""
-  return dict(scratch_shapes) if isinstance(scratch_shapes, dict) else tuple(scratch_shapes)
 
 
 def _as_aval(x: Any, what: str, name: str) -> jax.core.ShapedArray:

@@ -185,6 +185,12 @@ class Buffered:
   prefetched_count: int = 0
 
 
+def scratch_tree(scratch_shapes: Any) -> tuple | dict:
+  """Scratch shapes as given: a sequence (the kernel gets them positionally, after
+  the outputs) or a dict (by keyword, as in Pallas)."""
+  return dict(scratch_shapes) if isinstance(scratch_shapes, dict) else tuple(scratch_shapes)
+
+
 @dataclasses.dataclass
 class GridSpec:
   """A grid with its in/out specs and scratch, as one object (Pallas `GridSpec`)."""

@@ -13,7 +13,7 @@ import enum
 from typing import Any, Sequence
 
 from pallet.specs import CompilerParams as _BaseCompilerParams
-from pallet.specs import GridSpec, no_block_spec
+from pallet.specs import GridSpec, no_block_spec, scratch_tree
 
 
 class GridDimensionSemantics(enum.Enum):
@@ -78,8 +78,7 @@ class PrefetchScalarGridSpec(GridSpec):
 
   def __init__(self, num_scalar_prefetch: int, grid: Any = (),
                in_specs: Any = no_block_spec, out_specs: Any = no_block_spec,
-               scratch_shapes: Sequence[Any] = ()):
+               scratch_shapes: Sequence[Any] | dict[str, Any] = ()):
     super().__init__(grid=grid, in_specs=in_specs, out_specs=out_specs,
-                     scratch_shapes=(dict(scratch_shapes) if isinstance(scratch_shapes, dict)
-                                     else tuple(scratch_shapes)),
+                     scratch_shapes=scratch_tree(scratch_shapes),
                      num_scalar_prefetch=num_scalar_prefetch)
