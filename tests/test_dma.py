@@ -357,3 +357,23 @@ def test_semaphore_signal_wait_and_read_through_select_ref():
   a, b = int(inc[0]), int(inc[1])
   np.testing.assert_array_equal(call(jnp.array([0], jnp.int32), inc), [a, b, a, 0])
   np.testing.assert_array_equal(call(jnp.array([1], jnp.int32), inc), [0, a + b, a + b, b])
+
+
+def test_select_ref_reshaped_and_bitcast_selects_the_same_view_of_each_candidate():
+  a, b = random_array((2, 4, 128)), random_array((2, 4, 128))
+  choice = jnp.array([1, 0], jnp.int32)
+
+  def kernel(choice_ref, a_hbm, b_hbm, o_hbm, bits_ref, sem):
+    for i in range(2):
+      sel = pl.select_ref(choice_ref[i], a_hbm, b_hbm)
+      pltpu.async_copy(sel.reshape(8, 128), o_hbm.at[i], sem).wait()
+    bits_ref[...] = pl.select_ref(choice_ref[0], a_hbm, b_hbm).bitcast(jnp.int32)[0]
+
+  smem = pl.BlockSpec(memory_space=pltpu.SMEM)
+  out, bits = pallas_call(
+      kernel, (jax.ShapeDtypeStruct((2, 8, 128), jnp.float32),
+               jax.ShapeDtypeStruct((4, 128), jnp.int32)),
+      in_specs=[smem, ANY, ANY], out_specs=(ANY, pl.BlockSpec(memory_space=pltpu.VMEM)),
+      scratch_shapes=[pltpu.SemaphoreType.DMA])(choice, a, b)
+  assert_close(out, jnp.stack([b.reshape(8, 128), a.reshape(8, 128)]))
+  np.testing.assert_array_equal(bits, jax.lax.bitcast_convert_type(b[0], jnp.int32))

@@ -43,6 +43,14 @@ class SelectedRef:
     """`sel.at[idx]`: the same selection over `ref.at[idx]` of every candidate."""
     return _SelectedIndexer(self)
 
+  def reshape(self, *shape: Any) -> "SelectedRef":
+    """The same selection over `ref.reshape(*shape)` of every candidate."""
+    return SelectedRef(self.index, tuple(r.reshape(*shape) for r in self.refs))
+
+  def bitcast(self, dtype: Any) -> "SelectedRef":
+    """The same selection over `ref.bitcast(dtype)` of every candidate."""
+    return SelectedRef(self.index, tuple(r.bitcast(dtype) for r in self.refs))
+
   def read(self, fn: Callable[[Any], jax.Array]) -> jax.Array:
     """`fn(chosen ref)`, for a reading `fn` (evaluated on every candidate)."""
     values = [fn(r) for r in self.refs]
