@@ -130,8 +130,7 @@ def core_map(mesh: Any, *, compiler_params: Any = None, interpret: Any = False,
     axes = _mesh_axes(mesh, f"pl.core_map '{kernel_name}'")
     names = tuple(n for n, _ in axes)
     sizes = tuple(s for _, s in axes)
-    keyword_scratch = dict(scratch_shapes) if isinstance(scratch_shapes, dict) else {}
-    scratch = () if keyword_scratch else tuple(scratch_shapes)
+    scratch, keyword_scratch = specs_lib.scratch_arguments(scratch_shapes)
     for index in itertools.product(*(range(s) for s in sizes)):
       ids = tuple(jnp.int32(i) for i in index)
       with primitives.grid_context(ids, sizes, kernel_name=kernel_name, grid_names=names):

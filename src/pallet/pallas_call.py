@@ -156,16 +156,14 @@ def _launch(kernel, name, args, out_shape, grid, dynamic_sizes, in_specs, out_sp
   # refs, **keyword scratch refs), with pytree inputs and outputs handed over as pytrees
   # of refs; the flat refs come in that order (a dict's keys sorted, as JAX flattens it).
   outs_for_kernel = tuple(out_shape) if isinstance(out_shape, (tuple, list)) else (out_shape,)
-  keyword_scratch = scratch_shapes if isinstance(scratch_shapes, dict) else {}
-  positional = (*prefetch_args, *args, *outs_for_kernel,
-                *(() if keyword_scratch else scratch_shapes))
+  positional_scratch, keyword_scratch = specs_lib.scratch_arguments(scratch_shapes)
+  positional = (*prefetch_args, *args, *outs_for_kernel, *positional_scratch)
   kernel_args_tree = jax.tree_util.tree_structure((positional, keyword_scratch),
                                                   is_leaf=is_scratch)
 
   def build():
     _check_kernel_arity(kernel, name, len(positional), len(prefetch_args), len(args),
-                        len(outs_for_kernel), len(positional) - len(prefetch_args)
-                        - len(args) - len(outs_for_kernel), tuple(keyword_scratch))
+                        len(outs_for_kernel), len(positional_scratch), tuple(keyword_scratch))
     mapping = _grid_mapping(kernel, name, args, out_shape, grid, in_specs, out_specs,
                             in_avals, out_avals, scratch_avals, prefetch_avals,
                             prefetch_tree, num_scalar_prefetch, dimension_semantics)

@@ -191,6 +191,12 @@ def scratch_tree(scratch_shapes: Any) -> tuple | dict:
   return dict(scratch_shapes) if isinstance(scratch_shapes, dict) else tuple(scratch_shapes)
 
 
+def scratch_arguments(scratch_shapes: Any) -> tuple[tuple, dict]:
+  """(positional, keyword) scratch shapes, as the kernel receives them."""
+  tree = scratch_tree(scratch_shapes)
+  return ((), tree) if isinstance(tree, dict) else (tree, {})
+
+
 @dataclasses.dataclass
 class GridSpec:
   """A grid with its in/out specs and scratch, as one object (Pallas `GridSpec`)."""
