@@ -294,6 +294,57 @@ def test_bounded_slice_errors():
                 out_specs=pl.BlockSpec((pl.BoundedSlice(4),), lambda i: (pl.ds(i, 4),)))(x)
 
 
+def _sum_rows_of_slices(sizes_ok_bound: int, starts, sizes, x):
+  """Sums rows starts[g] : starts[g] + sizes[g] of x through pl.BoundedSlice windows."""
+  def kernel(starts_ref, sizes_ref, x_ref, o_ref):
+    g = pl.program_id(0)
+    valid = lax.broadcasted_iota(jnp.int32, x_ref.shape, 0) < sizes_ref[g]
+    o_ref[...] = jnp.sum(jnp.where(valid, x_ref[...], 0.0), axis=0, keepdims=True)
+
+  spec = pl.BlockSpec((pl.BoundedSlice(sizes_ok_bound), 8),
+                      lambda g, st, sz: (pl.ds(st[g], sz[g]), 0))
+  return pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((len(starts), 8), f32),
+                     grid_spec=pltpu.PrefetchScalarGridSpec(
+                         num_scalar_prefetch=2, grid=(len(starts),), in_specs=[spec],
+                         out_specs=pl.BlockSpec((1, 8), lambda g, st, sz: (g, 0))))(
+                             starts, sizes, x)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_bounded_slice_size_over_its_bound_fails_the_call(jit):
+  # Program 2 asks for 5 rows from a BoundedSlice(4) block: Pallas copies `size`
+  # rows into an n-row buffer, so a larger size has no meaning; pallet would read 4.
+  x = random_array((12, 8))
+  starts = jnp.array([0, 3, 5, 8], jnp.int32)
+  call = jax.jit(_sum_rows_of_slices, static_argnums=0) if jit else _sum_rows_of_slices
+  out = call(4, starts, jnp.array([3, 2, 3, 4], jnp.int32), x)
+  assert_close(out[3], x[8:12].sum(0), rtol=1e-5, atol=1e-5)
+  with pytest.raises(Exception, match=r"index_map in kernel 'kernel' at grid index \(2,\).*"
+                     r"pl.BoundedSlice dimensions \(0,\) that must lie in \[0, 4\] \(size 5\)"):
+    jax.block_until_ready(call(4, starts, jnp.array([3, 2, 5, 4], jnp.int32), x))
+
+
+def test_bounded_slice_size_from_grid_indices_is_checked_when_called():
+  x = random_array((16, 8))
+
+  def kernel(x_ref, o_ref):
+    o_ref[...] = jnp.sum(x_ref[...], axis=0, keepdims=True)
+
+  def call(size_of):
+    spec = pl.BlockSpec((pl.BoundedSlice(4), 8), lambda i: (pl.ds(4 * i, size_of(i)), 0))
+    return pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((4, 8), f32), grid=(4,),
+                       in_specs=[spec], out_specs=pl.BlockSpec((1, 8), lambda i: (i, 0)))(x)
+
+  assert_close(call(lambda i: jnp.minimum(4, 16 - 4 * i)), x.reshape(4, 4, 8).sum(1),
+               rtol=1e-5, atol=1e-5)
+  with pytest.raises(pl.KernelCheckError, match=r"grid index \(2,\).*got sizes \(5,\)"):
+    call(lambda i: 3 + i)
+  with pytest.raises(pl.PalletError, match=r"in_specs\[0\].*index_map result 0 is "
+                     r"pl.ds\(..., size=5\) but its pl.BoundedSlice\(4\) block holds at "
+                     r"most 4 elements"):
+    call(lambda i: 5)
+
+
 def test_index_maps_with_optional_prefetch_parameters_and_none_outputs():
   # As splash attention: index maps take an optional trailing prefetch ref that may be
   # passed as None, and an optional output is None in out_shape and out_specs.

@@ -1,6 +1,8 @@
 """`pltpu.emit_pipeline`: an inner grid of blocks over whole (`ANY`) refs inside a kernel."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -99,6 +101,37 @@ def test_bounded_slice_window_from_scalar_prefetch_bounds():
   out = pallas_call(kernel, sds(x), grid_spec=pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=1, in_specs=[ANY], out_specs=ANY))(bounds, x)
   assert_close(out, x * 2.0)
+
+
+def test_bounded_slice_size_over_its_bound_is_an_error():
+  """A pl.ds size over the pl.BoundedSlice bound: known while tracing, an error then;
+  read from SMEM, a run-time failure (pallet would otherwise copy only n rows)."""
+  x = random_array((16, 128))
+
+  def body(x_blk, o_blk):
+    o_blk[...] = x_blk[...] * 2.0
+
+  def kernel(bounds_ref, x_hbm, o_hbm, static_size=None):
+    def index_map(i):
+      start = bounds_ref[i, 0]
+      size = bounds_ref[i, 1] - start if static_size is None else static_size
+      return pl.ds(start, size), 0
+    spec = pl.BlockSpec((pl.BoundedSlice(4), 128), index_map)
+    pltpu.emit_pipeline(body, grid=(4,), in_specs=[spec], out_specs=spec)(x_hbm, o_hbm)
+
+  def call(bounds, kernel=kernel):
+    return pl.pallas_call(kernel, sds(x), grid_spec=pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1, in_specs=[ANY], out_specs=ANY))(bounds, x)
+
+  assert_close(call(jnp.array([[12, 16], [8, 12], [4, 8], [0, 4]], jnp.int32)), x * 2.0)
+  with pytest.raises(Exception, match=r"pl.BoundedSlice size check failed in kernel "
+                     r"'kernel'.*input 0: index_map result 0 is pl.ds\(..., size\) but its "
+                     r"pl.BoundedSlice\(4\) block holds at most 4 elements"):
+    jax.block_until_ready(call(jnp.array([[11, 16], [8, 11], [3, 8], [0, 3]], jnp.int32)))
+  with pytest.raises(ValueError, match=r"emit_pipeline in kernel 'kernel' at .*, input 0: "
+                     r"index_map result 0 is pl.ds\(..., size\) but its pl.BoundedSlice\(4\) "
+                     r"block holds at most 4 elements; got size 6"):
+    call(jnp.zeros((4, 2), jnp.int32), functools.partial(kernel, static_size=6))
 
 
 def test_bounded_slice_index_map_must_return_a_ds():

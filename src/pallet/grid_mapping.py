@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import numbers
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +51,10 @@ class BlockMapping:
   memory_space: specs_lib.MemorySpace | None
   whole: bool                       # no BlockSpec given: the kernel sees the whole array
   index_map_source: str = ""        # "file:line" of the user's index map, for messages
+  # pl.BoundedSlice dimensions whose pl.ds size is traced: their dims and a closed
+  # jaxpr (*grid_ids, *prefetch refs) -> those sizes, for the `size <= n` check
+  slice_size_dims: tuple[int, ...] = ()
+  slice_size_map: Any = None
 
   @property
   def block_shape(self) -> tuple[int, ...]:
@@ -218,14 +222,19 @@ def kernel_parameter_names(kernel: Callable) -> list[str] | None:
 def trace_index_map(index_map: Callable | None, grid: tuple[int | None, ...],
                     prefetch_avals: Sequence[jax.core.ShapedArray],
                     ndim: int, where: str, prefetch_tree: Any = None,
-                    slice_dims: frozenset[int] = frozenset(),
-                    kernel_name: str | None = None) -> Any:
+                    slice_bounds: Mapping[int, int] | None = None,
+                    kernel_name: str | None = None,
+                    traced_size_dims: list[int] | None = None) -> Any:
   """Traces an index map to a jaxpr returning `ndim` int32 scalars.
 
   The jaxpr takes the flat prefetch refs; `prefetch_tree` re-nests them as the
   scalar-prefetch operands were passed (e.g. a tuple of arrays as one operand).
-  For `slice_dims` (pl.BoundedSlice) the index map returns `pl.ds(start, size)`;
-  the jaxpr returns `start`."""
+  For `slice_bounds` (pl.BoundedSlice dims and their `n`) the index map returns
+  `pl.ds(start, size)`; the jaxpr returns `start`. A static size outside [0, n] is an
+  error here; given a list `traced_size_dims`, the jaxpr returns instead the sizes
+  that are traced (computed from grid indices or prefetch refs) and the list gets
+  their dims, for the check when the call runs (`checking.index_maps`)."""
+  slice_bounds = dict(slice_bounds or {})
   if prefetch_tree is None:
     prefetch_tree = jax.tree_util.tree_structure((0,) * len(prefetch_avals))
   n_prefetch = len(prefetch_tree.children())   # scalar-prefetch operands, as passed
@@ -252,24 +261,40 @@ def trace_index_map(index_map: Callable | None, grid: tuple[int | None, ...],
     if len(out) != ndim:
       raise PalletError(f"{where}: index_map returned {len(out)} indices {tuple(out)!r} "
                         f"but the array has rank {ndim}")
-    result = []
+    result, slice_sizes = [], []
     for i, o in enumerate(out):
-      if (i in slice_dims) != isinstance(o, Slice):
+      if (i in slice_bounds) != isinstance(o, Slice):
         raise PalletError(f"{where}: index_map result {i} is {o!r}; a pl.BoundedSlice "
                           f"dimension takes pl.ds(start, size) and only such a dimension "
                           f"does")
       if isinstance(o, Slice):
+        if is_tracer(o.size):
+          slice_sizes.append((i, jnp.asarray(o.size).astype(jnp.int32)))
+        else:
+          _check_static_slice_size(o.size, slice_bounds[i], i, where)
         o = o.start
       o = jnp.asarray(o)
       if o.shape != () or not jnp.issubdtype(o.dtype, jnp.integer):
         raise PalletError(f"{where}: index_map result {i} must be an integer scalar, got "
                           f"{o.dtype}{list(o.shape)}")
       result.append(o.astype(jnp.int32))
-    return tuple(result)
+    if traced_size_dims is None:
+      return tuple(result)
+    traced_size_dims[:] = [i for i, _ in slice_sizes]
+    return tuple(size for _, size in slice_sizes)
 
   arg_avals = ([jax.core.ShapedArray((), jnp.int32)] * len(grid)
                + [AbstractRef(a) for a in prefetch_avals])
   return jax.make_jaxpr(flat_index_map)(*arg_avals)
+
+
+def _check_static_slice_size(size: Any, bound: int, i: int, where: str) -> None:
+  """A `pl.ds` size known while tracing must fit its `pl.BoundedSlice(n)` block."""
+  size = int(np.asarray(size))
+  if not 0 <= size <= bound:
+    raise PalletError(f"{where}: index_map result {i} is pl.ds(..., size={size}) but its "
+                      f"pl.BoundedSlice({bound}) block holds at most {bound} elements; the "
+                      f"size must be in [0, {bound}]")
 
 
 def block_mapping(spec: Any, aval: jax.core.ShapedArray, origin: str,
@@ -300,17 +325,32 @@ def block_mapping(spec: Any, aval: jax.core.ShapedArray, origin: str,
                         f"{len(block_shape)} but the array has shape {shape} "
                         f"(rank {len(shape)})")
     dims = tuple(_block_dimension(d, where) for d in block_shape)
-  slice_dims = frozenset(d for d, b in enumerate(() if whole else block_shape)
-                         if isinstance(b, specs_lib.BoundedSlice))
-  if slice_dims and output:
+  slice_bounds = {d: dims[d].size for d, b in enumerate(() if whole else block_shape)
+                  if isinstance(b, specs_lib.BoundedSlice)}
+  if slice_bounds and output:
     raise PalletError(f"{where}: pl.BoundedSlice is supported for inputs only (an output "
                       f"block would write back its unspecified tail); use pl.Element and "
                       f"a masked store instead")
   jaxpr = trace_index_map(spec.index_map, grid, prefetch_avals, len(shape), where,
-                          prefetch_tree, slice_dims, kernel_name)
+                          prefetch_tree, slice_bounds, kernel_name)
+  size_dims, size_map = _traced_slice_sizes(spec.index_map, grid, prefetch_avals, shape,
+                                            where, prefetch_tree, slice_bounds, kernel_name)
   return BlockMapping(origin=origin, array_shape=shape, dtype=aval.dtype, dims=dims,
                       index_map=jaxpr, memory_space=memory_space, whole=whole,
-                      index_map_source=_function_source(spec.index_map))
+                      index_map_source=_function_source(spec.index_map),
+                      slice_size_dims=size_dims, slice_size_map=size_map)
+
+
+def _traced_slice_sizes(index_map, grid, prefetch_avals, shape, where, prefetch_tree,
+                        slice_bounds, kernel_name) -> tuple[tuple[int, ...], Any]:
+  """The pl.BoundedSlice dims whose size the index map computes (not a constant), and
+  a jaxpr of those sizes; ((), None) when every size was checked while tracing."""
+  if not slice_bounds:
+    return (), None
+  traced: list[int] = []
+  jaxpr = trace_index_map(index_map, grid, prefetch_avals, len(shape), where, prefetch_tree,
+                          slice_bounds, kernel_name, traced_size_dims=traced)
+  return (tuple(traced), jaxpr) if traced else ((), None)
 
 
 def _function_source(fn: Any) -> str:

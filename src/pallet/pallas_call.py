@@ -21,6 +21,7 @@ from jax.interpreters import ad, batching, mlir
 from pallet import backends
 from pallet import _internals as internals
 from pallet import checks
+from pallet import bounded_slices
 from pallet import checking
 from pallet import dma
 from pallet import plain_call
@@ -187,6 +188,7 @@ def _launch(kernel, name, args, out_shape, grid, dynamic_sizes, in_specs, out_sp
     print(description.jaxpr)
   flat_prefetch = [jnp.asarray(p) for p in flat_prefetch]
   sizes = [jnp.asarray(d, jnp.int32) for d in dynamic_sizes]
+  bounded_slices.check(description, flat_prefetch)
   if check_options is None:
     results = pallas_call_p.bind(*sizes, *flat_prefetch, *flat_args, kernel=description,
                                  name=name, backend=backend_name, interpret=interpret)

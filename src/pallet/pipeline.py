@@ -18,9 +18,11 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from pallet import _internals as internals
+from pallet import checks
 from pallet._internals import Slice
 from pallet import primitives
 from pallet.dma import kernel_site
@@ -101,10 +103,26 @@ class _Window:
                           f"dimension takes pl.ds(start, size) and only such a dimension "
                           f"does")
       if kind == "bounded":
-        out.append((jnp.asarray(b.start, jnp.int32), jnp.asarray(b.size, jnp.int32)))
+        out.append((jnp.asarray(b.start, jnp.int32), self._checked_size(b.size, n, i)))
       else:
         out.append((jnp.asarray(b, jnp.int32) * (1 if kind == "element" else n), None))
     return out
+
+  def _checked_size(self, size: Any, bound: int, i: int) -> Any:
+    """A pl.ds size of a pl.BoundedSlice(n) dimension: in [0, n], checked while tracing
+    when known then, else at run time on every step (a larger size has no meaning in
+    an n-element buffer, and pallet would otherwise copy n elements silently)."""
+    what = (f"{self.where}: index_map result {i} is pl.ds(..., size) but its "
+            f"pl.BoundedSlice({bound}) block holds at most {bound} elements")
+    if not internals.is_tracer(size):
+      if not 0 <= int(np.asarray(size)) <= bound:
+        raise PalletError(f"{what}; got size {int(np.asarray(size))}")
+      return jnp.asarray(size, jnp.int32)
+    size = jnp.asarray(size, jnp.int32)
+    checks.check((size >= 0) & (size <= bound),
+                 checks.failure_message("the pl.BoundedSlice size check", f"{what}; the size must be in "
+                                        f"[0, {bound}]"))
+    return size
 
   def view(self, starts: Sequence[tuple[Any, Any]]) -> tuple[tuple[Any, ...], Any]:
     """(index into the array for the block, mask of its in-bounds elements or None)."""
