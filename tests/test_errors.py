@@ -147,16 +147,19 @@ def test_program_id_axis_outside_the_grid():
     pallas_call(kernel, out_shape=sds(X), grid=(2,))(X)
 
 
-def test_kernel_closing_over_a_traced_value():
+def test_kernel_closing_over_a_traced_array():
+  # Traced scalars and refs become operands (test_closed_over.py); an array does not,
+  # as in Pallas: only a BlockSpec can say how the kernel sees it.
   @jax.jit
   def f(x, y):
     def closing_kernel(x_ref, o_ref):
       o_ref[...] = x_ref[...] + y
     return pallas_call(closing_kernel, out_shape=sds(x))(x)
 
-  with _raises(pl.PalletError, "closing_kernel", "closes over a traced",
-               "pass it to pallas_call as an input"):
-    f(X, jnp.float32(1.0))
+  with _raises(pl.PalletError, "closing_kernel", "closes over a traced array",
+               f"float32{list(X.shape)}".replace(" ", ""), "traced scalars and refs only",
+               "pass the array to the call as an input"):
+    f(X, X + 1.0)
 
 
 def test_input_output_aliases_shape_mismatch():

@@ -23,6 +23,7 @@ from pallet import _internals as internals
 from pallet import checks
 from pallet import bounded_slices
 from pallet import checking
+from pallet import closed_over
 from pallet import dma
 from pallet import plain_call
 from pallet import grid_mapping as gm_lib
@@ -168,12 +169,12 @@ def _launch(kernel, name, args, out_shape, grid, dynamic_sizes, in_specs, out_sp
     mapping = _grid_mapping(kernel, name, args, out_shape, grid, in_specs, out_specs,
                             in_avals, out_avals, scratch_avals, prefetch_avals,
                             prefetch_tree, num_scalar_prefetch, dimension_semantics)
-    return tracing.trace_kernel(
+    return closed_over.lift(tracing.trace_kernel(
         kernel, name, mapping, kernel_args_tree, source=tracing.kernel_source(kernel),
         input_output_aliases=_check_aliases(aliases, len(prefetch_avals), in_avals,
                                             out_avals, name),
         compiler_params=compiler_params, debug=debug, grid_names=grid_names,
-        metadata=metadata, poison_buffers=checks.poison_buffers_enabled())
+        metadata=metadata, poison_buffers=checks.poison_buffers_enabled()))
 
   # Everything the traced description depends on; the kernel's own Python code is
   # keyed by identity (partials by their function and arguments).
@@ -189,6 +190,7 @@ def _launch(kernel, name, args, out_shape, grid, dynamic_sizes, in_specs, out_sp
   flat_prefetch = [jnp.asarray(p) for p in flat_prefetch]
   sizes = [jnp.asarray(d, jnp.int32) for d in dynamic_sizes]
   bounded_slices.check(description, flat_prefetch)
+  flat_args = [*flat_args, *closed_over.operands(description)]
   if check_options is None:
     results = pallas_call_p.bind(*sizes, *flat_prefetch, *flat_args, kernel=description,
                                  name=name, backend=backend_name, interpret=interpret)
@@ -197,6 +199,7 @@ def _launch(kernel, name, args, out_shape, grid, dynamic_sizes, in_specs, out_sp
                              interpret=interpret)
     results = checking.run(description, check_options, gm_lib.kernel_parameter_names(kernel),
                            bind, sizes, flat_prefetch, flat_args, backend_name)
+  results = closed_over.write_back(description, results)
   results = [_annotated(r, o, i, name, description.source)
              for i, (r, o) in enumerate(zip(results, flat_out_shapes))]
   return jax.tree_util.tree_unflatten(out_tree, results)

@@ -136,6 +136,8 @@ def _freeze_container(x: Any, walk: _Walk) -> Any:
     return (dict, tuple((freeze(k, walk), freeze(v, walk)) for k, v in items))
   if isinstance(x, (functools.partial, types.FunctionType)):
     return _freeze_function(x, walk)
+  if isinstance(getattr(x, "aval", None), internals.AbstractRef) and not internals.is_tracer(x):
+    return ("ref", _Same(x))     # a jax.new_ref array: mutable, so the same ref only
   if dataclasses.is_dataclass(x) and not isinstance(x, type):
     return (type(x), tuple(freeze(getattr(x, f.name), walk) for f in dataclasses.fields(x)))
   if isinstance(x, np.ndarray) or (hasattr(x, "__array__") and not internals.is_tracer(x)
@@ -224,7 +226,8 @@ def lookup(kernel: Callable, key: Any, build: Callable[[], Any]) -> Any:
 def _has_tracer_consts(description: Any) -> bool:
   gm = description.grid_mapping
   jaxprs = [description.jaxpr] + [b.index_map for b in (*gm.inputs, *gm.outputs)]
-  return any(internals.is_tracer(c) for j in jaxprs for c in j.consts)
+  return (any(internals.is_tracer(c) for j in jaxprs for c in j.consts)
+          or any(internals.is_tracer(v) for v in description.closed_over))
 
 
 def clear() -> None:

@@ -40,6 +40,8 @@ class KernelDescription:
   metadata: Any = None                         # pallas_call(metadata=...), kept as given
   poison_buffers: bool = False                 # pl.enable_poison_buffers when traced
   ref_names: tuple[str, ...] = ()              # per ref input: the kernel parameter it is
+  closed_over: tuple[Any, ...] = ()            # refs and traced scalars it closed over,
+                                               # now its last operands (closed_over.py)
 
   def __repr__(self) -> str:
     # Shown inside jaxprs as the `kernel=` parameter of pallas_call: keep it short.
@@ -122,9 +124,6 @@ def trace_kernel(kernel: Callable, name: str, grid_mapping: GridMapping,
         f"Python needs a concrete one: a slice bound (write pl.ds(start, size) for a "
         f"dynamic slice), an `if` (use pl.when or lax.cond) or a Python loop bound (use "
         f"lax.fori_loop)") from e
-  if any(internals.is_tracer(c) for c in jaxpr.consts):
-    raise PalletError(f"kernel '{name}' closes over a traced (non-constant) value; pass "
-                      f"it to pallas_call as an input instead")
   return KernelDescription(name=name, jaxpr=jaxpr, grid_mapping=gm,
                            ref_names=_ref_names(kernel, kernel_args_tree, len(ref_avals)),
                            **description_fields)

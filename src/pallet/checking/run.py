@@ -38,9 +38,9 @@ def _block_table(mapping: Any, grid: tuple[int, ...]) -> np.ndarray | None:
     return np.zeros((*grid, 0), np.int64)
   n = int(np.prod(grid, dtype=np.int64))
   coords = np.indices(grid).reshape(len(grid), n).astype(np.int32)
+  at = lambda *ids: jax.core.eval_jaxpr(im.jaxpr, im.consts, *ids)
   with internals.eval_context():
-    outs = jax.vmap(lambda *ids: jax.core.eval_jaxpr(im.jaxpr, im.consts, *ids))(
-        *[jnp.asarray(c) for c in coords])
+    outs = jax.vmap(at)(*[jnp.asarray(c) for c in coords]) if grid else at()
   return np.stack([np.broadcast_to(np.asarray(o), (n,)) for o in outs], -1).reshape(
       (*grid, len(outs)))
 
@@ -73,9 +73,11 @@ def _initialized_before_read(kernel: KernelDescription) -> set[int]:
   from pallet.backends.xla import body_analysis
   facts = body_analysis.analyse_body(kernel)
   for o, resets in facts.accumulators.items():
+    if gm.outputs[o].whole:
+      continue
     zeroed = body_analysis.evaluate_resets(resets, gm.grid)
     table = _block_table(gm.outputs[o], gm.grid)
-    if zeroed is None or table is None or gm.outputs[o].whole:
+    if zeroed is None or table is None:
       continue
     first_visits = {}
     for point in np.ndindex(*gm.grid):    # grid order
