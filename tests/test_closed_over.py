@@ -160,3 +160,19 @@ def test_dma_between_closed_over_refs():
     return pl.run_state(stateful)((x, jnp.full_like(x, -1)))[1]
 
   np.testing.assert_array_equal(f(x), x)
+
+
+def test_closed_over_scalars_under_vmap_and_grad():
+  # The scalar is an operand, so pallas_call's own vmap and jvp rules carry it.
+  x = random_array((8, 128))
+
+  def f(x, s):
+    def kernel(x_ref, o_ref):
+      o_ref[...] = jnp.sin(x_ref[...]) * s
+    return pallas_call(kernel, out_shape=sds(x))(x)
+
+  scales = jnp.array([1.0, -2.0, 3.5], f32)
+  assert_close(jax.vmap(f, (None, 0))(x, scales), jnp.sin(x)[None] * scales[:, None, None],
+               rtol=1e-5, atol=1e-5)
+  assert_close(jax.grad(lambda s: f(x, s).sum())(2.0), jnp.sin(x).sum(), rtol=1e-4, atol=1e-4)
+  assert_close(jax.grad(lambda x: f(x, 2.0).sum())(x), 2.0 * jnp.cos(x), rtol=1e-5, atol=1e-5)
