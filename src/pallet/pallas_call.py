@@ -117,6 +117,12 @@ def _as_aval(x: Any, what: str, name: str) -> jax.core.ShapedArray:
   if not (hasattr(x, "shape") and hasattr(x, "dtype")):
     raise PalletError(f"pallas_call of kernel '{name}': {what} must be an array or a "
                       f"jax.ShapeDtypeStruct, got {type(x).__name__}: {x!r}")
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    raise PalletError(f"pallas_call of kernel '{name}': {what} is an array of typed PRNG "
+                      f"keys ({x.dtype}{list(x.shape)}); pallet passes numeric arrays only: "
+                      f"pass jax.random.key_data(key) (or pltpu.to_pallas_key(key)) and "
+                      f"seed with it in the kernel (pltpu.prng_seed, or "
+                      f"jax.random.wrap_key_data)")
   return jax.core.ShapedArray(tuple(x.shape), jnp.dtype(x.dtype))
 
 
