@@ -233,7 +233,7 @@ def trace_index_map(index_map: Callable | None, grid: tuple[int | None, ...],
   `pl.ds(start, size)`; the jaxpr returns `start`. A static size outside [0, n] is an
   error here; given a list `traced_size_dims`, the jaxpr returns instead the sizes
   that are traced (computed from grid indices or prefetch refs) and the list gets
-  their dims, for the check when the call runs (`checking.index_maps`)."""
+  their dims, for the check when the call runs (`bounded_slices.py`)."""
   slice_bounds = dict(slice_bounds or {})
   if prefetch_tree is None:
     prefetch_tree = jax.tree_util.tree_structure((0,) * len(prefetch_avals))
