@@ -176,3 +176,19 @@ def test_closed_over_scalars_under_vmap_and_grad():
                rtol=1e-5, atol=1e-5)
   assert_close(jax.grad(lambda s: f(x, s).sum())(2.0), jnp.sin(x).sum(), rtol=1e-4, atol=1e-4)
   assert_close(jax.grad(lambda x: f(x, 2.0).sum())(x), 2.0 * jnp.cos(x), rtol=1e-5, atol=1e-5)
+
+
+def test_an_index_map_closing_over_a_ref_is_an_error():
+  # Index maps are evaluated while the grid is planned: a ref's later values would be
+  # ignored, so reading one there is an error (scalar prefetch is the way).
+  x = random_array((4, 8))
+  row = jax.new_ref(jnp.array([1], jnp.int32))
+
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...]
+
+  with pytest.raises(pl.PalletError, match=r"in_specs\[0\].*the index_map reads a ref it "
+                     r"closes over; pass the values as a scalar-prefetch operand"):
+    pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((1, 8), f32),
+                in_specs=[pl.BlockSpec((1, 8), lambda: (row[0], 0))],
+                out_specs=pl.BlockSpec((1, 8), lambda: (0, 0)))(x)

@@ -285,7 +285,13 @@ def trace_index_map(index_map: Callable | None, grid: tuple[int | None, ...],
 
   arg_avals = ([jax.core.ShapedArray((), jnp.int32)] * len(grid)
                + [AbstractRef(a) for a in prefetch_avals])
-  return jax.make_jaxpr(flat_index_map)(*arg_avals)
+  jaxpr = jax.make_jaxpr(flat_index_map)(*arg_avals)
+  if any(isinstance(jax.typeof(c), AbstractRef) for c in jaxpr.consts):
+    # pallet evaluates index maps while planning the grid, so a mutable ref would be
+    # read once and its later values silently ignored
+    raise PalletError(f"{where}: the index_map reads a ref it closes over; pass the "
+                      f"values as a scalar-prefetch operand instead")
+  return jaxpr
 
 
 def _check_static_slice_size(size: Any, bound: int, i: int, where: str) -> None:
