@@ -5,9 +5,10 @@ Pallas copies `size` elements into an `n`-element buffer and assumes the bound h
 a larger size has no meaning there. pallet copies the `n` elements from `start`, so
 a size over the bound would run without an error but not as written. A size known
 while tracing is checked then (`grid_mapping`); this module checks the sizes an index
-map computes, on every call (not only in checking mode): evaluated over the whole
-grid when the call is made if they depend on grid indices only, else in the compiled
-program beside the kernel, before it runs.
+map computes, not only in checking mode: `check_static` evaluates those that depend on
+grid indices only over the whole grid, once, when the kernel is traced; `check` puts
+those that read scalar-prefetch operands in the compiled program beside the kernel,
+before it runs, on every call.
 """
 from __future__ import annotations
 
@@ -19,59 +20,85 @@ import numpy as np
 
 from pallet import _internals as internals
 from pallet import checks
+from pallet import grid_eval
 from pallet.grid_mapping import BlockMapping
 from pallet.tracing import KernelDescription
 
 
-def check(kernel: KernelDescription, prefetch: Sequence[Any]) -> None:
-  """Fails the call where a traced `pl.ds` size exceeds its `pl.BoundedSlice` bound."""
+def _mappings(kernel: KernelDescription) -> list[BlockMapping]:
+  """The inputs with traced sizes, where the grid is static and not empty."""
   gm = kernel.grid_mapping
-  mappings = [b for b in gm.inputs if b.slice_size_map is not None]
-  if not mappings or None in gm.grid or gm.num_steps == 0:
+  if None in gm.grid or gm.num_steps == 0:
+    return []
+  return [b for b in gm.inputs if b.slice_size_map is not None]
+
+
+def _info(kernel: KernelDescription, b: BlockMapping) -> tuple[checks.CheckInfo, str, np.ndarray]:
+  bounds = np.asarray([b.dims[d].size for d in b.slice_size_dims], np.int32)
+  info = checks.CheckInfo(kind="index_map", kernel=kernel.name, ref=_ref_name(b),
+                          line=b.index_map_source or kernel.source,
+                          grid=tuple(kernel.grid_mapping.grid), detail="size")
+  message = (f"the index map of {b.origin} returns pl.ds sizes for its pl.BoundedSlice "
+             f"dimensions {b.slice_size_dims} that must lie in [0, {_bounds_text(bounds)}]")
+  return info, message, bounds
+
+
+def check_static(kernel: KernelDescription) -> None:
+  """Raises KernelCheckError now for sizes that depend on grid indices only."""
+  gm = kernel.grid_mapping
+  if gm.prefetch_avals:
     return
-  coords = np.indices(gm.grid).reshape(len(gm.grid), gm.num_steps).astype(np.int32)
+  for b in _mappings(kernel):
+    info, message, bounds = _info(kernel, b)
+    sizes = np.stack([s.reshape(-1) for s in _sizes_now(b.slice_size_map, gm.grid)], axis=1)
+    bad = ((sizes < 0) | (sizes > bounds)).any(axis=1)
+    if bad.any():
+      step = int(np.argmax(bad))
+      raise info.error(f"{message}; got sizes {tuple(int(s) for s in sizes[step])}",
+                       info.unravel(step))
+
+
+def _sizes_now(size_map: Any, grid: tuple[int, ...]) -> list[np.ndarray]:
+  """The sizes at every grid point: NumPy first (eager JAX ops would compile a small
+  XLA program per primitive), JAX where the index map needs more."""
+  try:
+    return grid_eval.over_grid(size_map.jaxpr, size_map.consts, grid)
+  except grid_eval.Unsupported:
+    pass
+  n = int(np.prod(grid, dtype=np.int64))
+  coords = jnp.asarray(np.indices(grid, dtype=np.int32).reshape(len(grid), n))
+  with internals.eval_context():
+    return [np.asarray(s) for s in _sizes(size_map, coords, ())]
+
+
+def check(kernel: KernelDescription, prefetch: Sequence[Any]) -> None:
+  """Fails the call, at run time, where a size read from scalar-prefetch operands
+  exceeds its `pl.BoundedSlice` bound."""
+  gm = kernel.grid_mapping
+  mappings = _mappings(kernel)
+  if not gm.prefetch_avals or not mappings:
+    return
+  coords = jnp.asarray(np.indices(gm.grid, dtype=np.int32).reshape(len(gm.grid), gm.num_steps))
   for b in mappings:
-    bounds = np.asarray([b.dims[d].size for d in b.slice_size_dims], np.int32)
-    info = checks.CheckInfo(kind="index_map", kernel=kernel.name, ref=_ref_name(b),
-                            line=b.index_map_source or kernel.source, grid=tuple(gm.grid),
-                            detail="size")
-    message = (f"the index map of {b.origin} returns pl.ds sizes for its pl.BoundedSlice "
-               f"dimensions {b.slice_size_dims} that must lie in [0, {_bounds_text(bounds)}]")
-    if gm.prefetch_avals:
-      _check_in_program(b, coords, prefetch, bounds, info, message)
-    else:
-      _check_now(b, coords, bounds, info, message)
+    info, message, bounds = _info(kernel, b)
+    sizes = jnp.stack(_sizes(b.slice_size_map, coords, prefetch), axis=1)
+    bad_dims = (sizes < 0) | (sizes > bounds)
+    bad = bad_dims.any(axis=1)
+    step = jnp.argmax(bad)
+    detail = sizes[step, jnp.argmax(bad_dims[step])]
+    checks.check(~jnp.any(bad), message, info, (*[c[step] for c in coords], detail))
 
 
-def _sizes(b: BlockMapping, coords: Any, prefetch: Sequence[Any]) -> list[Any]:
-  """The traced sizes at every grid step: one (num_steps,) array per dimension."""
-  pure = internals.discharge_state(b.slice_size_map)
+def _sizes(size_map: Any, coords: Any, prefetch: Sequence[Any]) -> list[Any]:
+  """The traced sizes at every grid step, with JAX: one (num_steps,) array each."""
+  pure = internals.discharge_state(size_map)
+  n_sizes = len(size_map.jaxpr.outvars)
 
   def at(*ids):   # the discharged jaxpr also returns the prefetch refs' final values
-    return jax.core.eval_jaxpr(pure.jaxpr, pure.consts, *ids, *prefetch)[:len(b.slice_size_dims)]
+    return jax.core.eval_jaxpr(pure.jaxpr, pure.consts, *ids, *prefetch)[:n_sizes]
 
   outs = jax.vmap(at)(*coords) if len(coords) else at()
   return [jnp.broadcast_to(o, (coords.shape[1],)) for o in outs]
-
-
-def _check_now(b, coords, bounds, info, message) -> None:
-  with internals.eval_context():
-    sizes = np.stack([np.asarray(s) for s in _sizes(b, jnp.asarray(coords), ())], axis=1)
-  bad = ((sizes < 0) | (sizes > bounds)).any(axis=1)
-  if bad.any():
-    step = int(np.argmax(bad))
-    raise info.error(f"{message}; got sizes {tuple(int(s) for s in sizes[step])}",
-                     tuple(int(c) for c in coords[:, step]))
-
-
-def _check_in_program(b, coords, prefetch, bounds, info, message) -> None:
-  sizes = jnp.stack(_sizes(b, jnp.asarray(coords), prefetch), axis=1)
-  bad_dims = (sizes < 0) | (sizes > bounds)
-  bad = bad_dims.any(axis=1)
-  step = jnp.argmax(bad)
-  detail = sizes[step, jnp.argmax(bad_dims[step])]
-  checks.check(~jnp.any(bad), message, info,
-               (*[jnp.asarray(c)[step] for c in coords], detail))
 
 
 def _bounds_text(bounds: np.ndarray) -> str:

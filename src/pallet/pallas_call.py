@@ -175,12 +175,14 @@ def _launch(kernel, name, args, out_shape, grid, dynamic_sizes, in_specs, out_sp
     mapping = _grid_mapping(kernel, name, args, out_shape, grid, in_specs, out_specs,
                             in_avals, out_avals, scratch_avals, prefetch_avals,
                             prefetch_tree, num_scalar_prefetch, dimension_semantics)
-    return closed_over.lift(tracing.trace_kernel(
+    description = closed_over.lift(tracing.trace_kernel(
         kernel, name, mapping, kernel_args_tree, source=tracing.kernel_source(kernel),
         input_output_aliases=_check_aliases(aliases, len(prefetch_avals), in_avals,
                                             out_avals, name),
         compiler_params=compiler_params, debug=debug, grid_names=grid_names,
         metadata=metadata, poison_buffers=checks.poison_buffers_enabled()))
+    bounded_slices.check_static(description)
+    return description
 
   # Everything the traced description depends on; the kernel's own Python code is
   # keyed by identity (partials by their function and arguments).
