@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "full-size run, bench_out/ otherwise, both in the repository)")
   p.add_argument("--reps", type=positive_int, default=DEFAULT_REPS, metavar="N",
                  help=f"timed rounds per benchmark (default {DEFAULT_REPS})")
+  p.add_argument("--compile-reps", type=positive_int, default=3, metavar="N",
+                 help="first calls (trace + compile, from cold program caches) per "
+                      "variant, median reported (default 3; the peer compiles once)")
   p.add_argument("--peer-reps", type=positive_int, default=3, metavar="N",
                  help="timed rounds for the interpret peer (default 3)")
   p.add_argument("--peer-single-s", type=float, default=2.0, metavar="S",
@@ -75,6 +78,7 @@ def _meta(args: argparse.Namespace, size: Size,
       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
       "size": size,
       "reps": args.reps,
+      "compile_reps": args.compile_reps,
       "peer": None if args.no_peer else {"reps": args.peer_reps,
                                          "single_run_s": args.peer_single_s,
                                          "budget_s": args.peer_budget_s},
@@ -113,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
   peer = PeerPolicy(reps=args.peer_reps, single_run_s=args.peer_single_s,
                     budget_s=args.peer_budget_s)
   results = run_suite(selected, variants, reps=args.reps, peer=peer, seed=args.seed,
-                      device=jax.devices("cpu")[0])
+                      device=jax.devices("cpu")[0], compile_reps=args.compile_reps)
 
   print()
   print(report.format_table(results))

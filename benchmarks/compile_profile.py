@@ -32,6 +32,7 @@ import jax
 
 from benchmarks import catalog
 from benchmarks.case import SIZES, Benchmark
+from benchmarks.runner import fresh_compile_caches
 from benchmarks.suite import positive_int
 from benchmarks.variants import cpu_variant
 
@@ -77,24 +78,9 @@ def _instrumented(clock: _Clock):
     tracing.trace_kernel, xla._planned = trace_kernel, planned
 
 
-def _fresh_caches(cold: bool) -> None:
-  """Forgets pallet's traced kernels and plans and JAX's lowered and compiled
-  modules; `cold` also JAX's tracing caches (jax.numpy's own jitted helpers), as in
-  a fresh process. Otherwise those stay warm, as for any but the first row of the
-  benchmark suite."""
-  from pallet import trace_cache
-  trace_cache.clear()
-  if cold:
-    jax.clear_caches()
-    return
-  from jax._src.interpreters import pxla   # the two caches keyed by program
-  pxla._cached_lowering_to_hlo.cache_clear()
-  pxla._cached_compilation.cache_clear()
-
-
 def profile_once(program: Callable, shapes: Any, cold: bool = False) -> dict[str, float]:
   """One first call of `program` on `shapes`, split into PHASES (seconds)."""
-  _fresh_caches(cold)
+  fresh_compile_caches(cold)
   clock = _Clock()
   fresh = lambda *a: program(*a)
   with _instrumented(clock):

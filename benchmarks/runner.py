@@ -5,7 +5,11 @@ Timing method (also in docs/performance.md):
     so compilation is never inside a timed call; those seconds (trace + lower +
     compile: what a first call costs beyond its run) are recorded, and so is the
     compiled program's peak memory from XLA's memory analysis (arguments +
-    outputs + temporaries - aliased bytes).
+    outputs + temporaries - aliased bytes). A first call is a single sample of a
+    few tens of milliseconds, which a busy machine moves by 2x, so every variant
+    but the slow peer is compiled `compile_reps` times, each from cold program
+    caches (`fresh_compile_caches`: pallet's traced kernels and plans, JAX's
+    lowered and compiled modules), and its first-call time is the median.
   * One untimed warm-up call per variant; its output is checked against the
     jax.numpy output, and a mismatch stops that variant from being timed.
   * Then `reps` rounds; each round calls every variant once, in a fixed order,
@@ -38,7 +42,8 @@ Status = Literal["ok", "error", "mismatch", "known_issue", "skipped"]
 class VariantResult:
   status: Status
   samples_s: list[float] = dataclasses.field(default_factory=list)
-  compile_s: float | None = None
+  compile_s: float | None = None        # median of compile_samples_s
+  compile_samples_s: list[float] = dataclasses.field(default_factory=list)
   peak_bytes: int | None = None
   message: str = ""
 
@@ -96,6 +101,32 @@ def peak_memory(compiled: Any) -> int | None:
              - m.alias_size_in_bytes)
 
 
+def fresh_compile_caches(cold: bool = False) -> None:
+  """Forgets pallet's traced kernels and plans and JAX's lowered and compiled
+  modules, so that the next compile is a first call; `cold` also JAX's tracing
+  caches (jax.numpy's own jitted helpers), as in a fresh process. Otherwise those
+  stay warm, as for any but the first row of the suite (for every variant alike)."""
+  from pallet import trace_cache
+  trace_cache.clear()
+  if cold:
+    jax.clear_caches()
+    return
+  from jax._src.interpreters import pxla   # the two caches keyed by program
+  pxla._cached_lowering_to_hlo.cache_clear()
+  pxla._cached_compilation.cache_clear()
+
+
+def _compile(program: Callable[..., Any], args: Sequence[jax.Array]) -> tuple[Any, float]:
+  """A first call's compile of `program` from cold caches, and its seconds."""
+  # a fresh function: rows sharing a twin (matmul, matmul_scratch) must not hit
+  # the compilation cache of an earlier row
+  fresh = lambda *a: program(*a)
+  fresh_compile_caches()
+  start = time.perf_counter()
+  compiled = jax.jit(fresh).lower(*args).compile()
+  return compiled, time.perf_counter() - start
+
+
 def _time_once(fn: Callable[..., Any], args: Sequence[jax.Array]) -> tuple[float, Any]:
   start = time.perf_counter()
   out = jax.block_until_ready(fn(*args))
@@ -103,7 +134,7 @@ def _time_once(fn: Callable[..., Any], args: Sequence[jax.Array]) -> tuple[float
 
 
 def run_benchmark(bench: Benchmark, variants: Sequence[Variant], *, reps: int,
-                  peer: PeerPolicy, seed: int = 0) -> BenchmarkResult:
+                  peer: PeerPolicy, seed: int = 0, compile_reps: int = 3) -> BenchmarkResult:
   """Compile, check and time `variants` of `bench`; the first must be the jnp reference.
 
   Raises RuntimeError if the jax.numpy reference itself cannot run, since then
@@ -125,20 +156,23 @@ def run_benchmark(bench: Benchmark, variants: Sequence[Variant], *, reps: int,
       results[v] = VariantResult("skipped",
                                  message=f"n/a (peer budget {peer.budget_s:g}s used up)")
       continue
+    samples: list[float] = []
     start = time.perf_counter()
     try:
       program = variant.build(bench)   # imports and op-module loading: not a first call
-      # a fresh function: rows sharing a twin (matmul, matmul_scratch) must not hit
-      # the compilation cache of an earlier row
-      fresh = lambda *a, program=program: program(*a)
-      start = time.perf_counter()
-      compiled[v] = jax.jit(fresh).lower(*args).compile()
+      for _ in range(1 if is_peer else compile_reps):
+        start = time.perf_counter()
+        compiled[v], seconds = _compile(program, args)
+        samples.append(seconds)
       results[v] = VariantResult("ok", peak_bytes=peak_memory(compiled[v]))
     except Exception as e:  # noqa: BLE001 - any failure is reported per variant
+      compiled.pop(v, None)
       results[v] = VariantResult("error", message=f"compile: {describe_exception(e)}")
-    results[v].compile_s = time.perf_counter() - start
+      samples.append(time.perf_counter() - start)
+    results[v].compile_s = statistics.median(samples)
+    results[v].compile_samples_s = samples
     if is_peer:
-      peer.spent_s += results[v].compile_s
+      peer.spent_s += sum(samples)
 
   if REFERENCE not in compiled:
     raise RuntimeError(f"{bench.name}: the jax.numpy reference failed to compile: "

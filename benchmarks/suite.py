@@ -13,14 +13,16 @@ from benchmarks.variants import Variant
 
 
 def run_suite(benches: Sequence[Benchmark], variants: Sequence[Variant], *, reps: int,
-              peer: PeerPolicy, seed: int, device: jax.Device) -> list[BenchmarkResult]:
+              peer: PeerPolicy, seed: int, device: jax.Device,
+              compile_reps: int = 3) -> list[BenchmarkResult]:
   """Run `benches` one after another with `device` as JAX's default device."""
   results = []
   with jax.default_device(device):
     for bench in benches:
       print(f"[{len(results) + 1}/{len(benches)}] {bench.name}: {bench.shapes}, "
             f"grid {bench.grid}", flush=True)
-      result = run_benchmark(bench, variants, reps=reps, peer=peer, seed=seed)
+      result = run_benchmark(bench, variants, reps=reps, peer=peer, seed=seed,
+                             compile_reps=compile_reps)
       results.append(result)
       print("    " + "  ".join(f"{v}={report.time_cell(r)}"
                                for v, r in result.variants.items()), flush=True)
