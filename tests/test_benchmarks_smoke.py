@@ -113,6 +113,35 @@ def test_runner_reports_a_failing_variant_as_error():
   assert "ValueError: kernel refuses to build" in result.variants["pallet"].message
 
 
+_TRACES: list[int] = []   # a global, so pallet's trace cache can hold the kernel
+
+
+def _counting_vector_add(pl, *, n, block, **kwargs):
+  """vector_add whose kernel counts how often pallet traces it."""
+  def kernel(x_ref, y_ref, o_ref):
+    _TRACES.append(1)
+    o_ref[...] = x_ref[...] + y_ref[...]
+  spec = pl.BlockSpec((block,), lambda i: (i,))
+  return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((n,), jnp.float32),
+                        grid=(n // block,), in_specs=[spec, spec], out_specs=spec, **kwargs)
+
+
+def test_first_call_time_is_the_median_of_cold_compiles():
+  good = next(b for b in TINY if b.name == "vadd_b65536")
+  _TRACES.clear()
+  bench = dataclasses.replace(good, build_pallas=functools.partial(
+      _counting_vector_add, n=128 * 1024, block=65536))
+  result = run_benchmark(bench, CPU_VARIANTS[:2], reps=1, peer=PeerPolicy(), compile_reps=3)
+  for name in ("jnp", "pallet"):
+    v = result.variants[name]
+    assert len(v.compile_samples_s) == 3 and all(x > 0 for x in v.compile_samples_s)
+    assert v.compile_s == sorted(v.compile_samples_s)[1]
+  # every compile is a first call: pallet traced the kernel anew each time
+  assert len(_TRACES) == 3
+  peer = run_benchmark(bench, JNP_AND_PEER, reps=1, peer=PeerPolicy(), compile_reps=3)
+  assert len(peer.variants["interpret"].compile_samples_s) == 1   # the slow peer: once
+
+
 def test_peer_policy_single_run_and_budget():
   bench = next(b for b in TINY if b.name == "vadd_b65536")
   once = run_benchmark(bench, JNP_AND_PEER, reps=5,
