@@ -7,9 +7,10 @@ Timing method (also in docs/performance.md):
     compiled program's peak memory from XLA's memory analysis (arguments +
     outputs + temporaries - aliased bytes). A first call is a single sample of a
     few tens of milliseconds, which a busy machine moves by 2x, so every variant
-    but the slow peer is compiled `compile_reps` times, each from cold program
-    caches (`fresh_compile_caches`: pallet's traced kernels and plans, JAX's
-    lowered and compiled modules), and its first-call time is the median.
+    but the slow peer is compiled `compile_reps` times, each from cold caches, as
+    in a fresh process (`fresh_compile_caches(cold=True)`: pallet's traced kernels
+    and plans and all of JAX's, traced jaxprs included: an op's jitted wrapper
+    must trace its kernel again), and its first-call time is the median.
   * One untimed warm-up call per variant; its output is checked against the
     jax.numpy output, and a mismatch stops that variant from being timed.
   * Then `reps` rounds; each round calls every variant once, in a fixed order,
@@ -118,10 +119,8 @@ def fresh_compile_caches(cold: bool = False) -> None:
 
 def _compile(program: Callable[..., Any], args: Sequence[jax.Array]) -> tuple[Any, float]:
   """A first call's compile of `program` from cold caches, and its seconds."""
-  # a fresh function: rows sharing a twin (matmul, matmul_scratch) must not hit
-  # the compilation cache of an earlier row
   fresh = lambda *a: program(*a)
-  fresh_compile_caches()
+  fresh_compile_caches(cold=True)
   start = time.perf_counter()
   compiled = jax.jit(fresh).lower(*args).compile()
   return compiled, time.perf_counter() - start

@@ -343,7 +343,7 @@ def block_mapping(spec: Any, aval: jax.core.ShapedArray, origin: str,
                                             where, prefetch_tree, slice_bounds, kernel_name)
   return BlockMapping(origin=origin, array_shape=shape, dtype=aval.dtype, dims=dims,
                       index_map=jaxpr, memory_space=memory_space, whole=whole,
-                      index_map_source=_function_source(spec.index_map),
+                      index_map_source=function_source(spec.index_map),
                       slice_size_dims=size_dims, slice_size_map=size_map)
 
 
@@ -359,11 +359,15 @@ def _traced_slice_sizes(index_map, grid, prefetch_avals, shape, where, prefetch_
   return (tuple(traced), jaxpr) if traced else ((), None)
 
 
-def _function_source(fn: Any) -> str:
-  try:
-    return f"{inspect.getsourcefile(fn)}:{inspect.getsourcelines(fn)[1]}"
-  except (TypeError, OSError):
+def function_source(fn: Any) -> str:
+  """"file:line" where `fn` is defined, for messages ("" if unknown). Read from its code
+  object: `inspect.getsourcelines` parses the whole file, on every pallas_call."""
+  while hasattr(fn, "func"):           # functools.partial
+    fn = fn.func
+  code = getattr(inspect.unwrap(fn), "__code__", None) if callable(fn) else None
+  if code is None:
     return ""
+  return f"{code.co_filename}:{code.co_firstlineno}"
 
 
 def _is_spec_leaf(x: Any) -> bool:

@@ -14,7 +14,6 @@ Python function.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from typing import Any, Callable
 
 import jax
@@ -23,7 +22,7 @@ import jax.numpy as jnp
 from pallet import _internals as internals
 from pallet import kernel_errors
 from pallet import primitives
-from pallet.grid_mapping import GridMapping, PalletError, kernel_parameter_names
+from pallet.grid_mapping import GridMapping, PalletError, function_source, kernel_parameter_names
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -73,11 +72,7 @@ def kernel_name(kernel: Callable) -> str:
 
 
 def kernel_source(kernel: Callable) -> str:
-  fn = _user_function(kernel)
-  try:
-    return f"{inspect.getsourcefile(fn)}:{inspect.getsourcelines(fn)[1]}"
-  except (TypeError, OSError):
-    return "<unknown>"
+  return function_source(_user_function(kernel)) or "<unknown>"
 
 
 def trace_kernel(kernel: Callable, name: str, grid_mapping: GridMapping,
