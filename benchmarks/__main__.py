@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--reps", type=positive_int, default=DEFAULT_REPS, metavar="N",
                  help=f"timed rounds per benchmark (default {DEFAULT_REPS})")
   p.add_argument("--compile-reps", type=positive_int, default=3, metavar="N",
-                 help="first calls (trace + compile, from cold program caches) per "
+                 help="first calls (trace + compile, each from cold caches) per "
                       "variant, median reported (default 3; the peer compiles once)")
   p.add_argument("--peer-reps", type=positive_int, default=3, metavar="N",
                  help="timed rounds for the interpret peer (default 3)")
