@@ -359,12 +359,23 @@ def _traced_slice_sizes(index_map, grid, prefetch_avals, shape, where, prefetch_
   return (tuple(traced), jaxpr) if traced else ((), None)
 
 
+def user_function(fn: Callable) -> Callable:
+  """The function the user wrote, under functools.partial and decorators
+  (e.g. pallet.named's wrapper)."""
+  while True:
+    if hasattr(fn, "func"):              # functools.partial
+      fn = fn.func
+    elif hasattr(fn, "__wrapped__"):     # functools.wraps
+      fn = fn.__wrapped__
+    else:
+      return fn
+
+
 def function_source(fn: Any) -> str:
-  """"file:line" where `fn` is defined, for messages ("" if unknown). Read from its code
-  object: `inspect.getsourcelines` parses the whole file, on every pallas_call."""
-  while hasattr(fn, "func"):           # functools.partial
-    fn = fn.func
-  code = getattr(inspect.unwrap(fn), "__code__", None) if callable(fn) else None
+  """"file:line" where the user's function under `fn` is defined, for messages ("" if
+  unknown). Read from its code object: `inspect.getsourcelines` parses the whole
+  file, on every pallas_call."""
+  code = getattr(user_function(fn), "__code__", None)
   if code is None:
     return ""
   return f"{code.co_filename}:{code.co_firstlineno}"

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 from pallet import _internals as internals
 from pallet import kernel_errors
 from pallet import primitives
-from pallet.grid_mapping import GridMapping, PalletError, function_source, kernel_parameter_names
+from pallet.grid_mapping import (GridMapping, PalletError, function_source,
+                                 kernel_parameter_names, user_function)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -53,26 +54,13 @@ class KernelDescription:
 internals.cache_weakly(KernelDescription)
 
 
-def _user_function(kernel: Callable) -> Callable:
-  """The function the user wrote, under functools.partial and decorators
-  (e.g. pallet.named's wrapper)."""
-  fn = kernel
-  while True:
-    if hasattr(fn, "func"):              # functools.partial
-      fn = fn.func
-    elif hasattr(fn, "__wrapped__"):     # functools.wraps
-      fn = fn.__wrapped__
-    else:
-      return fn
-
-
 def kernel_name(kernel: Callable) -> str:
-  fn = _user_function(kernel)
+  fn = user_function(kernel)
   return getattr(fn, "__name__", type(fn).__name__)
 
 
 def kernel_source(kernel: Callable) -> str:
-  return function_source(_user_function(kernel)) or "<unknown>"
+  return function_source(kernel) or "<unknown>"
 
 
 def trace_kernel(kernel: Callable, name: str, grid_mapping: GridMapping,
