@@ -23,7 +23,7 @@ import numpy as np
 from jax.extend.core import Primitive, subjaxprs
 
 from pallet import _internals as internals
-from pallet import checks, primitives
+from pallet import checks, primitives, ref_views
 from pallet.grid_mapping import PalletError
 from pallet.refs_select import SelectedRef
 from pallet.specs import MemorySpace, ScratchShape
@@ -105,10 +105,8 @@ def _replace(new_values: dict[int, Any], n: int) -> tuple[Any, ...]:
 
 
 def _sem_add(sem_value: jax.Array, transforms: Any, delta: Any) -> jax.Array:
-  current = internals.transform_array(sem_value, transforms)
-  _, new = internals.transform_swap_array(sem_value, transforms,
-                                          current + jnp.asarray(delta, jnp.int32))
-  return new
+  current = ref_views.read(sem_value, transforms)
+  return ref_views.write(sem_value, transforms, current + jnp.asarray(delta, jnp.int32))
 
 
 # ------------------------------------------------------------------ dma_start
@@ -139,10 +137,10 @@ def _dma_start_discharge(in_avals, out_avals, *args, tree, add, shared_sem):
   src, src_t, dst, dst_t, sem, sem_t, src_sem, src_sem_t = jax.tree_util.tree_unflatten(
       tree, args)
   pos = jax.tree_util.tree_unflatten(tree, list(range(len(args))))
-  data = internals.transform_array(src, src_t)
+  data = ref_views.read(src, src_t)
   if add:
-    data = internals.transform_array(dst, dst_t) + data
-  _, new_dst = internals.transform_swap_array(dst, dst_t, data.astype(dst.dtype))
+    data = ref_views.read(dst, dst_t) + data
+  new_dst = ref_views.write(dst, dst_t, data.astype(dst.dtype))
   new = {pos[_DST]: new_dst}
   if shared_sem:
     sem = _sem_add(sem, src_sem_t, data.size)
@@ -171,7 +169,7 @@ def _dma_wait_discharge(in_avals, out_avals, *args, tree, message):
   ref, ref_t, sem, sem_t = jax.tree_util.tree_unflatten(tree, args)
   pos = jax.tree_util.tree_unflatten(tree, list(range(len(args))))
   size = primitives.view_aval(in_avals[0], ref_t).size
-  current = internals.transform_array(sem, sem_t)
+  current = ref_views.read(sem, sem_t)
   checks.check(current >= size, message)
   return _replace({pos[_SEM_WAIT]: _sem_add(sem, sem_t, -size)}, len(args)), []
 
@@ -358,7 +356,7 @@ semaphore_wait_p.def_effectful_abstract_eval(
 def _semaphore_wait_discharge(in_avals, out_avals, sem, *args, tree, decrement, message):
   *flat_t, value = args
   _, transforms = jax.tree_util.tree_unflatten(tree, [sem, *flat_t])
-  current = internals.transform_array(sem, transforms)
+  current = ref_views.read(sem, transforms)
   checks.check(current >= value, message)
   new = _sem_add(sem, transforms, -value) if decrement else None
   return (new,) + (None,) * len(args), []
@@ -371,4 +369,4 @@ semaphore_read_p.def_effectful_abstract_eval(
 @internals.register_discharge_rule(semaphore_read_p)
 def _semaphore_read_discharge(in_avals, out_avals, sem, *flat_t, tree):
   _, transforms = jax.tree_util.tree_unflatten(tree, [sem, *flat_t])
-  return (None,) * (1 + len(flat_t)), internals.transform_array(sem, transforms)
+  return (None,) * (1 + len(flat_t)), ref_views.read(sem, transforms)

@@ -1,0 +1,99 @@
+"""A ref's value read or written through its `.at[...]` views as one window.
+
+JAX's `transform_array` and `transform_swap_array` apply the views of a ref one
+after another and wrap every start, static ones included, with traced
+`select(i < 0, i + n, i)` arithmetic; the swap also reads the old view before it
+writes the new one. A DMA in a TPU kernel names its window of an HBM array and of
+a VMEM buffer through two such views each and its semaphore through one more, so
+JAX's TPU paged attention discharged from 216 equations to 3,400, all of which
+are traced again, lowered and compiled: first-call time.
+
+Views made only of unit-stride slices and scalar indices compose into one window
+of the base array. Static starts are wrapped and clamped in Python; a traced start
+gets the same wrapping and clamping, per view, as JAX applies, in four scalar
+equations. A read is one slice, a write one `dynamic_update_slice`. Any other view
+(strided slices, integer-array indices, bitcasts, reshapes, dynamic sizes) goes
+through JAX's helpers, as before.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+from jax import lax
+
+from pallet import _internals as internals
+
+Window = tuple[list[Any], list[int], tuple[int, ...]]   # starts, sizes, result shape
+
+
+def read(x: Any, transforms: Sequence[Any] | None) -> Any:
+  """`x` seen through `transforms` (as `ref.at[...][...]` would read it)."""
+  window = _window(x.shape, transforms)
+  if window is None:
+    return internals.transform_array(x, transforms)
+  starts, sizes, shape = window
+  if all(isinstance(s, int) for s in starts):
+    view = lax.slice(x, starts, [s + n for s, n in zip(starts, sizes)])
+  else:
+    view = lax.dynamic_slice(x, starts, sizes, allow_negative_indices=False)
+  return lax.reshape(view, shape) if view.shape != shape else view
+
+
+def write(x: Any, transforms: Sequence[Any] | None, value: Any) -> Any:
+  """`x` with `value` written where `transforms` look (the view's old value unread)."""
+  window = _window(x.shape, transforms)
+  if window is None:
+    return internals.transform_swap_array(x, transforms, value)[1]
+  starts, sizes, _ = window
+  update = lax.reshape(lax.convert_element_type(value, x.dtype), tuple(sizes))
+  return lax.dynamic_update_slice(x, update, starts, allow_negative_indices=False)
+
+
+def _window(shape: tuple[int, ...], transforms: Sequence[Any] | None) -> Window | None:
+  """The one window of an array of `shape` that `transforms` select, or None where
+  they are not all unit-stride slices and scalar indices of static size."""
+  starts: list[Any] = [0] * len(shape)
+  sizes = list(shape)
+  visible = list(range(len(shape)))   # base dimension of each dimension of the view
+  for t in transforms or ():
+    if t is None:
+      continue
+    if not isinstance(t, internals.NDIndexer) or len(t.indices) != len(visible):
+      return None
+    still_visible = []
+    for d, index in zip(visible, t.indices):
+      if isinstance(index, internals.Slice):
+        if index.stride != 1 or not isinstance(index.size, (int, np.integer)):
+          return None
+        size, start = int(index.size), index.start
+        still_visible.append(d)
+      elif np.shape(index) == ():
+        size, start = 1, index
+      else:
+        return None
+      starts[d] = _offset(starts[d], _fitted(start, sizes[d], size))
+      sizes[d] = size
+    visible = still_visible
+  return starts, sizes, tuple(sizes[d] for d in visible)
+
+
+def _fitted(start: Any, extent: int, size: int) -> Any:
+  """`start` in a dimension of `extent`, as a dynamic slice of `size` takes it:
+  negative starts count from the end, then the window is clamped inside."""
+  if isinstance(start, (int, np.integer)):
+    start = int(start)
+    start = start + extent if start < 0 else start
+    return min(max(start, 0), extent - size)
+  start = lax.convert_element_type(start, np.int32)
+  wrapped = lax.select(lax.lt(start, np.int32(0)), lax.add(start, np.int32(extent)), start)
+  return lax.clamp(np.int32(0), wrapped, np.int32(extent - size))
+
+
+def _offset(base: Any, start: Any) -> Any:
+  if isinstance(base, int) and base == 0:
+    return start
+  if isinstance(base, int) and isinstance(start, int):
+    return base + start
+  return lax.add(lax.convert_element_type(base, np.int32),
+                 lax.convert_element_type(start, np.int32))
