@@ -12,8 +12,8 @@ Views made only of unit-stride slices and scalar indices compose into one window
 of the base array. Static starts are wrapped and clamped in Python; a traced start
 gets the same wrapping and clamping, per view, as JAX applies, in four scalar
 equations. A read is one slice, a write one `dynamic_update_slice`. Any other view
-(strided slices, integer-array indices, bitcasts, reshapes, dynamic sizes) goes
-through JAX's helpers, as before.
+(strided slices, integer-array indices, bitcasts, reshapes, dynamic sizes, symbolic
+shapes) goes through JAX's helpers, as before.
 """
 from __future__ import annotations
 
@@ -52,7 +52,10 @@ def write(x: Any, transforms: Sequence[Any] | None, value: Any) -> Any:
 
 def _window(shape: tuple[int, ...], transforms: Sequence[Any] | None) -> Window | None:
   """The one window of an array of `shape` that `transforms` select, or None where
-  they are not all unit-stride slices and scalar indices of static size."""
+  they are not all unit-stride slices and scalar indices of static size (or the shape
+  is symbolic, as under `jax.export`)."""
+  if not all(isinstance(n, int) for n in shape):
+    return None
   starts: list[Any] = [0] * len(shape)
   sizes = list(shape)
   visible = list(range(len(shape)))   # base dimension of each dimension of the view
