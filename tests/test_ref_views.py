@@ -1,6 +1,6 @@
-"""ref_views: one-window reads and writes through `.at[...]` views agree with JAX's
-view-by-view helpers, static and traced starts alike (negative, overhanging), and
-stay one slice per access."""
+"""ref_views: one-window reads, writes and updates through `.at[...]` views agree
+with JAX's view-by-view helpers, static and traced starts alike (negative,
+overhanging), and stay one slice per access."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -65,12 +65,16 @@ def test_read_and_write_agree_with_jax(views, seed):
     old = internals.transform_array(x, ts)
     value = jnp.full(old.shape, 7.0) + jnp.arange(old.size, dtype=x.dtype).reshape(old.shape)
     return (ref_views.read(x, ts), old,
-            ref_views.write(x, ts, value), internals.transform_swap_array(x, ts, value)[1])
+            ref_views.write(x, ts, value), internals.transform_swap_array(x, ts, value)[1],
+            ref_views.update(x, ts, lambda v: v * 2.0 + 1.0),
+            internals.transform_swap_array(x, ts, old * 2.0 + 1.0)[1])
   args = [jnp.int32(t) for (_, _, t, _), m in zip(entries, marks) if m]
-  got_read, want_read, got_write, want_write = jax.jit(both)(x, *args)
+  got_read, want_read, got_write, want_write, got_update, want_update = jax.jit(both)(
+      x, *args)
   assert got_read.shape == want_read.shape
   np.testing.assert_array_equal(got_read, want_read)
   np.testing.assert_array_equal(got_write, want_write)
+  np.testing.assert_array_equal(got_update, want_update)
 
 
 def test_static_views_are_one_slice_and_one_update():

@@ -105,8 +105,16 @@ def _replace(new_values: dict[int, Any], n: int) -> tuple[Any, ...]:
 
 
 def _sem_add(sem_value: jax.Array, transforms: Any, delta: Any) -> jax.Array:
-  current = ref_views.read(sem_value, transforms)
-  return ref_views.write(sem_value, transforms, current + jnp.asarray(delta, jnp.int32))
+  return ref_views.update(sem_value, transforms,
+                          lambda current: current + jnp.asarray(delta, jnp.int32))
+
+
+def _sem_take(sem_value: jax.Array, transforms: Any, amount: Any, message: str) -> jax.Array:
+  """The semaphore less `amount`, checked to hold at least that much first."""
+  def taken(current):
+    checks.check(current >= amount, message)
+    return current - jnp.asarray(amount, jnp.int32)
+  return ref_views.update(sem_value, transforms, taken)
 
 
 # ------------------------------------------------------------------ dma_start
@@ -139,8 +147,9 @@ def _dma_start_discharge(in_avals, out_avals, *args, tree, add, shared_sem):
   pos = jax.tree_util.tree_unflatten(tree, list(range(len(args))))
   data = ref_views.read(src, src_t)
   if add:
-    data = ref_views.read(dst, dst_t) + data
-  new_dst = ref_views.write(dst, dst_t, data.astype(dst.dtype))
+    new_dst = ref_views.update(dst, dst_t, lambda old: (old + data).astype(dst.dtype))
+  else:
+    new_dst = ref_views.write(dst, dst_t, data.astype(dst.dtype))
   new = {pos[_DST]: new_dst}
   if shared_sem:
     sem = _sem_add(sem, src_sem_t, data.size)
@@ -169,9 +178,7 @@ def _dma_wait_discharge(in_avals, out_avals, *args, tree, message):
   ref, ref_t, sem, sem_t = jax.tree_util.tree_unflatten(tree, args)
   pos = jax.tree_util.tree_unflatten(tree, list(range(len(args))))
   size = primitives.view_aval(in_avals[0], ref_t).size
-  current = ref_views.read(sem, sem_t)
-  checks.check(current >= size, message)
-  return _replace({pos[_SEM_WAIT]: _sem_add(sem, sem_t, -size)}, len(args)), []
+  return _replace({pos[_SEM_WAIT]: _sem_take(sem, sem_t, size, message)}, len(args)), []
 
 
 # ------------------------------------------------------------------ the descriptor
@@ -356,10 +363,10 @@ semaphore_wait_p.def_effectful_abstract_eval(
 def _semaphore_wait_discharge(in_avals, out_avals, sem, *args, tree, decrement, message):
   *flat_t, value = args
   _, transforms = jax.tree_util.tree_unflatten(tree, [sem, *flat_t])
-  current = ref_views.read(sem, transforms)
-  checks.check(current >= value, message)
-  new = _sem_add(sem, transforms, -value) if decrement else None
-  return (new,) + (None,) * len(args), []
+  if decrement:
+    return (_sem_take(sem, transforms, value, message),) + (None,) * len(args), []
+  checks.check(ref_views.read(sem, transforms) >= value, message)
+  return (None,) * (1 + len(args)), []
 
 
 semaphore_read_p.def_effectful_abstract_eval(

@@ -11,13 +11,14 @@ are traced again, lowered and compiled: first-call time.
 Views made only of unit-stride slices and scalar indices compose into one window
 of the base array. Static starts are wrapped and clamped in Python; a traced start
 gets the same wrapping and clamping, per view, as JAX applies, in four scalar
-equations. A read is one slice, a write one `dynamic_update_slice`. Any other view
+equations. A read is one slice, a write one `dynamic_update_slice`, and a
+read-modify-write (a semaphore count) works its window out once. Any other view
 (strided slices, integer-array indices, bitcasts, reshapes, dynamic sizes, symbolic
 shapes) goes through JAX's helpers, as before.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 from jax import lax
@@ -32,6 +33,28 @@ def read(x: Any, transforms: Sequence[Any] | None) -> Any:
   window = _window(x.shape, transforms)
   if window is None:
     return internals.transform_array(x, transforms)
+  return _read_window(x, window)
+
+
+def write(x: Any, transforms: Sequence[Any] | None, value: Any) -> Any:
+  """`x` with `value` written where `transforms` look (the view's old value unread)."""
+  window = _window(x.shape, transforms)
+  if window is None:
+    return internals.transform_swap_array(x, transforms, value)[1]
+  return _write_window(x, window, value)
+
+
+def update(x: Any, transforms: Sequence[Any] | None, fn: Callable[[Any], Any]) -> Any:
+  """`x` with the view `transforms` look at replaced by `fn(view)`: the window (and a
+  traced start's arithmetic) is worked out once for the read and the write."""
+  window = _window(x.shape, transforms)
+  if window is None:
+    old = internals.transform_array(x, transforms)
+    return internals.transform_swap_array(x, transforms, fn(old))[1]
+  return _write_window(x, window, fn(_read_window(x, window)))
+
+
+def _read_window(x: Any, window: Window) -> Any:
   starts, sizes, shape = window
   if all(isinstance(s, int) for s in starts):
     view = lax.slice(x, starts, [s + n for s, n in zip(starts, sizes)])
@@ -40,14 +63,10 @@ def read(x: Any, transforms: Sequence[Any] | None) -> Any:
   return lax.reshape(view, shape) if view.shape != shape else view
 
 
-def write(x: Any, transforms: Sequence[Any] | None, value: Any) -> Any:
-  """`x` with `value` written where `transforms` look (the view's old value unread)."""
-  window = _window(x.shape, transforms)
-  if window is None:
-    return internals.transform_swap_array(x, transforms, value)[1]
+def _write_window(x: Any, window: Window, value: Any) -> Any:
   starts, sizes, _ = window
-  update = lax.reshape(lax.convert_element_type(value, x.dtype), tuple(sizes))
-  return lax.dynamic_update_slice(x, update, starts, allow_negative_indices=False)
+  block = lax.reshape(lax.convert_element_type(value, x.dtype), tuple(sizes))
+  return lax.dynamic_update_slice(x, block, starts, allow_negative_indices=False)
 
 
 def _window(shape: tuple[int, ...], transforms: Sequence[Any] | None) -> Window | None:
