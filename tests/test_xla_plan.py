@@ -684,6 +684,33 @@ def test_static_index_vectors_in_bf16():
   assert_close(got, expected.astype(jnp.bfloat16))
 
 
+def test_static_index_pass_compiles_nothing_for_float_constants():
+  """A float computed from literals alone (the `-inf` an online softmax starts from)
+  can never be an index: the pass must trace it, not run it as an eager program."""
+  from pallet import triton as plgpu
+
+  def kernel(x_ref, o_ref):
+    cols = jnp.arange(128)
+    start = jnp.zeros((128,), f32) - jnp.inf
+    row = plgpu.load(x_ref.at[cols], mask=cols < 100, other=-jnp.inf)
+    plgpu.store(o_ref.at[cols], jnp.maximum(start, row) * 2.0, mask=cols < 100)
+  f = jax.vmap(pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((100,), f32)))
+  x = random_array((4, 100))
+  compiles = []
+
+  def count(event, *_, **__):
+    if event == "/jax/core/compile/backend_compile_duration":
+      compiles.append(event)
+  jax.monitoring.register_event_duration_secs_listener(count)
+  try:
+    hlo = jax.jit(f).lower(x).as_text()
+  finally:
+    jax.monitoring.unregister_event_duration_listener(count)
+  assert compiles == []
+  assert "gather" not in hlo and "scatter" not in hlo
+  assert_close(jax.jit(f)(x), x * 2.0)
+
+
 def test_index_vectors_that_are_not_contiguous_stay_gathers():
   from pallet import triton as plgpu
 

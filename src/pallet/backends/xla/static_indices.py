@@ -148,8 +148,11 @@ class _Folder:
         return [_Known(o) for o in grid_eval.apply_array_equation(eqn, [x.value for x in ins])]
       except grid_eval.Unsupported:
         pass
-      with internals.eval_context():
-        return [_Known(np.asarray(o)) for o in _bind(eqn, [x.value for x in ins])]
+      # Only integers and booleans can become indices: folding a float value (the
+      # `-inf` a softmax starts from) would compile an eager program for nothing.
+      if all(grid_eval.exact(v.aval) for v in eqn.outvars):
+        with internals.eval_context():
+          return [_Known(np.asarray(o)) for o in _bind(eqn, [x.value for x in ins])]
     if name == "gather" and isinstance(ins[1], _Known):
       sliced = _gather_as_slice(eqn, _value(ins[0]), ins[1].value)
       if sliced is not None:
