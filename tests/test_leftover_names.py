@@ -282,6 +282,11 @@ def test_side_effect_type_is_accepted_in_compiler_params():
   assert_close(out, x)
 
 
+def test_an_invalid_side_effect_type_is_a_value_error():
+  with pytest.raises(ValueError, match=r"Invalid side effect type: 'sometimes'.*SideEffectType"):
+    pltpu.CompilerParams(has_side_effects="sometimes")
+
+
 def test_buffered_ref_base_is_a_clear_error():
   with pytest.raises(pl.PalletError, match=r"BufferedRef is not supported.*emit_pipeline"):
     pltpu.BufferedRefBase()

@@ -65,6 +65,10 @@ class CompilerParams(_BaseCompilerParams):
   opt_level: Any = None
 
   def __post_init__(self):
+    if not isinstance(self.has_side_effects, (bool, SideEffectType)):
+      raise ValueError(
+          f"pltpu.CompilerParams: Invalid side effect type: {self.has_side_effects!r}; "
+          "expected a bool or a pltpu.SideEffectType")
     # Sequences given as lists are stored as tuples, as JAX does.
     for field in ("dimension_semantics", "allow_input_fusion"):
       value = getattr(self, field)
