@@ -75,18 +75,61 @@ def test_stateful_samplers_have_the_right_distribution():
   np.testing.assert_array_equal(bits[:8], _reference_bits([7, 0], 0, (8, 128)).astype(jnp.uint8))
 
 
-def test_to_pallas_key_and_seed_from_key_data():
+def test_to_pallas_key_is_a_typed_key_that_seeds_the_generator():
   key = jax.random.key(3)
-  data = pltpu.to_pallas_key(key)
-  assert data.shape == (1, 2) and data.dtype == jnp.uint32
+  pallas_key = pltpu.to_pallas_key(key)
+  assert pallas_key.shape == () and jax.dtypes.issubdtype(pallas_key.dtype, jax.dtypes.prng_key)
+  data = jax.random.key_data(pallas_key)
   np.testing.assert_array_equal(data, jax.random.bits(key, (1, 2), jnp.uint32))
+  expected = _reference_bits(list(np.asarray(data).ravel()), 0, (8, 128))
 
-  def kernel(k_ref, o_ref):
+  def seeded(k_ref, o_ref):
     pltpu.prng_seed(k_ref[...])
     o_ref[...] = pltpu.prng_random_bits((8, 128))
-  out = pallas_call(kernel, jax.ShapeDtypeStruct((8, 128), jnp.uint32))(data)
-  np.testing.assert_array_equal(out, _reference_bits(list(np.asarray(data).ravel()), 0,
-                                                     (8, 128)))
+
+  def keyed(k_ref, o_ref):   # jax.random on the key: one draw of the seeded generator
+    o_ref[...] = jax.random.bits(k_ref[...], (8, 128), jnp.uint32)
+  for kernel in (seeded, keyed):
+    out = pallas_call(kernel, jax.ShapeDtypeStruct((8, 128), jnp.uint32),
+                      in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM)])(pallas_key)
+    np.testing.assert_array_equal(out, expected)
+  np.testing.assert_array_equal(jax.random.bits(pallas_key, (8, 128), jnp.uint32), expected)
+  # a batch of keys (legacy uint32 keys too), and keys derived from a pallas key
+  batch = pltpu.to_pallas_key(jax.random.split(jax.random.PRNGKey(4), 3))
+  assert batch.shape == (3,) and jax.random.key_data(batch).shape == (3, 1, 2)
+  derived = [jax.random.fold_in(pallas_key, 1), jax.random.fold_in(pallas_key, 2),
+             *jax.random.split(pallas_key, 2)]
+  bits = [np.asarray(jax.random.bits(k, (64,), jnp.uint32)) for k in (pallas_key, *derived)]
+  assert len({b.tobytes() for b in bits}) == len(bits)
+
+
+@pytest.mark.skipif(current_test_backend() == "triton",
+                    reason="the Triton backend cannot hold typed keys (tests/test_errors.py)")
+def test_typed_keys_as_blocked_inputs_and_outputs():
+  """Keys are cut into blocks like any operand (the last block overhanging), and a
+  kernel may return keys."""
+  keys = jax.random.split(jax.random.key(5), 5)
+  draw = jax.vmap(lambda k: jax.random.uniform(k, (16,)))
+
+  def sample(k_ref, o_ref):
+    o_ref[...] = draw(k_ref[...])
+  out = pallas_call(sample, jax.ShapeDtypeStruct((5, 16), jnp.float32), grid=(3,),
+                    in_specs=[pl.BlockSpec((2,), lambda i: (i,))],
+                    out_specs=pl.BlockSpec((2, 16), lambda i: (i, 0)))(keys)
+  np.testing.assert_array_equal(out, draw(keys))
+
+  def fold(k_ref, o_ref):
+    o_ref[...] = jax.vmap(lambda k: jax.random.fold_in(k, 3))(k_ref[...])
+  folded = jax.jit(pallas_call(fold, jax.ShapeDtypeStruct(keys.shape, keys.dtype)))(keys)
+  assert folded.dtype == keys.dtype
+  np.testing.assert_array_equal(
+      jax.random.key_data(folded),
+      jax.random.key_data(jax.vmap(lambda k: jax.random.fold_in(k, 3))(keys)))
+
+  def one(k_ref, o_ref):
+    o_ref[...] = jax.random.uniform(k_ref[...], o_ref.shape)
+  per_key = jax.vmap(pallas_call(one, jax.ShapeDtypeStruct((8, 128), jnp.float32)))(keys)
+  np.testing.assert_array_equal(per_key, jax.vmap(lambda k: jax.random.uniform(k, (8, 128)))(keys))
 
 
 def test_errors():

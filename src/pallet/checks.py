@@ -278,7 +278,10 @@ def debug_check(condition: Any, message: str) -> None:
 def uninitialized(shape: tuple[int, ...], dtype: Any, *, poison: bool | None = None) -> jax.Array:
   """Contents for memory a kernel must write before reading: zeros, or with
   poisoning on (default: `pl.enable_poison_buffers`) NaN for floats, the minimum
-  for integers and True for booleans, so a read before a write shows."""
+  for integers and True for booleans, so a read before a write shows. Typed PRNG
+  keys are never poisoned: every key data is a valid key."""
+  if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+    return jnp.zeros(shape, dtype)
   return jnp.full(shape, fill_value(dtype, poison=poison), jnp.dtype(dtype))
 
 

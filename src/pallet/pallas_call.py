@@ -113,16 +113,18 @@ def _dimension_semantics(params: Any, grid: tuple[int, ...], name: str):
   return tuple("parallel" if s in _PARALLEL_SEMANTICS else "arbitrary" for s in semantics)
 
 
-def _as_aval(x: Any, what: str, name: str) -> jax.core.ShapedArray:
+def _as_aval(x: Any, what: str, name: str, backend: str) -> jax.core.ShapedArray:
   if not (hasattr(x, "shape") and hasattr(x, "dtype")):
     raise PalletError(f"pallas_call of kernel '{name}': {what} must be an array or a "
                       f"jax.ShapeDtypeStruct, got {type(x).__name__}: {x!r}")
   if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-    raise PalletError(f"pallas_call of kernel '{name}': {what} is an array of typed PRNG "
-                      f"keys ({x.dtype}{list(x.shape)}); pallet passes numeric arrays only: "
-                      f"pass jax.random.key_data(key) (or pltpu.to_pallas_key(key)) and "
-                      f"seed with it in the kernel (pltpu.prng_seed, or "
-                      f"jax.random.wrap_key_data)")
+    # Refs of typed keys run as JAX arrays of keys: the XLA backend takes them as is.
+    if backend != "xla":
+      raise PalletError(f"pallas_call of kernel '{name}': {what} is an array of typed PRNG "
+                        f"keys ({x.dtype}{list(x.shape)}), which the {backend} backend "
+                        f"cannot hold: pass jax.random.key_data(key) and seed with it in "
+                        f"the kernel (pltpu.prng_seed), or run on the default XLA backend")
+    return jax.core.ShapedArray(tuple(x.shape), x.dtype)
   return jax.core.ShapedArray(tuple(x.shape), jnp.dtype(x.dtype))
 
 
@@ -143,21 +145,22 @@ def _launch(kernel, name, args, out_shape, grid, dynamic_sizes, in_specs, out_sp
                       f"operands")
   prefetch_args, args = args[:num_scalar_prefetch], args[num_scalar_prefetch:]
   flat_args, _ = jax.tree_util.tree_flatten(args)
-  in_avals = [_as_aval(a, f"input {i}", name) for i, a in enumerate(flat_args)]
+  in_avals = [_as_aval(a, f"input {i}", name, backend_name) for i, a in enumerate(flat_args)]
   # A scalar-prefetch operand may be a pytree of arrays (megablox's group metadata).
   flat_prefetch, prefetch_tree = jax.tree_util.tree_flatten(tuple(prefetch_args))
-  prefetch_avals = tuple(_as_aval(a, f"scalar prefetch operand {i}", name)
+  prefetch_avals = tuple(_as_aval(a, f"scalar prefetch operand {i}", name, backend_name)
                          for i, a in enumerate(flat_prefetch))
   if dynamic_sizes and backend_name != "xla":
     raise PalletError(f"pallas_call of kernel '{name}': grid {grid} has sizes computed at "
                       f"run time (traced values, shown as None); the {backend_name} backend "
                       f"needs static grid sizes (the default XLA backend runs such grids)")
   flat_out_shapes, out_tree = jax.tree_util.tree_flatten(out_shape)
-  out_avals = [_as_aval(o, f"out_shape[{i}]", name) for i, o in enumerate(flat_out_shapes)]
+  out_avals = [_as_aval(o, f"out_shape[{i}]", name, backend_name) for i, o in enumerate(flat_out_shapes)]
   # Scratch shapes may be pytrees; None entries are empty (the kernel gets None there).
   is_scratch = lambda x: isinstance(x, specs_lib.ScratchShape)
   flat_scratch_paths = jax.tree_util.tree_flatten_with_path(scratch_shapes, is_leaf=is_scratch)[0]
-  scratch_avals = tuple(_as_aval(s, f"scratch_shapes{jax.tree_util.keystr(path)}", name)
+  scratch_avals = tuple(_as_aval(s, f"scratch_shapes{jax.tree_util.keystr(path)}", name,
+                                         backend_name)
                         for path, s in flat_scratch_paths)
 
   # The kernel is called as kernel(*prefetch refs, *input refs, *output refs, *scratch

@@ -26,6 +26,7 @@ import sys
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.extend.random
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -177,13 +178,54 @@ def stateful_bernoulli(p: Any = 0.5, shape: Sequence[int] | None = None) -> jax.
 
 
 # ------------------------------------------------------------------ keys and blocks
+def _bits_from_key_data(data: jax.Array, bit_width: int, shape: Sequence[int]) -> jax.Array:
+  """What `prng_seed(data)` then one draw of `shape` gives, at `bit_width` bits."""
+  key = tuple(jnp.uint32(k) for k in _INITIAL_KEY)
+  for position, word in enumerate(_seed_words(data)):
+    key = threefry2x32(key, (word, jnp.uint32(position)))
+  shape = tuple(int(d) for d in shape)
+  index = lax.iota(jnp.uint32, math.prod(shape)).reshape(shape)
+  first, second = threefry2x32(key, (jnp.uint32(0), index))
+  if bit_width == 64:
+    return (first.astype(jnp.uint64) << jnp.uint64(32)) | second.astype(jnp.uint64)
+  return first.astype(jnp.dtype(f"uint{bit_width}"))
+
+
+def _fold_in_key_data(data: jax.Array, value: Any) -> jax.Array:
+  words = _seed_words(data)
+  k0, k1 = threefry2x32((words[0], words[1]), (jnp.asarray(value, jnp.uint32), jnp.uint32(1)))
+  return jnp.stack([k0, k1]).reshape(1, 2)
+
+
+def _split_key_data(data: jax.Array, shape: Sequence[int]) -> jax.Array:
+  words = _seed_words(data)
+  index = lax.iota(jnp.uint32, math.prod(shape))
+  k0, k1 = threefry2x32((words[0], words[1]), (index, jnp.full_like(index, 2)))
+  return jnp.stack([k0, k1], axis=-1).reshape(*shape, 1, 2)
+
+
+# The key type `to_pallas_key` returns, pallet's stand-in for Pallas's "pallas_tpu"
+# keys: jax.random.bits(key, shape) gives what prng_seed(key) and one
+# prng_random_bits(shape) give, in a kernel or outside one.
+PALLAS_KEY_IMPL = jax.extend.random.define_prng_impl(
+    key_shape=(1, 2),
+    seed=lambda seed: jnp.broadcast_to(jnp.asarray(seed).astype(jnp.uint32), (1, 2)),
+    split=_split_key_data,
+    random_bits=_bits_from_key_data,
+    fold_in=_fold_in_key_data,
+    name="pallet_tpu",
+    tag="pl")
+
+
 def to_pallas_key(key: jax.Array) -> jax.Array:
-  """Key data for kernels: uint32[1, 2] (or [..., 1, 2] for a batch of keys), drawn
-  from `key` with jax.random, to pass to a kernel (e.g. in SMEM) and seed with."""
+  """A typed key for kernels (pallet's `pallet_tpu` keys), drawn from `key` (typed or
+  legacy uint32, one key or a batch) with jax.random, to pass to a kernel (e.g. in
+  SMEM) and use there with jax.random or `prng_seed`."""
   typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
   batched = key.ndim > (0 if typed else 1)
   draw = lambda k: jax.random.bits(k, (1, 2), jnp.uint32)
-  return jax.vmap(draw)(key) if batched else draw(key)
+  data = jax.vmap(draw)(key) if batched else draw(key)
+  return jax.random.wrap_key_data(data, impl=PALLAS_KEY_IMPL)
 
 
 def sample_block(sampler_fn: Callable[..., jax.Array], global_key: Any,
@@ -195,7 +237,7 @@ def sample_block(sampler_fn: Callable[..., jax.Array], global_key: Any,
 
   The array is cut into `tile_size` tiles; each tile is drawn with
   `sampler_fn(key, tile_size, **kwargs)` (e.g. `jax.random.uniform`) under a
-  legacy uint32[2] key hashed from the global key and the tile's position.
+  Threefry key hashed from the global key and the tile's position.
   """
   block_size, tile_size = tuple(block_size), tuple(tile_size)
   total_size = tuple(total_size)
@@ -218,7 +260,8 @@ def sample_block(sampler_fn: Callable[..., jax.Array], global_key: Any,
       tile_pos = jnp.asarray(block_index[d], jnp.uint32) * jnp.uint32(tiles_per_block[d]) + off
       linear = linear * jnp.uint32(tiles_total[d]) + tile_pos
     k0, k1 = threefry2x32(base, (jnp.uint32(0x5A3C), linear))
-    return sampler_fn(jnp.stack([k0, k1]), tile_size, **kwargs)
+    return sampler_fn(jax.random.wrap_key_data(jnp.stack([k0, k1]), impl="threefry2x32"),
+                      tile_size, **kwargs)
 
   def assemble(prefix: tuple[int, ...]) -> jax.Array:
     d = len(prefix)

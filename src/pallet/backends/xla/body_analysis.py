@@ -84,13 +84,17 @@ def _is_zero_literal(x: Any) -> bool:
   return val.size > 0 and not np.any(val)
 
 
+def itemsize(dtype: Any) -> int:
+  """Bytes per element; extended dtypes (typed PRNG keys, key<fry>) are not NumPy
+  dtypes but know their size."""
+  return getattr(dtype, "itemsize", None) or np.dtype(dtype).itemsize
+
+
 def _nbytes(aval: Any) -> int:
   shape, dtype = getattr(aval, "shape", None), getattr(aval, "dtype", None)
   if shape is None or dtype is None:
     return 0
-  # Extended dtypes (typed PRNG keys, key<fry>) are not NumPy dtypes but know their size.
-  itemsize = getattr(dtype, "itemsize", None) or np.dtype(dtype).itemsize
-  return math.prod(shape) * itemsize
+  return math.prod(shape) * itemsize(dtype)
 
 
 def _binds(jaxpr: Any, name: str) -> bool:

@@ -406,7 +406,19 @@ def _pad(x: jax.Array, op: OperandPlan, poison: bool) -> jax.Array:
   kernel's buffers, so a kernel that mixes it into its results shows it."""
   if all(p == (0, 0) for p in op.pad):
     return x
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
+    return _pad_by_concatenation(x, op.pad)
   return jnp.pad(x, op.pad, constant_values=checks.fill_value(x.dtype, poison=poison))
+
+
+def _pad_by_concatenation(x: jax.Array, pad: Sequence[tuple[int, int]]) -> jax.Array:
+  """`x` (typed PRNG keys, which XLA's pad does not take) padded with zero keys."""
+  for d, (low, high) in enumerate(pad):
+    if low or high:
+      shape = lambda n: x.shape[:d] + (n,) + x.shape[d + 1:]
+      x = jnp.concatenate([jnp.zeros(shape(low), x.dtype), x, jnp.zeros(shape(high), x.dtype)],
+                          axis=d)
+  return x
 
 
 def _loop(n: Any, step: Callable, carry: Any) -> Any:

@@ -47,7 +47,7 @@ from jax.interpreters import batching
 from pallet import _internals as internals
 from pallet import grid_analysis, grid_eval
 from pallet.dma import DMA_PRIMITIVE_NAMES
-from pallet.backends.xla.body_analysis import (BodyFacts, analyse_body,
+from pallet.backends.xla.body_analysis import (BodyFacts, analyse_body, itemsize,
                                                 blocks_merge_along, discharged,
                                                 evaluate_resets)
 from pallet.grid_mapping import BlockMapping, GridMapping
@@ -490,10 +490,10 @@ def _bound_memory(gm: GridMapping, facts: BodyFacts, inputs: list[OperandPlan], 
                   chunk: dict[int, int], reasons: list[str]) -> None:
   """Shrinks chunks (outermost axes first) until the vectorized programs' largest
   intermediate fits the budget."""
-  operand_bytes = sum(math.prod(b.array_shape) * np.dtype(b.dtype).itemsize
+  operand_bytes = sum(math.prod(b.array_shape) * itemsize(b.dtype)
                       for b in (*gm.inputs, *gm.outputs))
   budget = max(MEMORY_MULTIPLE * operand_bytes, MEMORY_FLOOR_BYTES)
-  gathered = sum(math.prod(b.block_shape) * np.dtype(b.dtype).itemsize
+  gathered = sum(math.prod(b.block_shape) * itemsize(b.dtype)
                  for b, op in zip(gm.inputs, inputs) if op.gathered)
   per_program = max(facts.intermediate_bytes + gathered, 1)
   for g in axes:

@@ -310,7 +310,7 @@ def widen_plan(kernel: KernelDescription, plan: Any) -> Any:
     tiled = [plan.inputs[i] for i, _ in ins] + [plan.outputs[o] for o, _ in outs]
     dims = [d for _, d in ins + outs]
     overhangs = any(op.pad[d] != (0, 0) for op, d in zip(tiled, dims))
-    narrow = any(np.dtype(op.mapping.dtype).itemsize < 4 for op in tiled)
+    narrow = any(body_analysis.itemsize(op.mapping.dtype) < 4 for op in tiled)
     if not (overhangs or narrow or _reduces(kernel.jaxpr.jaxpr)):
       continue
     found = analyse(kernel, g, ins, outs)
