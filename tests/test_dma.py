@@ -36,6 +36,23 @@ def test_copy_is_visible_after_wait():
   assert_close(out, x[::-1, 4:12] * 2.0)
 
 
+@pytest.mark.parametrize("memory_space", [pltpu.VMEM, pltpu.SMEM, pltpu.ANY])
+def test_refs_made_with_jax_empty_ref_in_a_memory_space(memory_space):
+  """`jax.empty_ref(ty, pltpu.VMEM)` in a kernel: on the CPU every memory space is one."""
+  x = random_array((4, 16, 128))
+
+  def kernel(x_ref, o_ref):
+    buf = jax.empty_ref(jax.ShapeDtypeStruct((16, 128), x.dtype), memory_space)
+    pltpu.sync_copy(x_ref, buf)
+    buf[...] += 1.0
+    o_ref[...] = buf[...] * 2.0
+
+  out = pallas_call(kernel, jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(4,),
+                    in_specs=[pl.BlockSpec((None, 16, 128), lambda i: (i, 0, 0))],
+                    out_specs=pl.BlockSpec((None, 16, 128), lambda i: (i, 0, 0)))(x)
+  assert_close(out, (x + 1.0) * 2.0)
+
+
 @pytest.mark.parametrize("sem_shape", [(2,), 2])   # an int is a 1-D shape, as in Pallas
 def test_copies_into_an_any_output_and_add(sem_shape):
   x, y = random_array((16, 8)), random_array((16, 8))

@@ -43,8 +43,18 @@ _NEW_DISCHARGE_API = "ctx" in inspect.signature(
     _discharge._get_discharge_rule).parameters
 
 
+_STRIPS_MEMORY_SPACES = "strip_memory_space" in inspect.signature(
+    _discharge.discharge_state).parameters
+
+
 def discharge_state(closed_jaxpr: Any) -> Any:
-  """Pure version of a jaxpr over refs: ref inputs become values, final values are appended."""
+  """Pure version of a jaxpr over refs: ref inputs become values, final values are appended.
+
+  Memory spaces are dropped from the values (where JAX can): a ref a kernel made with
+  `jax.empty_ref(ty, pltpu.VMEM)` would otherwise become a value whose type names a
+  memory space JAX's primitives refuse; on the CPU every memory space is one memory."""
+  if _STRIPS_MEMORY_SPACES:
+    return _discharge.discharge_state(closed_jaxpr, strip_memory_space=True)
   return _discharge.discharge_state(closed_jaxpr)
 
 
