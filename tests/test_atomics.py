@@ -154,6 +154,18 @@ def test_atomic_cas_as_a_lock_across_programs():
   assert int(owner[0]) == int(np.argmax(np.asarray(won))) + 1
 
 
+@pytest.mark.parametrize("init,cmp", [(0, 0), (5, 0)])
+def test_scalar_atomic_cas_on_an_aliased_0d_ref(init, cmp):
+  """A 0-d lock passed in and aliased to a 0-d output (JAX's triton_pallas_test)."""
+  def kernel(_, lock_ref, old_ref):
+    old_ref[()] = pltriton.atomic_cas(lock_ref, cmp, 7)
+
+  lock, old = pallas_call(kernel, out_shape=(jax.ShapeDtypeStruct((), i32),) * 2,
+                          input_output_aliases={0: 0})(jnp.int32(init))
+  assert lock.shape == old.shape == ()
+  assert int(lock) == (7 if init == cmp else init) and int(old) == init
+
+
 def test_atomic_and_rejects_float_refs():
   def kernel(o_ref):
     pl.atomic_and(o_ref, 0, 1.0)

@@ -203,7 +203,7 @@ def _run(generated: Any, operands: Sequence[np.ndarray],
   check_interpreter_enabled(generated.kernel)
   gm = generated.kernel.grid_mapping
   fn = getattr(load_module(generated.source, True), generated.function_name)
-  ins = [np.ascontiguousarray(_widen(np.asarray(a))) for a in operands]
+  ins = [_contiguous(_widen(np.asarray(a))) for a in operands]
   n_pre = len(gm.prefetch_avals)
   for j in generated.written_inputs:   # never write into the caller's (JAX's) buffers
     ins[n_pre + j] = np.array(ins[n_pre + j], copy=True)
@@ -218,7 +218,7 @@ def _run(generated: Any, operands: Sequence[np.ndarray],
         generated.workspace_bytes * generated.schedule.num_programs, np.int8)))
   flags = np.zeros(len(generated.check_messages), np.int32)
   args = [HostTensor(a) for a in ins] + \
-      [HostTensor(np.ascontiguousarray(_widen(c))) for c in generated.constants] + \
+      [HostTensor(_contiguous(_widen(c))) for c in generated.constants] + \
       [HostTensor(b.array) for b in buffers] + \
       ([HostTensor(flags)] if flags.size else []) + \
       [HostTensor(ins[n_pre + j]) for j in generated.written_inputs]
@@ -248,6 +248,11 @@ def _narrow(a: np.ndarray, dtype: Any) -> np.ndarray:
       bits = (a.view(np.uint32) >> 16).astype(np.uint16)
       out = np.where(nan, bits.view(dtype), out)
   return out
+
+
+def _contiguous(a: np.ndarray) -> np.ndarray:
+  """`a` in C order with its own shape (np.ascontiguousarray makes 0-d arrays 1-d)."""
+  return np.ascontiguousarray(a).reshape(a.shape)
 
 
 def _widen(a: np.ndarray) -> np.ndarray:
