@@ -229,6 +229,25 @@ def test_iota_and_type_conversions():
   assert_close(out, (x * jnp.arange(8, dtype=jnp.bfloat16)).astype(f32), rtol=1e-2, atol=1e-2)
 
 
+FLOAT8 = [jnp.float8_e4m3fn, jnp.float8_e5m2]
+
+
+@pytest.mark.parametrize("src", [f32, jnp.bfloat16, jnp.float16, jnp.int32, *FLOAT8],
+                         ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("dst", FLOAT8, ids=lambda d: jnp.dtype(d).name)
+def test_conversions_to_float8_round_like_xla(src, dst):
+  """Round to nearest even, a carry out of the mantissa included (7.78 -> 8 in e4m3);
+  results are compared bit for bit with XLA's conversion."""
+  x = (random_array((16, 128)) * 8.0).astype(src)
+
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...].astype(o_ref.dtype)
+  out = pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, dst))(x)
+  want = x.astype(dst)
+  np.testing.assert_array_equal(jax.lax.bitcast_convert_type(out, jnp.uint8),
+                                jax.lax.bitcast_convert_type(want, jnp.uint8))
+
+
 def test_multiple_of_and_max_contiguous_are_identities():
   def kernel(x_ref, o_ref):
     start = pl.multiple_of(pl.program_id(0) * 8, 8)

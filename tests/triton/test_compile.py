@@ -311,3 +311,25 @@ def test_num_stages_the_user_chose_that_does_not_fit_is_a_clear_error():
                      match=r"kernel 'kernel' \(.*test_compile.py:\d+\) needs \d+ bytes of shared "
                            r"memory with num_stages=3.*smaller num_stages"):
     compile_for(kd, "sm90")
+
+
+@pytest.mark.parametrize("src", [jnp.float32, jnp.bfloat16, jnp.int32, jnp.float8_e5m2])
+@pytest.mark.parametrize("dst", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_float8_conversions_compile_from_sm89_and_are_a_clear_error_before(src, dst):
+  """Triton converts to float8 (and holds float8_e4m3fn at all) only on sm_89 and newer
+  NVIDIA GPUs; integers and the other float8 type go through float32."""
+  if src == dst:
+    pytest.skip("no conversion")
+
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...].astype(o_ref.dtype)
+  x = random_array((16, 128)).astype(src)
+  (kd,) = kernels_of(pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, dst),
+                                    backend="triton"), x)
+  for target in ("sm90", "gfx942"):
+    assert compile_for(kd, target).asm["ttir"]
+  with pytest.raises(TritonLoweringError,
+                     match=r"kernel 'kernel' \(.*test_compile.py:\d+\) converts to float8, "
+                           r"which Triton compiles for CUDA compute capability 8.9 and newer; "
+                           r"this GPU is sm_80.*backend='xla'"):
+    compile_for(kd, "sm80")

@@ -60,6 +60,8 @@ class GeneratedKernel:
   schedule: Schedule
   kernel: KernelDescription
   default_num_warps: int              # when the compiler params give none
+  # (compute capability, what needs it): the oldest CUDA GPU Triton compiles this for
+  cuda_requirement: tuple[int, str] | None = None
 
   @property
   def launch_grid(self) -> tuple[int, int, int]:
@@ -136,6 +138,7 @@ class KernelGenerator:
     self.depth = 1
     self.counter = 0
     self.helpers: set[str] = set()
+    self.cuda_requirement: tuple[int, str] | None = None
     self.workspace_bytes = 0
     self.eqn: Any = None
     self.enclosing: list[Any] = []   # call equations (jit, ...) whose body is being run
@@ -180,6 +183,11 @@ class KernelGenerator:
 
   def require_helper(self, name: str) -> None:
     self.helpers.add(name)
+
+  def require_cuda_capability(self, capability: int, what: str) -> None:
+    """Notes that on CUDA the kernel compiles only for `capability` (89: sm_89) and up."""
+    if self.cuda_requirement is None or capability > self.cuda_requirement[0]:
+      self.cuda_requirement = (capability, what)
 
   def where(self) -> str:
     # Inside a call (jnp.sort is a jit) only the call equation knows the user's line.
@@ -857,12 +865,14 @@ def generate(kernel: KernelDescription) -> GeneratedKernel:
   for h in sorted(gen.helpers):
     module += [ops.HELPERS[h], ""]
   source = "\n".join(module + header + gen.lines) + "\n"
+  if any(t.endswith("fp8e4nv") for t in signature.values()):
+    gen.require_cuda_capability(89, "holds float8_e4m3fn values")
   return GeneratedKernel(source, fn_name, tuple(parameters), signature,
                          tuple(gen.constants),
                          tuple(sorted(gen.written_inputs - aliased_inputs)), workspace,
                          tuple(gen.check_messages),
                          schedule, kernel,
-                         default_num_warps(gen.largest_tensor))
+                         default_num_warps(gen.largest_tensor), gen.cuda_requirement)
 
 
 def default_num_warps(largest_tensor: int) -> int:

@@ -90,6 +90,7 @@ def compile_kernel(generated: GeneratedKernel, target: Any, num_warps: int | Non
   (a 128x128 float32 tile pair over 3 stages is 384 KiB), fewer stages are used, as
   Triton's autotuner would prune that config; a choice the user made is an error."""
   kernel = generated.kernel
+  check_target(generated.cuda_requirement, target, f"kernel '{kernel.name}' ({kernel.source})")
   warps, stages = options_of(kernel.compiler_params, generated.default_num_warps)
   chosen = num_stages or getattr(kernel.compiler_params, "num_stages", None)
   key = _target_key(target)
@@ -108,6 +109,18 @@ def compile_kernel(generated: GeneratedKernel, target: Any, num_warps: int | Non
       f"of shared memory with num_stages={tried}, more than {target.backend} "
       f"{target.arch} has ({limit}); use smaller blocks"
       + ("" if not chosen else " or a smaller num_stages in pallet.triton.CompilerParams"))
+
+
+def check_target(requirement: tuple[int, str] | None, target: Any, what: str) -> None:
+  """A clear error where Triton cannot compile the kernel for this CUDA GPU."""
+  if requirement is None or target.backend != "cuda" or target.arch >= requirement[0]:
+    return
+  from pallet.backends.triton.values import TritonLoweringError
+  capability, why = requirement
+  raise TritonLoweringError(
+      f"pallet Triton backend: {what} {why}, which Triton compiles for CUDA compute "
+      f"capability {capability // 10}.{capability % 10} and newer; this GPU is sm_{target.arch}. "
+      f"Run it on the XLA backend (backend='xla')")
 
 
 def _target_key(target: Any) -> tuple:
@@ -137,7 +150,8 @@ def dump(generated: GeneratedKernel, directory: str) -> str:
   warps, stages = options_of(generated.kernel.compiler_params, generated.default_num_warps)
   record = {"kernel": generated.kernel.name, "where": generated.kernel.source,
             "function_name": generated.function_name, "signature": generated.signature,
-            "num_warps": warps, "num_stages": stages, "source": generated.source}
+            "num_warps": warps, "num_stages": stages, "source": generated.source,
+            "cuda_requirement": generated.cuda_requirement}
   digest = hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:20]
   os.makedirs(directory, exist_ok=True)
   path = os.path.join(directory, f"{digest}.json")
@@ -149,6 +163,9 @@ def dump(generated: GeneratedKernel, directory: str) -> str:
 
 def compile_recorded(record: dict, target: Any) -> Any:
   """Compiles a kernel recorded by `dump` for `target`."""
+  requirement = record.get("cuda_requirement")
+  check_target(tuple(requirement) if requirement else None, target,
+               f"kernel '{record['kernel']}' ({record['where']})")
   return _compile(record["source"], record["function_name"],
                   tuple(record["signature"].items()), _target_key(target),
                   record["num_warps"], record["num_stages"])

@@ -159,6 +159,25 @@ def _clz(x):
   return count.astype(x.dtype)
 
 
+def _to_float8(name: str):
+  """A conversion to float8 `name` with XLA's rounding (to nearest even; ml_dtypes)."""
+  def convert(x, _semantic=None):
+    import ml_dtypes
+    import triton.language as tl
+    from triton.runtime.interpreter import TensorHandle
+    stored = {tl.float8e4nv: ml_dtypes.float8_e4m3fn, tl.float8e5: ml_dtypes.float8_e5m2}
+    target = {"float8_e4m3fn": tl.float8e4nv, "float8_e5m2": tl.float8e5}[name]
+    source = x.handle.dtype.scalar if hasattr(x.handle.dtype, "scalar") else x.handle.dtype
+    data = x.handle.data
+    if source in stored:   # float8 is held as its raw bits
+      data = data.view(stored[source])
+    with np.errstate(all="ignore"):
+      bits = np.asarray(data).astype(getattr(ml_dtypes, name)).view(np.uint8)
+    ty = tl.block_type(target, x.type.shape) if x.type.is_block() else target
+    return tl.tensor(TensorHandle(bits, target), ty)
+  return convert
+
+
 numpy_libdevice = types.SimpleNamespace(
     tan=_wrap(np.tan), asin=_wrap(np.arcsin), acos=_wrap(np.arccos), atan=_wrap(np.arctan),
     sinh=_wrap(np.sinh), cosh=_wrap(np.cosh), tanh=_wrap(np.tanh),
@@ -168,6 +187,7 @@ numpy_libdevice = types.SimpleNamespace(
     lgamma=_wrap(np.vectorize(math.lgamma)), atan2=_wrap(np.arctan2),
     pow=_wrap(np.power), nextafter=_wrap(np.nextafter),
     popc=_wrap(_popc), popcll=_wrap(_popc), clz=_wrap(_clz), clzll=_wrap(_clz),
+    to_float8_e4m3fn=_to_float8("float8_e4m3fn"), to_float8_e5m2=_to_float8("float8_e5m2"),
 )
 
 

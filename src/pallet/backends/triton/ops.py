@@ -254,7 +254,21 @@ def _convert(gen, eqn, x):
     return [constant(np.asarray(x.constant).astype(dtype).item(), dtype, shape)]
   if x.dtype == dtype:
     return [x]
+  if np.dtype(dtype).name.startswith("float8"):
+    return [_to_float8(gen, x, shape, dtype)]
   return [gen.let("convert", f"{x.expr}.to({tl_dtype(dtype)})", shape, dtype)]
+
+
+def _to_float8(gen, x: Value, shape: tuple, dtype: np.dtype) -> Value:
+  if generating_for_interpreter():
+    # Triton's interpreter rounds conversions to float8 wrongly (a carry out of the
+    # mantissa is lost: 7.78 becomes 4.0); pallet's numpy libdevice converts instead.
+    return gen.let("convert", f"libdevice.to_{dtype.name}({x.expr})", shape, dtype)
+  gen.require_cuda_capability(89, "converts to float8")
+  # Triton converts to float8 from 16- and 32-bit floats only; from integers and the
+  # other float8 type, float32 holds every value that does not overflow float8 exactly.
+  source = x.expr if is_float(x.dtype) and bit_width(x.dtype) >= 16 else f"{x.expr}.to(tl.float32)"
+  return gen.let("convert", f"{source}.to({tl_dtype(dtype)})", shape, dtype)
 
 
 def _bits(text: str, dtype: np.dtype) -> str:
