@@ -333,3 +333,15 @@ def test_float8_conversions_compile_from_sm89_and_are_a_clear_error_before(src, 
                            r"which Triton compiles for CUDA compute capability 8.9 and newer; "
                            r"this GPU is sm_80.*backend='xla'"):
     compile_for(kd, "sm80")
+
+
+def test_unsigned_integer_dot_is_a_clear_error():
+  # Triton's dot takes floats and signed int8; the interpreter asserted deep inside Triton.
+  def dot_kernel(x_ref, y_ref, o_ref):
+    o_ref[...] = plt.dot(x_ref[...], y_ref[...])
+  x, y = jnp.ones((32, 128), jnp.uint8), jnp.ones((128, 64), jnp.uint8)
+  f = pl.pallas_call(dot_kernel, out_shape=jax.ShapeDtypeStruct((32, 64), jnp.int32),
+                     backend="triton")
+  with pytest.raises(TritonLoweringError, match=r"kernel 'dot_kernel'.*primitive "
+                                                r"'dot_general': a dot of unsigned integers"):
+    plt.source(f, x, y)

@@ -809,6 +809,9 @@ def input_precision(precision: Any, a: Value, b: Value) -> str | None:
 def _dot_general(gen, eqn, a, b):
   shape, dtype = _out(eqn)
   (ca, cb), (ba, bb) = eqn.params["dimension_numbers"]
+  if any(np.issubdtype(v.dtype, np.unsignedinteger) for v in (a, b)):
+    gen.fail(f"a dot of unsigned integers ({a.dtype} x {b.dtype}; Triton's dot takes "
+             f"floats and signed int8)")
   if len(ca) != 1 or len(cb) != 1 or len(ba) > 1:
     gen.fail(f"dot_general with dimension numbers {eqn.params['dimension_numbers']}: "
              f"the Triton backend contracts one dimension, with at most one batch dimension")
