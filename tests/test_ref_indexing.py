@@ -106,6 +106,25 @@ def test_integer_array_gather_with_repeats():
   assert_close(out, x[idx])
 
 
+@pytest.mark.parametrize("constant_index", [False, True])
+def test_integer_array_indices_out_of_range_follow_jax(constant_index):
+  """Negative entries count from the end; past the array, reads clamp and writes are
+  dropped, as for jax.numpy arrays (a GPU would touch memory outside the ref)."""
+  idx = np.array([1, -1, 5, 9, -6, 2], np.int32)
+
+  def kernel(x_ref, i_ref, g_ref, s_ref):
+    i = jnp.asarray(idx) if constant_index else i_ref[...]
+    g_ref[...] = x_ref[i, 1:3]
+    s_ref[...] = jnp.zeros(s_ref.shape, s_ref.dtype)
+    s_ref[i] = x_ref[...] + 100.0
+
+  x = random_array((6, 4))
+  g, s = pallas_call(kernel, out_shape=(jax.ShapeDtypeStruct((6, 2), f32), sds(x)))(
+      x, jnp.asarray(idx))
+  assert_close(g, x[jnp.asarray(idx), 1:3])
+  assert_close(s, jnp.zeros_like(x).at[jnp.asarray(idx)].set(x + 100.0))
+
+
 def test_plus_equals_on_refs():
   def kernel(x_ref, o_ref):
     o_ref[...] = x_ref[...]

@@ -327,7 +327,7 @@ class KernelGenerator:
 
   def _store(self, ref: MemoryRef, transforms, value: Value, mask: Value | None) -> None:
     self._note_write(ref)
-    pointer, structural, shape = refs.address(self, ref, transforms, ref.name)
+    pointer, structural, shape = refs.address(self, ref, transforms, ref.name, writes=True)
     masks = [m for m in (structural, mask.typed if mask is not None else None) if m]
     val = value.typed if value.shape == shape and not value.is_constant else \
         f"tl.broadcast_to({value.typed}, {list(padded(shape))})" if shape else value.typed
@@ -392,7 +392,7 @@ class KernelGenerator:
     extra = ins[1 + n:]
     value = extra[0]
     mask = extra[1] if eqn.params["has_mask"] else None
-    pointer, structural, shape = refs.address(self, ref, transforms, ref.name)
+    pointer, structural, shape = refs.address(self, ref, transforms, ref.name, writes=True)
     masks = [m for m in (structural, mask.typed if mask is not None else None) if m]
     args = f", mask={' & '.join(masks)}" if masks else ""
     val = value.typed
@@ -406,7 +406,7 @@ class KernelGenerator:
     n = eqn.params["tree"].num_leaves
     transforms = self._transforms(eqn, ins, 1)
     cmp, value = ins[1 + n], ins[2 + n]
-    pointer, structural, shape = refs.address(self, ref, transforms, ref.name)
+    pointer, structural, shape = refs.address(self, ref, transforms, ref.name, writes=True)
     if structural:
       self.fail("atomic_cas on a view that needs masking (Triton's atomic_cas has no mask)")
     return [self.let("atomic_cas", f"tl.atomic_cas({pointer}, {cmp.typed}, {value.typed})",

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from pallet import _internals as internals
-from pallet.backends.triton.values import (Value, next_pow2, padded, python_literal,
+from pallet.backends.triton.values import (Value, constant, next_pow2, padded, python_literal,
                                            tl_dtype)
 
 
@@ -83,6 +83,7 @@ class _Gathered:
   """Base coordinate = an integer tensor over the leading `rank` view dims at `first`."""
   index: Value
   first: int
+  size: int    # the extent of the base dimension it indexes
 
 
 def _affine(gen, start: Any, stride: int, pos: Any) -> Any:
@@ -153,7 +154,7 @@ def _apply_indexer(gen, indexer, shape, terms):
         if isinstance(index, Value) and index.shape:
           if term.start != 0 or term.stride != 1:
             gen.fail("integer-array indexing of a strided or offset ref view")
-          new_terms.append(_Gathered(index, first_int))
+          new_terms.append(_Gathered(index, first_int, shape[term.dim]))
         else:
           new_terms.append(_Fixed(_affine(gen, term.start, term.stride, index)))
     else:
@@ -164,6 +165,25 @@ def _apply_indexer(gen, indexer, shape, terms):
         gen.fail("indexing a ref view that was itself selected with an integer array")
       new_terms.append(term)
   return new_shape, new_terms
+
+
+def _in_bounds(gen, index: Value, size: int, writes: bool) -> tuple[Value, str | None]:
+  """An integer-array index as JAX reads and writes through one: negative entries count
+  from the end; past that, reads clamp into [0, size) and writes are dropped (the mask
+  returned). A GPU would read or write outside the array."""
+  if index.is_constant:   # a splat
+    i = int(index.constant)
+    i = i + size if i < 0 else i
+    if writes and not 0 <= i < size:
+      gen.fail(f"a write at index {int(index.constant)} of a dimension of size {size}")
+    return constant(min(max(i, 0), size - 1), index.dtype, index.shape), None
+  e = index.expr
+  wrapped = gen.let("gather_index", f"tl.where({e} < 0, {e} + {size}, {e})",
+                    index.shape, index.dtype)
+  w = wrapped.expr
+  clamped = gen.let("gather_index", f"tl.minimum(tl.maximum({w}, 0), {size - 1})",
+                    index.shape, index.dtype)
+  return clamped, (f"(({w} >= 0) & ({w} < {size}))" if writes else None)
 
 
 def _nonzero(v: Any) -> bool:
@@ -200,8 +220,9 @@ def _expand_leading(expr: str, index_rank: int, first: int, rank: int) -> str:
   return f"{expr}[{', '.join(sel)}]"
 
 
-def address(gen, ref: MemoryRef, transforms: list[Any], label: str):
-  """(pointer expression, mask expression or None, view shape) for ref[transforms]."""
+def address(gen, ref: MemoryRef, transforms: list[Any], label: str, writes: bool = False):
+  """(pointer expression, mask expression or None, view shape) for ref[transforms];
+  `writes`: the access stores (out-of-range integer-array lanes are then masked off)."""
   view_shape, terms = resolve_view(gen, ref.shape, transforms)
   rank = len(view_shape)
   offsets, masks, scalar_masks = [], [], []
@@ -215,7 +236,10 @@ def address(gen, ref: MemoryRef, transforms: list[Any], label: str):
       c = _text(_affine(gen, coord.start, coord.stride, ar))
       c = f"({c})" if _compound(c) else c
     else:
-      c = _expand_leading(coord.index.typed, len(coord.index.shape), coord.first, rank)
+      index, dropped = _in_bounds(gen, coord.index, coord.size, writes)
+      c = _expand_leading(index.typed, len(index.shape), coord.first, rank)
+      if dropped:
+        masks.append(_expand_leading(dropped, len(index.shape), coord.first, rank))
     pos = c if (isinstance(dim.start, int) and dim.start == 0) else \
         f"{_text(dim.start)} + {c}" if c != "0" else _text(dim.start)
     static = _static_int(pos)
