@@ -100,16 +100,28 @@ def _seed_words(seed: Any) -> list[jax.Array]:
   return list(arr.astype(jnp.uint32).reshape(-1))
 
 
+def _generator_key(words: Sequence[jax.Array]) -> tuple[jax.Array, jax.Array]:
+  """The generator's key after seeding with `words`, mixed in one by one."""
+  key = tuple(jnp.uint32(k) for k in _INITIAL_KEY)
+  for position, word in enumerate(words):
+    key = threefry2x32(key, (word, jnp.uint32(position)))
+  return key
+
+
+def _draw(key: tuple[Any, Any], counter: int, shape: Sequence[int]) -> tuple[jax.Array, jax.Array]:
+  """Both output words of draw number `counter` of `shape`."""
+  shape = tuple(int(d) for d in shape)
+  index = lax.iota(jnp.uint32, math.prod(shape)).reshape(shape)
+  return threefry2x32(key, (jnp.uint32(counter), index))
+
+
 def prng_seed(*seeds: Any) -> None:
   """Seeds this kernel's generator from integer scalars or arrays (e.g. key data)."""
   ctx = _kernel_context("prng_seed")
-  key = tuple(jnp.uint32(k) for k in _INITIAL_KEY)
   words = [w for s in seeds for w in _seed_words(s)]
   if not words:
     raise PalletError(f"pltpu.prng_seed needs at least one seed ({describe_call_site()})")
-  for position, word in enumerate(words):
-    key = threefry2x32(key, (word, jnp.uint32(position)))
-  ctx.pallet_prng = _State(key=key, counter=0, loop_depth=_loop_depth())
+  ctx.pallet_prng = _State(key=_generator_key(words), counter=0, loop_depth=_loop_depth())
 
 
 def prng_random_bits(shape: Sequence[int]) -> jax.Array:
@@ -124,9 +136,7 @@ def prng_random_bits(shape: Sequence[int]) -> jax.Array:
                       f"outside it, {describe_call_site()}: every iteration would get "
                       f"the same bits on pallet; call pltpu.prng_seed inside the loop "
                       f"(mixing in the loop index)")
-  shape = tuple(int(d) for d in shape)
-  index = lax.iota(jnp.uint32, math.prod(shape)).reshape(shape)
-  bits, _ = threefry2x32(state.key, (jnp.uint32(state.counter), index))
+  bits, _ = _draw(state.key, state.counter, shape)
   state.counter += 1
   return bits
 
@@ -180,12 +190,7 @@ def stateful_bernoulli(p: Any = 0.5, shape: Sequence[int] | None = None) -> jax.
 # ------------------------------------------------------------------ keys and blocks
 def _bits_from_key_data(data: jax.Array, bit_width: int, shape: Sequence[int]) -> jax.Array:
   """What `prng_seed(data)` then one draw of `shape` gives, at `bit_width` bits."""
-  key = tuple(jnp.uint32(k) for k in _INITIAL_KEY)
-  for position, word in enumerate(_seed_words(data)):
-    key = threefry2x32(key, (word, jnp.uint32(position)))
-  shape = tuple(int(d) for d in shape)
-  index = lax.iota(jnp.uint32, math.prod(shape)).reshape(shape)
-  first, second = threefry2x32(key, (jnp.uint32(0), index))
+  first, second = _draw(_generator_key(_seed_words(data)), 0, shape)
   if bit_width == 64:
     return (first.astype(jnp.uint64) << jnp.uint64(32)) | second.astype(jnp.uint64)
   return first.astype(jnp.dtype(f"uint{bit_width}"))
