@@ -155,7 +155,8 @@ def _launch(kernel, name, args, out_shape, grid, dynamic_sizes, in_specs, out_sp
                       f"run time (traced values, shown as None); the {backend_name} backend "
                       f"needs static grid sizes (the default XLA backend runs such grids)")
   flat_out_shapes, out_tree = jax.tree_util.tree_flatten(out_shape)
-  out_avals = [_as_aval(o, f"out_shape[{i}]", name, backend_name) for i, o in enumerate(flat_out_shapes)]
+  out_avals = [_as_aval(o, f"out_shape[{i}]", name, backend_name)
+               for i, o in enumerate(flat_out_shapes)]
   # Scratch shapes may be pytrees; None entries are empty (the kernel gets None there).
   is_scratch = lambda x: isinstance(x, specs_lib.ScratchShape)
   flat_scratch_paths = jax.tree_util.tree_flatten_with_path(scratch_shapes, is_leaf=is_scratch)[0]
