@@ -406,7 +406,7 @@ class KernelGenerator:
     n = eqn.params["tree"].num_leaves
     transforms = self._transforms(eqn, ins, 1)
     cmp, value = ins[1 + n], ins[2 + n]
-    pointer, structural, shape = refs.address(self, ref, transforms, ref.name, writes=True)
+    pointer, structural, shape = refs.address(self, ref, transforms, ref.name)
     if structural:
       self.fail("atomic_cas on a view that needs masking (Triton's atomic_cas has no mask)")
     return [self.let("atomic_cas", f"tl.atomic_cas({pointer}, {cmp.typed}, {value.typed})",

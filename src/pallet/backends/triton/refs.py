@@ -170,7 +170,8 @@ def _apply_indexer(gen, indexer, shape, terms):
 def _in_bounds(gen, index: Value, size: int, writes: bool) -> tuple[Value, str | None]:
   """An integer-array index as JAX reads and writes through one: negative entries count
   from the end; past that, reads clamp into [0, size) and writes are dropped (the mask
-  returned). A GPU would read or write outside the array."""
+  returned; None where `writes` is False: reads, and atomic_cas, which Triton cannot
+  mask and so clamps too). A GPU would read or write outside the array."""
   if index.is_constant:   # a splat
     i = int(index.constant)
     i = i + size if i < 0 else i
@@ -222,7 +223,8 @@ def _expand_leading(expr: str, index_rank: int, first: int, rank: int) -> str:
 
 def address(gen, ref: MemoryRef, transforms: list[Any], label: str, writes: bool = False):
   """(pointer expression, mask expression or None, view shape) for ref[transforms];
-  `writes`: the access stores (out-of-range integer-array lanes are then masked off)."""
+  `writes`: the access can be masked and stores (out-of-range integer-array lanes are
+  then masked off)."""
   view_shape, terms = resolve_view(gen, ref.shape, transforms)
   rank = len(view_shape)
   offsets, masks, scalar_masks = [], [], []
