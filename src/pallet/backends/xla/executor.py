@@ -412,12 +412,12 @@ def _pad(x: jax.Array, op: OperandPlan, poison: bool) -> jax.Array:
 
 
 def _pad_by_concatenation(x: jax.Array, pad: Sequence[tuple[int, int]]) -> jax.Array:
-  """`x` (typed PRNG keys, which XLA's pad does not take) padded with zero keys."""
+  """`x` (typed PRNG keys, which XLA's pad does not take) padded with what unwritten
+  memory of its dtype holds (`checks.uninitialized`: zero keys)."""
   for d, (low, high) in enumerate(pad):
     if low or high:
-      shape = lambda n: x.shape[:d] + (n,) + x.shape[d + 1:]
-      x = jnp.concatenate([jnp.zeros(shape(low), x.dtype), x, jnp.zeros(shape(high), x.dtype)],
-                          axis=d)
+      fill = lambda n: checks.uninitialized(x.shape[:d] + (n,) + x.shape[d + 1:], x.dtype)
+      x = jnp.concatenate([fill(low), x, fill(high)], axis=d)
   return x
 
 
