@@ -35,14 +35,10 @@ class CompilerParams:
 
 
 class GpuVersion(enum.Enum):
-  """NVIDIA GPUs by the name their device kind contains."""
-  T4 = "Tesla T4"
+  """NVIDIA GPUs by the name their device kind contains (JAX's members, in its order)."""
   A10 = "NVIDIA A10"
   A30 = "NVIDIA A30"
   A100 = "NVIDIA A100"
-  L4 = "NVIDIA L4"
-  L40 = "NVIDIA L40"
-  RTX_4090 = "NVIDIA GeForce RTX 4090"
   H100 = "NVIDIA H100"
   H200 = "NVIDIA H200"
   GH200 = "NVIDIA GH200"
@@ -50,12 +46,16 @@ class GpuVersion(enum.Enum):
   GB200 = "NVIDIA GB200"
   B300 = "NVIDIA B300"
   GB300 = "NVIDIA GB300"
-  VR200 = "NVIDIA VR200"
-  THOR = "NVIDIA Thor"
+  GB10 = "NVIDIA GB10"
+  L4 = "NVIDIA L4"
+  L40 = "NVIDIA L40"
+  T4 = "Tesla T4"
+  RTX_4090 = "NVIDIA GeForce RTX 4090"
   RTX_PRO_4500 = "NVIDIA RTX PRO 4500"
   RTX_PRO_5000 = "NVIDIA RTX PRO 5000"
   RTX_PRO_6000 = "NVIDIA RTX PRO 6000"
-  GB10 = "NVIDIA GB10"
+  THOR = "NVIDIA Thor"
+  VR200 = "NVIDIA VR200"
 
   def __str__(self) -> str:
     return self.value

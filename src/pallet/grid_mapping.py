@@ -315,6 +315,8 @@ def block_mapping(spec: Any, aval: jax.core.ShapedArray, origin: str,
     raise PalletError(f"{where}: expected a pl.BlockSpec, pl.no_block_spec or None, got "
                       f"{type(spec).__name__}: {spec!r}")
   memory_space = spec.memory_space
+  if memory_space is specs_lib.MemorySpace.DEFAULT:   # what no memory space means
+    memory_space = None
   if memory_space is not None and not isinstance(memory_space, specs_lib.MemorySpace):
     raise PalletError(f"{where}: unknown memory space {memory_space!r}; expected one of "
                       f"{[m.name for m in specs_lib.MemorySpace]} (e.g. pl.ANY, "

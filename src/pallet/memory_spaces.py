@@ -22,7 +22,7 @@ class AccMemorySpace:
   In pallet an accumulator is ordinary scratch memory. The TPU's own limits that
   do not depend on the chip (at least 2-D, float32 or int32) are checked.
   """
-  mxu_id: int = 0
+  mxu_id: int
 
   def __call__(self, shape: Sequence[int], dtype: Any) -> MemoryRef:
     shape = tuple(shape)

@@ -63,7 +63,7 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *,
     out_shape = tuple(out_shape)
   num_scalar_prefetch = 0
   if grid_spec is not None:
-    grid, in_specs, out_specs = grid_spec.grid, grid_spec.in_specs, grid_spec.out_specs
+    grid, in_specs, out_specs = grid_spec.named_grid(), grid_spec.in_specs, grid_spec.out_specs
     scratch_shapes = grid_spec.scratch_shapes
     num_scalar_prefetch = grid_spec.num_scalar_prefetch
   grid, grid_names = gm_lib.split_grid_names(grid, name)

@@ -17,6 +17,7 @@ import jax
 class MemorySpace(enum.Enum):
   """Where a kernel operand lives. Backends may treat several spaces alike."""
   ANY = "any"        # leave placement to the backend (whole array, unblocked)
+  DEFAULT = "default"  # the backend's default, as if no memory space were given
   GMEM = "gmem"      # GPU global memory
   SMEM = "smem"      # scalar / shared memory
   VMEM = "vmem"      # TPU vector memory
@@ -86,7 +87,6 @@ class MemoryRef(ScratchShape):
 @dataclasses.dataclass(frozen=True)
 class Squeezed:
   """A block dimension of size 1 that the kernel does not see (same as `None`)."""
-  block_size: int = 1
 
 
 squeezed = Squeezed()
@@ -153,7 +153,8 @@ class BlockSpec:
   """
   block_shape: Sequence[BlockDim] | None = None
   index_map: Callable[..., Any] | None = None
-  memory_space: MemorySpace | None = None
+  # keyword-only, as in JAX: BlockSpec(shape, index_map, pl.Buffered(2)) is a pipeline mode
+  memory_space: MemorySpace | None = dataclasses.field(kw_only=True, default=None)
   pipeline_mode: Any = None
 
   def __post_init__(self):
@@ -179,7 +180,7 @@ class RevisitMode(enum.Enum):
 @dataclasses.dataclass(frozen=True)
 class Buffered:
   """Pipeline hint (number of buffers); accepted for compatibility, unused on the CPU."""
-  buffer_count: int | tuple[int, int] = 2
+  buffer_count: int | tuple[int, int]
   use_lookahead: bool = False
   revisit: RevisitMode | None = None
   prefetched_count: int = 0
@@ -197,14 +198,45 @@ def scratch_arguments(scratch_shapes: Any) -> tuple[tuple, dict]:
   return ((), tree) if isinstance(tree, dict) else (tree, {})
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(init=False, kw_only=True)
 class GridSpec:
-  """A grid with its in/out specs and scratch, as one object (Pallas `GridSpec`)."""
-  grid: Any = ()
-  in_specs: Any = no_block_spec
-  out_specs: Any = no_block_spec
+  """A grid with its in/out specs and scratch, as one object (Pallas `GridSpec`).
+
+  As in JAX, a named grid `(("i", 2), ("j", 4))` is kept as `grid=(2, 4)` and
+  `grid_names=("i", "j")`, and lists of specs are stored as tuples."""
+  grid: Any
+  grid_names: tuple[Any, ...] | None
+  in_specs: Any
+  out_specs: Any
   scratch_shapes: Sequence[Any] | dict[str, Any] = ()
-  num_scalar_prefetch: int = 0
+
+  # scalar-prefetch operands come first in the call: none for a plain GridSpec
+  num_scalar_prefetch = 0
+
+  def __init__(self, grid: Any = (), in_specs: Any = no_block_spec,
+               out_specs: Any = no_block_spec,
+               scratch_shapes: Sequence[Any] | dict[str, Any] = ()):
+    self.in_specs = tuple(in_specs) if isinstance(in_specs, list) else in_specs
+    self.out_specs = tuple(out_specs) if isinstance(out_specs, list) else out_specs
+    self.scratch_shapes = scratch_tree(scratch_shapes)
+    self.grid, self.grid_names = _split_names(grid)
+
+  def named_grid(self) -> Any:
+    """The grid as pallas_call's `grid=` takes it (names paired with sizes again)."""
+    if self.grid_names is None:
+      return self.grid
+    return tuple(zip(self.grid_names, self.grid))
+
+
+def _split_names(grid: Any) -> tuple[Any, tuple[Any, ...] | None]:
+  """((name, size), ...) -> ((size, ...), (name, ...)); any other grid is kept with no
+  names (pallas_call reports malformed named grids with the kernel's name)."""
+  if isinstance(grid, int):
+    return (grid,), None
+  if (isinstance(grid, (tuple, list)) and grid
+      and all(isinstance(g, tuple) and len(g) == 2 and isinstance(g[0], str) for g in grid)):
+    return tuple(g[1] for g in grid), tuple(g[0] for g in grid)
+  return grid, None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,7 +249,22 @@ class CompilerParams:
 
 @dataclasses.dataclass(frozen=True)
 class CostEstimate:
-  """Cost hint handed to XLA's scheduler; informational on the CPU backend."""
+  """Cost hint handed to XLA's scheduler; informational on the CPU backend.
+
+  `remote_bytes_transferred` counts bytes sent to other devices (remote DMAs)."""
   flops: int
   transcendentals: int
   bytes_accessed: int
+  remote_bytes_transferred: int = 0
+
+  def __post_init__(self):
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
+      if not isinstance(value, int):   # as JAX: NumPy integers are refused too
+        raise ValueError(f"pl.CostEstimate: every field must be a Python int; "
+                         f"{field.name} is {type(value).__name__} ({value!r})")
+
+  def to_json(self) -> bytes:
+    """The estimate as the JSON bytes Pallas attaches to the kernel's custom call."""
+    fields = ", ".join(f'"{f.name}": {getattr(self, f.name)}' for f in dataclasses.fields(self))
+    return ("{" + fields + "}").encode("ascii")

@@ -54,7 +54,7 @@ class ChipVersion(enum.Enum):
     return int(self.value.lstrip("v").rstrip("eipxt"))
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class TpuInfo:
   """Per-TensorCore hardware figures (multiply by `num_cores` for a chip)."""
   chip_version: ChipVersion

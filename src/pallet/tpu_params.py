@@ -12,8 +12,7 @@ import dataclasses
 import enum
 from typing import Any, Sequence
 
-from pallet.specs import CompilerParams as _BaseCompilerParams
-from pallet.specs import GridSpec, no_block_spec, scratch_tree
+from pallet.specs import GridSpec, no_block_spec
 
 
 class GridDimensionSemantics(enum.Enum):
@@ -45,8 +44,10 @@ class SideEffectType(enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True)
-class CompilerParams(_BaseCompilerParams):
-  """Mosaic TPU compiler parameters; `dimension_semantics` is honoured on the CPU."""
+class CompilerParams:
+  """Mosaic TPU compiler parameters, with JAX 0.12's fields in its order;
+  `dimension_semantics` is honoured on the CPU."""
+  dimension_semantics: Sequence[Any] | None = None
   allow_input_fusion: Sequence[bool] | None = None
   vmem_limit_bytes: int | None = None
   collective_id: int | None = None
@@ -76,13 +77,15 @@ class CompilerParams(_BaseCompilerParams):
         object.__setattr__(self, field, tuple(value))
 
 
+@dataclasses.dataclass(init=False, kw_only=True)
 class PrefetchScalarGridSpec(GridSpec):
   """A grid spec whose first `num_scalar_prefetch` operands are scalars given to the
   index maps and the kernel (as refs), enabling data-dependent block selection."""
+  num_scalar_prefetch: int = 0
 
   def __init__(self, num_scalar_prefetch: int, grid: Any = (),
                in_specs: Any = no_block_spec, out_specs: Any = no_block_spec,
                scratch_shapes: Sequence[Any] | dict[str, Any] = ()):
     super().__init__(grid=grid, in_specs=in_specs, out_specs=out_specs,
-                     scratch_shapes=scratch_tree(scratch_shapes),
-                     num_scalar_prefetch=num_scalar_prefetch)
+                     scratch_shapes=scratch_shapes)
+    self.num_scalar_prefetch = num_scalar_prefetch
