@@ -104,10 +104,9 @@ def kernel(body: Callable[..., None] | None = None, out_type: Any = None, *,
 
     @functools.wraps(fn)
     def run(*args: Any) -> Any:
-      n_in = len(jax.tree_util.tree_leaves(args))
+      # one spec per argument stands for its whole pytree (nested operands included)
       call = pallas_call(
-          fn, outs, grid=axes, in_specs=[any_spec] * n_in if n_in else (),
-          out_specs=jax.tree_util.tree_map(lambda _: any_spec, outs),
+          fn, outs, grid=axes, in_specs=tuple(any_spec for _ in args), out_specs=any_spec,
           scratch_shapes=scratch, compiler_params=_in_order(compiler_params, len(axes)),
           interpret=interpret, debug=debug, name=kernel_name)
       return call(*args)

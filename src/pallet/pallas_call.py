@@ -28,6 +28,7 @@ from pallet import dma
 from pallet import plain_call
 from pallet import grid_mapping as gm_lib
 from pallet import specs as specs_lib
+from pallet import spec_trees
 from pallet import trace_cache
 from pallet import tracing
 from pallet.grid_mapping import BlockDimension, GridMapping, PalletError
@@ -246,8 +247,18 @@ def _grid_mapping(kernel, name, args, out_shape, grid, in_specs, out_specs, in_a
   def where(kind, i, offset, spec_name):
     return f"pallas_call of kernel '{name}', {spec_name} for {origin(kind, i, offset)}"
 
-  in_spec_list = gm_lib.match_specs(in_specs, args, "in_specs", name)
-  out_spec_list = gm_lib.match_specs(out_specs, out_shape, "out_specs", name)
+  def operand_name(kind, offset, tree):
+    def named(path):   # "input 1 ('w_ref').scale": the argument, then inside it
+      if isinstance(tree, (tuple, list)) and isinstance(path[0], jax.tree_util.SequenceKey):
+        return origin(kind, path[0].idx, offset) + jax.tree_util.keystr(path[1:])
+      return f"{kind} {jax.tree_util.keystr(path)}"
+    return named
+
+  in_spec_list = spec_trees.match_specs(in_specs, args, what="in_specs", kernel_name=name,
+                                        operand_name=operand_name("input", n_pre, args))
+  out_spec_list = spec_trees.match_specs(
+      out_specs, out_shape, what="out_specs", kernel_name=name,
+      operand_name=operand_name("output", n_pre + len(args), out_shape))
   inputs = tuple(
       gm_lib.block_mapping(s, a, origin("input", i, n_pre), grid, prefetch_avals,
                            where("input", i, n_pre, f"in_specs[{i}]"), prefetch_tree,
