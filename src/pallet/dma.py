@@ -23,7 +23,7 @@ import numpy as np
 from jax.extend.core import Primitive, subjaxprs
 
 from pallet import _internals as internals
-from pallet import checks, primitives, ref_views
+from pallet import checks, dynamic_views, primitives, ref_views
 from pallet.grid_mapping import PalletError
 from pallet.refs_select import SelectedRef
 from pallet.specs import MemorySpace, ScratchShape
@@ -145,18 +145,38 @@ def _dma_start_discharge(in_avals, out_avals, *args, tree, add, shared_sem):
   src, src_t, dst, dst_t, sem, sem_t, src_sem, src_sem_t = jax.tree_util.tree_unflatten(
       tree, args)
   pos = jax.tree_util.tree_unflatten(tree, list(range(len(args))))
-  data = ref_views.read(src, src_t)
-  if add:
-    new_dst = ref_views.update(dst, dst_t, lambda old: (old + data).astype(dst.dtype))
+  if dynamic_views.has_dynamic_size(src_t) or dynamic_views.has_dynamic_size(dst_t):
+    new_dst, copied = _copy_dynamic(src, src_t, dst, dst_t, add)
   else:
-    new_dst = ref_views.write(dst, dst_t, data.astype(dst.dtype))
+    data = ref_views.read(src, src_t)
+    if add:
+      new_dst = ref_views.update(dst, dst_t, lambda old: (old + data).astype(dst.dtype))
+    else:
+      new_dst = ref_views.write(dst, dst_t, data.astype(dst.dtype))
+    copied = data.size
   new = {pos[_DST]: new_dst}
   if shared_sem:
-    sem = _sem_add(sem, src_sem_t, data.size)
+    sem = _sem_add(sem, src_sem_t, copied)
   for slot, value, transforms in ((_SEM, sem, sem_t), (_SRC_SEM, src_sem, src_sem_t)):
     if value is not None:
-      new[pos[slot]] = _sem_add(value, transforms, data.size)
+      new[pos[slot]] = _sem_add(value, transforms, copied)
   return _replace(new, len(args)), []
+
+
+def _copy_dynamic(src: Any, src_t: Any, dst: Any, dst_t: Any, add: bool) -> tuple[Any, Any]:
+  """(new destination, elements copied) for a copy whose size is known at run time: a
+  masked copy over the static bound of each dimension (see dynamic_views.py)."""
+  src_w = dynamic_views.window(src.shape, src_t)
+  dst_w = dynamic_views.window(dst.shape, dst_t)
+  bounds = [min(a, b) for a, b in zip(src_w.view_bounds, dst_w.view_bounds)]
+  counts = [a if dynamic_views.is_static(a) and dynamic_views.is_static(b) else
+            jax.lax.min(jnp.int32(a), jnp.int32(b))
+            for a, b in zip(src_w.view_sizes, dst_w.view_sizes)]
+  counts = [jax.lax.min(jnp.int32(c), jnp.int32(n)) if not dynamic_views.is_static(c) else
+            min(c, n) for c, n in zip(counts, bounds)]
+  data = dynamic_views.read(src, src_w, bounds)
+  return dynamic_views.write(dst, dst_w, bounds, counts, data, add=add), \
+      dynamic_views.product(counts)
 
 
 # ------------------------------------------------------------------ dma_wait
@@ -177,8 +197,52 @@ dma_wait_p.def_effectful_abstract_eval(_dma_wait_abstract_eval)
 def _dma_wait_discharge(in_avals, out_avals, *args, tree, message):
   ref, ref_t, sem, sem_t = jax.tree_util.tree_unflatten(tree, args)
   pos = jax.tree_util.tree_unflatten(tree, list(range(len(args))))
-  size = primitives.view_aval(in_avals[0], ref_t).size
+  if dynamic_views.has_dynamic_size(ref_t):   # waits for what the copy moved
+    size = dynamic_views.window(in_avals[0].inner_aval.shape, ref_t).count()
+  else:
+    size = primitives.view_aval(in_avals[0], ref_t).size
   return _replace({pos[_SEM_WAIT]: _sem_take(sem, sem_t, size, message)}, len(args)), []
+
+
+# ------------------------------------------------------------------ run-time sizes
+def _dynamic_window(base: Any, transforms: Any, api: str, what: str) -> dynamic_views.Window:
+  window = dynamic_views.window(jax.typeof(base).shape, transforms)
+  if window is None:
+    raise PalletError(f"{api} in {kernel_site()}: {what} is a view with a size known only at "
+                      f"run time (pl.ds(start, n) with a traced n) combined with strides, "
+                      f"integer-array indices, a bitcast or a reshape; expected unit-stride "
+                      f"slices and integer indices only")
+  return window
+
+
+def _describe_window(dtype: Any, window: dynamic_views.Window) -> str:
+  dims = [str(int(n)) if dynamic_views.is_static(n) else f"<= {b} (known at run time)"
+          for n, b in zip(window.view_requested, window.view_bounds)]
+  return f"{jnp.dtype(dtype).name}[{', '.join(dims)}]"
+
+
+def _check_dynamic_copy(src: Any, src_t: Any, dst: Any, dst_t: Any) -> None:
+  """A copy whose size is known at run time: both ends must agree in rank and dtype,
+  static sizes now, run-time sizes when the copy starts (a mismatch fails the kernel)."""
+  api = "make_async_copy(...).start()"
+  src_w = _dynamic_window(src, src_t, api, "the source")
+  dst_w = _dynamic_window(dst, dst_t, api, "the destination")
+  src_dtype, dst_dtype = jax.typeof(src).dtype, jax.typeof(dst).dtype
+  shapes = (f"source {_describe_window(src_dtype, src_w)} and destination "
+            f"{_describe_window(dst_dtype, dst_w)}")
+  if len(src_w.visible) != len(dst_w.visible) or src_dtype != dst_dtype:
+    raise PalletError(f"make_async_copy in {kernel_site()}: {shapes} must have the same "
+                      f"shape and dtype")
+  for axis, (a, b) in enumerate(zip(src_w.view_requested, dst_w.view_requested)):
+    if dynamic_views.is_static(a) and dynamic_views.is_static(b):
+      if a != b:
+        raise PalletError(f"make_async_copy in {kernel_site()}: {shapes} must have the "
+                          f"same shape and dtype")
+      continue
+    checks.check(jnp.asarray(a, jnp.int32) == jnp.asarray(b, jnp.int32),
+                 f"make_async_copy in {kernel_site()}: {shapes} differ in size along "
+                 f"dimension {axis} when the copy starts; expected the same size at both "
+                 f"ends")
 
 
 # ------------------------------------------------------------------ the descriptor
@@ -206,12 +270,15 @@ class AsyncCopyDescriptor:
     shared_sem = src_sem is not None and src_sem is sem
     if shared_sem:
       src_sem = None
-    src_aval = primitives.view_aval(jax.typeof(src), src_t)
-    dst_aval = primitives.view_aval(jax.typeof(dst), dst_t)
-    if src_aval.shape != dst_aval.shape or src_aval.dtype != dst_aval.dtype:
-      raise PalletError(f"make_async_copy in {kernel_site()}: source {src_aval.str_short()} and "
-                        f"destination {dst_aval.str_short()} must have the same shape and "
-                        f"dtype")
+    if dynamic_views.has_dynamic_size(src_t) or dynamic_views.has_dynamic_size(dst_t):
+      _check_dynamic_copy(src, src_t, dst, dst_t)
+    else:
+      src_aval = primitives.view_aval(jax.typeof(src), src_t)
+      dst_aval = primitives.view_aval(jax.typeof(dst), dst_t)
+      if src_aval.shape != dst_aval.shape or src_aval.dtype != dst_aval.dtype:
+        raise PalletError(f"make_async_copy in {kernel_site()}: source {src_aval.str_short()} "
+                          f"and destination {dst_aval.str_short()} must have the same shape "
+                          f"and dtype")
     flat, tree = jax.tree_util.tree_flatten(
         (src, src_t, dst, dst_t, sem, sem_t, src_sem, src_sem_t))
     dma_start_p.bind(*flat, tree=tree, add=add, shared_sem=shared_sem)
@@ -233,8 +300,12 @@ class AsyncCopyDescriptor:
       ref = ref.refs[0]
     base, transforms = primitives.ref_and_transforms(ref)
     sem, sem_t = _semaphore_view(sem, "make_async_copy(...).wait()")
-    size = primitives.view_aval(jax.typeof(base), transforms).size
-    message = (f"DMA wait in {kernel_site()}: waits for {size} copied elements, but the copies "
+    if dynamic_views.has_dynamic_size(transforms):
+      _dynamic_window(base, transforms, f"make_async_copy(...).{which}()", "the waited-on ref")
+      amount = "the elements of its copy (a number known at run time)"
+    else:
+      amount = f"{primitives.view_aval(jax.typeof(base), transforms).size} copied elements"
+    message = (f"DMA wait in {kernel_site()}: waits for {amount}, but the copies "
                f"started on its semaphore delivered fewer; nothing else can signal it, so on "
                f"a TPU this wait would never finish")
     flat, tree = jax.tree_util.tree_flatten((base, transforms, sem, sem_t))

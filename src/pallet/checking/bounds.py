@@ -36,12 +36,15 @@ def _first_bad(index: Any, ok: Any) -> Any:
   return index[jnp.argmin(jnp.asarray(ok).reshape(-1))]
 
 
-def _slice_condition(sl: Any, size: int, d: int) -> Condition | None:
-  if sl.size == 0:
+def _slice_condition(sl: Any, size: Any, d: int) -> Condition | None:
+  count = _concrete(sl.size)
+  if count is None or _concrete(size) is None:
+    return _run_time_slice_condition(sl, size, d)
+  if int(count) == 0:
     return None
   start, stride = sl.start, sl.stride
-  last_offset = (sl.size - 1) * stride
-  what = f"dimension {d}: a slice of {sl.size} (stride {stride}) on {size} elements, start"
+  last_offset = (int(count) - 1) * stride
+  what = f"dimension {d}: a slice of {int(count)} (stride {stride}) on {size} elements, start"
   static = _concrete(start)
   if static is not None:
     if 0 <= int(static) and int(static) + last_offset < size:
@@ -49,6 +52,23 @@ def _slice_condition(sl: Any, size: int, d: int) -> Condition | None:
     return jnp.bool_(False), jnp.int32(int(static)), what
   start = jnp.asarray(start, jnp.int32)
   return (start >= 0) & (start + last_offset < size), start, what
+
+
+def _run_time_slice_condition(sl: Any, size: Any, d: int) -> Condition:
+  """A slice whose size (or whose dimension's extent, inside such a slice) is known only
+  at run time, as DMAs of ragged amounts use: its size must lie in [0, extent] and, when
+  not empty, its elements inside. The detail is the offending index (the start where it
+  is negative, else the last element, or the size itself when negative)."""
+  count = jnp.asarray(sl.size, jnp.int32)
+  start = jnp.asarray(sl.start, jnp.int32)
+  extent = jnp.asarray(size, jnp.int32)
+  last = start + (count - 1) * sl.stride
+  ok = (count == 0) | ((count > 0) & (start >= 0) & (last < extent))
+  detail = jnp.where(count < 0, count, jnp.where(start < 0, start, last))
+  what = (f"dimension {d}: a slice of a size known at run time (stride {sl.stride}) on "
+          f"{'a run-time number of' if _concrete(size) is None else int(_concrete(size))} "
+          f"elements, index")
+  return ok, detail, what
 
 
 def _index_condition(index: Any, size: int, d: int) -> Condition | None:
@@ -99,9 +119,11 @@ def _masked_conditions(indexer: Any, mask: Any) -> list[Condition]:
 
 def _static_in_bounds(idx: Any, size: int) -> bool:
   if isinstance(idx, internals.Slice):
-    start = _concrete(idx.start)
-    return idx.size == 0 or (start is not None and 0 <= int(start)
-                             and int(start) + (idx.size - 1) * idx.stride < size)
+    start, count = _concrete(idx.start), _concrete(idx.size)
+    if count is None:
+      return False
+    return int(count) == 0 or (start is not None and 0 <= int(start)
+                               and int(start) + (int(count) - 1) * idx.stride < size)
   static = _concrete(idx)
   return static is not None and bool(((static >= -size) & (static < size)).all())
 

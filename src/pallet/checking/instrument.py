@@ -34,6 +34,7 @@ from jax.extend.core import Literal
 from pallet import _internals as internals
 from pallet import checks
 from pallet import primitives
+from pallet import dynamic_views
 from pallet.checking import bounds, padding
 from pallet.checking.options import CheckOptions
 from pallet.grid_mapping import BlockDimension, BlockMapping
@@ -422,6 +423,9 @@ class _Instrumenter:
     r = self.info(ref)
     if r is None or r.shadow is None:
       return
+    if dynamic_views.has_dynamic_size(transforms):
+      self._shadow_dynamic(eqn, r, transforms, reads, writes)
+      return
     if not bounds.only_indexers(transforms):
       if writes:   # through a bitcast or reshape: give up on this buffer's elements
         r.shadow[...] = jnp.full(r.shadow.shape, self.given, jnp.int32)
@@ -452,6 +456,22 @@ class _Instrumenter:
         view[...] = new
       else:
         primitives.store_p.bind(r.shadow, *flat, new, mask, tree=tree)
+
+  def _shadow_dynamic(self, eqn: Any, r: _Ref, transforms: tuple, reads: bool,
+                      writes: bool) -> None:
+    """A DMA end whose size is known at run time: the shadow of its window, read and
+    written over the static bound with the lanes past the size masked off."""
+    shadow = r.shadow[...]
+    w = dynamic_views.window(shadow.shape, transforms)
+    if w is None:
+      return   # refused when the DMA was traced
+    mask = dynamic_views.valid_mask(w.view_bounds, w.view_sizes)
+    if reads or self.opts.races and not r.scratch:
+      self._shadow_checks(eqn, r, dynamic_views.read(shadow, w, w.view_bounds), mask,
+                          reads, writes, False)
+    if writes:
+      stamp = jnp.full(w.view_bounds, self.stamp, jnp.int32)
+      r.shadow[...] = dynamic_views.write(shadow, w, w.view_bounds, w.view_sizes, stamp)
 
   def _shadow_checks(self, eqn: Any, r: _Ref, old: Any, mask: Any, reads: bool,
                      writes: bool, atomic: bool) -> None:
@@ -589,7 +609,12 @@ class _Instrumenter:
     ok_dst = self._bounds(eqn, dst, dst_t, None, "copies into")
     self._shadow_access(eqn, src, src_t, None, reads=True, writes=False)
     r = self.info(dst)
-    if r is not None and r.shadow is not None and bounds.only_indexers(dst_t):
+    if r is not None and r.shadow is not None and dynamic_views.has_dynamic_size(dst_t):
+      shadow = r.shadow[...]
+      w = dynamic_views.window(shadow.shape, dst_t)
+      flight = jnp.full(w.view_bounds, self.in_flight, jnp.int32)
+      r.shadow[...] = dynamic_views.write(shadow, w, w.view_bounds, w.view_sizes, flight)
+    elif r is not None and r.shadow is not None and bounds.only_indexers(dst_t):
       view = internals.TransformedRef(r.shadow, dst_t) if dst_t else r.shadow
       view[...] = jnp.full(view.shape, self.in_flight, jnp.int32)
     ok = ok_src if ok_dst is None else (ok_dst if ok_src is None else ok_src & ok_dst)
@@ -599,7 +624,13 @@ class _Instrumenter:
     ref, ref_t, *_ = jax.tree_util.tree_unflatten(eqn.params["tree"], ins)
     ref_t = tuple(ref_t or ())
     r = self.info(ref)
-    if r is not None and r.shadow is not None and bounds.only_indexers(ref_t):
+    if r is not None and r.shadow is not None and dynamic_views.has_dynamic_size(ref_t):
+      shadow = r.shadow[...]
+      w = dynamic_views.window(shadow.shape, ref_t)
+      old = dynamic_views.read(shadow, w, w.view_bounds)
+      landed = jnp.where(old == self.in_flight, self.stamp, old)
+      r.shadow[...] = dynamic_views.write(shadow, w, w.view_bounds, w.view_sizes, landed)
+    elif r is not None and r.shadow is not None and bounds.only_indexers(ref_t):
       view = internals.TransformedRef(r.shadow, ref_t) if ref_t else r.shadow
       old = view[...]
       view[...] = jnp.where(old == self.in_flight, self.stamp, old)
