@@ -123,5 +123,5 @@ def translate(error: BaseException, *, kernel: str, source: str, refs: Sequence[
         f"{where}: {ref} is indexed with pl.ds(start, size) whose size is a traced "
         f"value; expected a static size (a Python int): slice a fixed maximum size and "
         f"mask the lanes past the traced length (pl.load(ref, pl.ds(start, MAX), "
-        f"mask=jnp.arange(MAX) < n))")
+        f"mask=jnp.arange(MAX) < n)); DMAs (pltpu.make_async_copy) take a traced size")
   return None
