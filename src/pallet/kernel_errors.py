@@ -63,16 +63,52 @@ def _user_line(frames) -> str | None:
   return None
 
 
-def _ref_label(frames, refs: Sequence[Any], labels: Sequence[str]) -> str | None:
-  """The kernel ref the failing operation was applied to: the innermost frame whose
-  locals hold one of the kernel's refs (or a view of one) is JAX's indexing code."""
+def _is_ref(value: Any) -> bool:
+  if isinstance(value, internals.TransformedRef):
+    return True
+  # kernel refs and buffers made in the kernel are tracers (frames hold other JAX objects
+  # that jax.typeof cannot type)
+  return internals.is_tracer(value) and isinstance(getattr(value, "aval", None),
+                                                   internals.AbstractRef)
+
+
+def _base(value: Any) -> Any:
+  return value.ref if isinstance(value, internals.TransformedRef) else value
+
+
+def _failing_ref(frames, refs: Sequence[Any], labels: Sequence[str]
+                 ) -> tuple[str | None, tuple | None]:
+  """(label, shape) of the ref the failing operation was applied to; None where not known."""
+  label, ref = _ref_label(frames, refs, labels)
+  shape = getattr(getattr(_base(ref), "aval", None), "shape", None)
+  return label, (tuple(shape) if shape is not None else None)
+
+
+def _ref_label(frames, refs: Sequence[Any], labels: Sequence[str]) -> tuple[str | None, Any]:
+  """(label, ref) of the ref the failing operation was applied to. The innermost frame
+  whose locals hold a ref is JAX's indexing code: a kernel ref (or a view of one) is
+  named by its label; another ref (an emit_pipeline block, a run_scoped buffer) by the
+  name the user's code gives it."""
   by_id = {id(r): label for r, label in zip(refs, labels)}
+  user = next((frame for frame, _ in frames if _is_user_file(frame.f_code.co_filename)), None)
+  for frame, _ in frames:
+    if _is_user_file(frame.f_code.co_filename):
+      break
+    held = [v for v in frame.f_locals.values() if _is_ref(v)]
+    if not held:
+      continue
+    base = _base(held[0])
+    if id(base) in by_id:
+      return by_id[id(base)], base
+    for name, value in (user.f_locals.items() if user is not None else ()):
+      if not name.startswith("_") and _is_ref(value) and _base(value) is base:
+        return f"ref '{name}'", base
+    break
   for frame, _ in frames:
     for value in frame.f_locals.values():
-      base = value.ref if isinstance(value, internals.TransformedRef) else value
-      if id(base) in by_id:
-        return by_id[id(base)]
-  return None
+      if id(_base(value)) in by_id:
+        return by_id[id(_base(value))], _base(value)
+  return None, None
 
 
 def _parse_shape(text: str) -> tuple[int, ...]:
@@ -86,7 +122,8 @@ def translate(error: BaseException, *, kernel: str, source: str, refs: Sequence[
   None for errors this module does not know (they propagate unchanged)."""
   message = str(error)
   frames = _frames(error.__traceback__)
-  ref = _ref_label(frames, refs, labels) or "a ref"
+  ref, ref_shape = _failing_ref(frames, refs, labels)
+  ref = ref or "a ref"
   line = _user_line(frames) or source
   where = f"kernel '{kernel}' ({source}) at {line}"
   if isinstance(error, ValueError) and (m := _DTYPE.search(message)):
@@ -110,14 +147,16 @@ def translate(error: BaseException, *, kernel: str, source: str, refs: Sequence[
   if isinstance(error, ValueError) and (m := _SLICE.search(message)):
     extent = (f"start={m['start']}, size={m['size']}, stride={m['stride']}" if m["size"]
               else f"start={m['start']}")
+    shape = f" (the ref has shape {ref_shape})" if ref_shape is not None else ""
     return PalletError(
         f"{where}: a static slice of {ref} ({extent}) reaches past the end of a "
-        f"dimension of size {m['dim']}; expected a slice inside the block (for a "
+        f"dimension of size {m['dim']}{shape}; expected a slice inside the block (for a "
         f"partial last block, read or write with a mask: pl.load/pl.store(..., mask=...))")
   if isinstance(error, ValueError) and (m := _INDEX.search(message)):
+    shape = f" (the ref has shape {ref_shape})" if ref_shape is not None else ""
     return PalletError(
         f"{where}: index {m['idx']} of {ref} is past the end of a dimension of size "
-        f"{m['dim']}; expected an index in [0, {m['dim']})")
+        f"{m['dim']}{shape}; expected an index in [0, {m['dim']})")
   if isinstance(error, AssertionError) and message.startswith("DShapedArray"):
     return PalletError(
         f"{where}: {ref} is indexed with pl.ds(start, size) whose size is a traced "

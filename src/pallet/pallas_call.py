@@ -29,6 +29,7 @@ from pallet import plain_call
 from pallet import grid_mapping as gm_lib
 from pallet import specs as specs_lib
 from pallet import spec_trees
+from pallet import static_bounds
 from pallet import trace_cache
 from pallet import tracing
 from pallet.grid_mapping import BlockDimension, GridMapping, PalletError
@@ -187,6 +188,7 @@ def _launch(kernel, name, args, out_shape, grid, dynamic_sizes, in_specs, out_sp
         compiler_params=compiler_params, debug=debug, grid_names=grid_names,
         metadata=metadata, poison_buffers=checks.poison_buffers_enabled()))
     bounded_slices.check_static(description)
+    static_bounds.check(description)
     return description
 
   # Everything the traced description depends on; the kernel's own Python code is
