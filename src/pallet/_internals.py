@@ -109,6 +109,13 @@ def equation_from_pallet(eqn: Any) -> bool:
   return False
 
 
+def equation_files(eqn: Any) -> list[str]:
+  """The files of every frame (innermost first) of the code that bound `eqn`."""
+  traceback = eqn.source_info.traceback
+  code, _ = traceback.raw_frames() if traceback else ([], [])
+  return [c.co_filename for c in code]
+
+
 def equation_context(eqn: Any) -> Any:
   """A context in which binds carry `eqn`'s source information and context, as in
   `jax.core.eval_jaxpr` (checking mode re-traces kernel equations through it)."""

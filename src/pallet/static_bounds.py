@@ -10,9 +10,9 @@ pipelines and DMAs included) and checks every index that is a literal or a const
 * a scalar integer index must lie in [-n, n) (negative ones count from the end, as
   JAX's discharge reads them); integer-array indices (gathers and scatters) keep
   jax.numpy's meaning, reads clamped and writes dropped;
-* a `pl.ds(start, size)` with a static start and size must lie inside the dimension
-  (JAX refuses most of these itself when the view is made; `kernel_errors` retells
-  those).
+* a `pl.ds(start, size)` with a static start and size must lie inside the dimension,
+  a negative start included (JAX refuses most of these itself when the view is made,
+  and `kernel_errors` retells those; JAX's discharge fails on a negative one).
 
 Python slices (`x_ref[100:200]`) are clipped at the end as in NumPy and JAX, so they are
 never out of bounds. The last index of a masked access (`pl.load`/`pl.store` with a
@@ -23,6 +23,7 @@ past the ref's own shape is an error.
 from __future__ import annotations
 
 import linecache
+import os
 from typing import Any, Sequence
 
 import jax
@@ -133,9 +134,8 @@ def _problem(index: Any, size: int) -> str | None:
     if not all(isinstance(x, (int, np.integer)) for x in (start, count)) or count <= 0:
       return None
     start, count = int(start), int(count)
-    first = start + size if start < 0 else start   # a negative start counts from the end
     last = start + (count - 1) * index.stride
-    if 0 <= first and first + (count - 1) * index.stride < size:
+    if 0 <= start and last < size:
       return None
     return (f"the slice pl.ds({start}, {count}" + (f", {index.stride}" if index.stride != 1
                                                   else "") + f") (elements {start} to {last})")
@@ -162,8 +162,14 @@ def _error(eqn: Any, ref: Any, labels: dict, kernel: KernelDescription, problem:
       f"while tracing; reading past the end would return a clamped value)")
 
 
+_PIPELINE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pipeline.py")
+
+
 def _scoped_label(eqn: Any) -> str:
-  """A buffer made in the kernel: `pl.run_scoped` names it after the body's parameter."""
+  """A buffer made in the kernel: emit_pipeline's block buffers are named so;
+  `pl.run_scoped` names the others after the body's parameter."""
+  if any(os.path.abspath(f) == _PIPELINE_FILE for f in internals.equation_files(eqn)):
+    return "a block buffer of pltpu.emit_pipeline"
   stack = str(eqn.source_info.name_stack)
   for part in reversed(stack.split("/")):
     if part.startswith("pallet_scoped."):
