@@ -169,11 +169,8 @@ def _copy_dynamic(src: Any, src_t: Any, dst: Any, dst_t: Any, add: bool) -> tupl
   src_w = dynamic_views.window(src.shape, src_t)
   dst_w = dynamic_views.window(dst.shape, dst_t)
   bounds = [min(a, b) for a, b in zip(src_w.view_bounds, dst_w.view_bounds)]
-  counts = [a if dynamic_views.is_static(a) and dynamic_views.is_static(b) else
-            jax.lax.min(jnp.int32(a), jnp.int32(b))
-            for a, b in zip(src_w.view_sizes, dst_w.view_sizes)]
-  counts = [jax.lax.min(jnp.int32(c), jnp.int32(n)) if not dynamic_views.is_static(c) else
-            min(c, n) for c, n in zip(counts, bounds)]
+  counts = [dynamic_views.smallest(a, b, n)
+            for a, b, n in zip(src_w.view_sizes, dst_w.view_sizes, bounds)]
   data = dynamic_views.read(src, src_w, bounds)
   return dynamic_views.write(dst, dst_w, bounds, counts, data, add=add), \
       dynamic_views.product(counts)

@@ -83,6 +83,16 @@ def product(sizes: Sequence[Size]) -> Size:
   return total
 
 
+def smallest(*sizes: Size) -> Size:
+  """The least of `sizes`: an int where all are static."""
+  if all(is_static(s) for s in sizes):
+    return min(int(s) for s in sizes)
+  out = _i32(sizes[0])
+  for s in sizes[1:]:
+    out = lax.min(out, _i32(s))
+  return out
+
+
 def window(shape: Sequence[Any], transforms: Sequence[Any] | None) -> Window | None:
   """The window `transforms` select in an array of `shape`; None where they are not
   all unit-stride slices and scalar indices (or the shape is symbolic)."""
