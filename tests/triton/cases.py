@@ -772,3 +772,71 @@ def _int8_dot(interpret):
     o_ref[...] = plt.dot(a_ref[...], b_ref[...])
   f = call(kernel, jax.ShapeDtypeStruct((16, 32), jnp.int32), interpret)
   return f, (a, b), jnp.dot(a, b, preferred_element_type=jnp.int32)
+
+
+# ------------------------------------------------------------------ dots of mixed dtypes
+# (lhs dtype, rhs dtype, preferred_element_type, how the kernel asks for the product).
+# XLA multiplies a mixed pair converted to the result dtype; the generated code converts
+# too (quantized weights: activations by int8 weights), where it used to hand Triton's
+# dot two dtypes and crash Triton's interpreter with no location.
+_MIXED_DOTS = {
+    "bf16_by_int8": (jnp.bfloat16, jnp.int8, None, "jnp.dot"),
+    "bf16_by_int8_to_f32": (jnp.bfloat16, jnp.int8, jnp.float32, "jnp.dot"),
+    "int8_by_bf16": (jnp.int8, jnp.bfloat16, None, "dot_general"),
+    "f16_by_int8": (jnp.float16, jnp.int8, None, "dot_general"),
+    "f16_by_int8_to_f32": (jnp.float16, jnp.int8, jnp.float32, "dot_general"),
+    "int8_by_int8_to_int32": (jnp.int8, jnp.int8, jnp.int32, "dot_general"),
+    "int8_by_int8_to_f32": (jnp.int8, jnp.int8, jnp.float32, "dot_general"),
+    "int8_by_int8_to_bf16": (jnp.int8, jnp.int8, jnp.bfloat16, "dot_general"),
+    "f32_by_bf16": (jnp.float32, jnp.bfloat16, None, "dot_general"),
+    "f32_by_int8_to_bf16": (jnp.float32, jnp.int8, jnp.bfloat16, "dot_general"),
+    "e4m3_by_bf16_to_f32": (jnp.float8_e4m3fn, jnp.bfloat16, jnp.float32, "dot_general"),
+    "e5m2_by_int8": (jnp.float8_e5m2, jnp.int8, None, "dot_general"),
+    "e4m3_by_e5m2_to_f32": (jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float32, "dot_general"),
+    "pl_dot_bf16_by_int8": (jnp.bfloat16, jnp.int8, None, "plgpu.dot"),
+    "bf16_by_int8_cast_in_kernel": (jnp.bfloat16, jnp.int8, None, "astype"),
+}
+MIXED_DOT_CASES = tuple(f"dot_mixed_{n}" for n in _MIXED_DOTS)
+
+
+def _mixed_product(how, pet):
+  if how == "jnp.dot":
+    return lambda a, b: jnp.dot(a, b, preferred_element_type=pet)
+  if how == "plgpu.dot":
+    return plt.dot
+  if how == "astype":
+    return lambda a, b: jnp.dot(a, b.astype(a.dtype))
+  return lambda a, b: lax.dot_general(a, b, (((1,), (0,)), ((), ())),
+                                      preferred_element_type=pet)
+
+
+def _mixed_dot_case(a_dtype, b_dtype, pet, how):
+  def make(interpret):
+    # M and N padded to powers of two, K = 80 padded to 128 (masked to zero)
+    a, b = random_array((24, 80), a_dtype), random_array((80, 40), b_dtype)
+    fn = _mixed_product(how, pet)
+    expected = fn(a, b)
+    def kernel(a_ref, b_ref, o_ref):
+      o_ref[...] = fn(a_ref[...], b_ref[...])
+    return call(kernel, sds(expected), interpret), (a, b), expected
+  return make
+
+
+def _mixed_tolerance(a_dtype, b_dtype, pet, how):
+  out = jax.eval_shape(_mixed_product(how, pet), jax.ShapeDtypeStruct((2, 2), a_dtype),
+                       jax.ShapeDtypeStruct((2, 2), b_dtype)).dtype
+  if jnp.issubdtype(out, jnp.integer):
+    return None
+  if a_dtype == jnp.float32 and out == jnp.bfloat16:
+    # XLA rounds the float32 operand to bf16; the interpreter holds bf16 in float32
+    # and does not (interpreter.py): products differ by ~2**-9 of their size.
+    return dict(rtol=2e-2, atol=4.0)
+  # A sum of 80 products of size ~50 in the result's precision (fp8 results: e5m2's
+  # 2 mantissa bits; inputs rounded to bf16 where XLA rounds them too).
+  return {"float8_e5m2": dict(rtol=0.25, atol=1.0), "bfloat16": dict(rtol=2e-2, atol=0.5),
+          "float16": dict(rtol=2e-3, atol=0.25)}.get(jnp.dtype(out).name,
+                                                     dict(rtol=1e-4, atol=1e-3))
+
+
+for _name, _spec in _MIXED_DOTS.items():
+  case(f"dot_mixed_{_name}", tol=_mixed_tolerance(*_spec))(_mixed_dot_case(*_spec))

@@ -10,7 +10,7 @@ import pytest
 
 import pallet as pl
 import pallet.triton as plt
-from cases import CASES, call
+from cases import CASES, MIXED_DOT_CASES, call
 from compiled import TARGETS, compile_for, kernels_of, spill_bytes
 from helpers import random_array, sds
 import pallet.tpu as pltpu
@@ -345,3 +345,60 @@ def test_unsigned_integer_dot_is_a_clear_error():
   with pytest.raises(TritonLoweringError, match=r"kernel 'dot_kernel'.*primitive "
                                                 r"'dot_general': a dot of unsigned integers"):
     plt.source(f, x, y)
+
+
+# ------------------------------------------------------------------ dots of mixed dtypes
+@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("name", MIXED_DOT_CASES)
+def test_mixed_dtype_dots_compile(name, target):
+  kernel = _kernel(name)
+  needs_sm89 = "e4m3" in name or "e5m2_by_int8" in name   # holds / converts to float8
+  if needs_sm89 and target == "sm80":
+    with pytest.raises(TritonLoweringError, match=r"compute capability 8\.9"):
+      compile_for(kernel, target)
+    return
+  assert "tt.dot" in compile_for(kernel, target).asm["ttir"]
+
+
+@pytest.mark.parametrize("target,instruction", [("sm80", "mma.sync"), ("sm90", "wgmma")])
+def test_bf16_by_int8_weights_multiply_on_bf16_tensor_cores(target, instruction):
+  # int8 weights convert to bf16 exactly, so the product runs on bf16 tensor cores
+  # (XLA's float32 dot of the converted operands gives the same products).
+  def quantized_kernel(x_ref, w_ref, o_ref):
+    o_ref[...] = jnp.dot(x_ref[...], w_ref[...], preferred_element_type=jnp.float32)
+  x, w = jnp.ones((128, 64), jnp.bfloat16), jnp.ones((64, 128), jnp.int8)
+  f = call(quantized_kernel, jax.ShapeDtypeStruct((128, 128), jnp.float32), False)
+  compiled = compile_for(kernels_of(f, x, w)[0], target)
+  assert re.search(r"tt\.dot .*bf16", compiled.asm["ttir"])
+  assert instruction in compiled.asm["ptx"]
+
+
+def _mixed_dot(a_dtype, b_dtype, precision=None, pet=None):
+  def mixed_dot_kernel(a_ref, b_ref, o_ref):
+    o_ref[...] = jax.lax.dot_general(a_ref[...], b_ref[...], (((1,), (0,)), ((), ())),
+                                     precision=precision, preferred_element_type=pet)
+  a, b = jnp.ones((32, 64), a_dtype), jnp.ones((64, 32), b_dtype)
+  out = jax.eval_shape(lambda a, b: jax.lax.dot_general(
+      a, b, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=pet), a, b)
+  return pl.pallas_call(mixed_dot_kernel, out_shape=out, backend="triton"), a, b
+
+
+def test_dot_of_dtypes_tensor_cores_cannot_take_is_a_clear_error():
+  f, a, b = _mixed_dot(jnp.int8, jnp.int16, pet=jnp.int32)
+  with pytest.raises(TritonLoweringError,
+                     match=r"kernel 'mixed_dot_kernel'.*test_compile\.py:\d+.*primitive "
+                           r"'dot_general': a dot of int8 by int16 giving int32 \(multiplied "
+                           r"as int32 by int32.*int8, float16, bfloat16, float32 and float8"):
+    plt.source(f, a, b)
+
+
+def test_dot_algorithm_other_than_a_float32_precision_is_a_clear_error():
+  f, a, b = _mixed_dot(jnp.float32, jnp.float32,
+                       precision=jax.lax.DotAlgorithmPreset.BF16_BF16_F32)
+  with pytest.raises(TritonLoweringError,
+                     match=r"kernel 'mixed_dot_kernel'.*test_compile\.py:\d+.*algorithm "
+                           r"BF16_BF16_F32"):
+    plt.source(f, a, b)
+  f, a, b = _mixed_dot(jnp.float32, jnp.float32,
+                       precision=jax.lax.DotAlgorithmPreset.F32_F32_F32)
+  assert 'input_precision="ieee"' in plt.source(f, a, b)

@@ -317,7 +317,9 @@ class KernelGenerator:
     masks = [m for m in (structural, mask.typed if mask is not None else None) if m]
     args = ""
     if masks:
-      fill = other.typed if other is not None else "0"
+      # (Triton cannot cast an integer 0 to float8: those are filled with 0.0)
+      fill = other.typed if other is not None else \
+          "0.0" if ref.dtype.name.startswith("float8") else "0"
       args = f", mask={' & '.join(masks)}, other={fill}"
     return self.let(f"{ref.name}_load", f"tl.load({pointer}{args})", shape, ref.dtype)
 
