@@ -840,3 +840,92 @@ def _mixed_tolerance(a_dtype, b_dtype, pet, how):
 
 for _name, _spec in _MIXED_DOTS.items():
   case(f"dot_mixed_{_name}", tol=_mixed_tolerance(*_spec))(_mixed_dot_case(*_spec))
+
+
+# ------------------------------------------------------------------ grid sizes known at run time
+# `fn(x, n)` with n traced: the grid size is an operand of the launch.
+DYNAMIC_GRID_CASES = ("dynamic_grid_parallel_axis_past_its_bound",
+                      "dynamic_grid_sequential_reduction_axis",
+                      "dynamic_grid_grouped_matmul_over_active_tiles")
+
+
+@case("dynamic_grid_parallel_axis_past_its_bound")
+def _dynamic_parallel(interpret):
+  # 5 row blocks on a bound of 3: programs p take row blocks p and p + 3; rows past the
+  # 5 blocks keep the aliased input.
+  x, n = random_array((64, 32)), 5
+  def kernel(x_ref, o_ref):
+    o_ref[...] = (x_ref[...] * 2 + pl.program_id(0).astype(jnp.float32) * 100
+                  + pl.num_programs(0).astype(jnp.float32))
+  spec = pl.BlockSpec((8, 16), lambda i, j: (i, j))
+  params = plt.CompilerParams(dimension_semantics=("parallel", "parallel"),
+                              grid_bounds=(3, None))
+  fn = jax.jit(lambda x, n: call(kernel, sds(x), interpret, grid=(n, 2), in_specs=[spec],
+                                 out_specs=spec, input_output_aliases={0: 0},
+                                 compiler_params=params)(x))
+  rows = jnp.arange(64)[:, None]
+  expected = jnp.where(rows < 8 * n, x * 2 + (rows // 8) * 100.0 + n, x)
+  return fn, (x, jnp.int32(n)), expected
+
+
+@case("dynamic_grid_sequential_reduction_axis", tol=dict(rtol=1e-5, atol=1e-5))
+def _dynamic_reduction(interpret):
+  # Row sums of the first n column blocks: a reduction axis of traced length (a loop
+  # with that trip count in every program), a scratch accumulator, num_programs.
+  x, n = random_array((32, 64)), 3
+  def kernel(x_ref, o_ref, acc_ref):
+    k = pl.program_id(1)
+    @pl.when(k == 0)
+    def _():
+      acc_ref[...] = jnp.zeros_like(acc_ref)
+    acc_ref[...] += jnp.sum(x_ref[...], axis=1, keepdims=True)
+    @pl.when(k == pl.num_programs(1) - 1)
+    def _():
+      o_ref[...] = acc_ref[...]
+  fn = jax.jit(lambda x, n: call(
+      kernel, jax.ShapeDtypeStruct((32, 1), jnp.float32), interpret, grid=(4, n),
+      in_specs=[pl.BlockSpec((8, 16), lambda i, k: (i, k))],
+      out_specs=pl.BlockSpec((8, 1), lambda i, k: (i, 0)),
+      scratch_shapes=[pl.ScratchShape((8, 1), jnp.float32)],
+      compiler_params=plt.CompilerParams(dimension_semantics=("parallel", "arbitrary")))(x))
+  return fn, (x, jnp.int32(n)), jnp.sum(x[:, :16 * n], axis=1, keepdims=True)
+
+
+def grouped_matmul(interpret, compiler_params, call_fn=None):
+  """A megablox-style grouped matmul: rows in groups (tiles of 16 rows each in one
+  group), out[tile] = x[tile] @ w[group of tile] for the first `active` tiles, a traced
+  count; the tiles' groups come as scalar prefetch."""
+  def kernel(group_ref, x_ref, w_ref, o_ref):
+    del group_ref
+    o_ref[...] = jnp.dot(x_ref[...], w_ref[...], precision=lax.Precision.HIGHEST)
+  launch = call_fn or (lambda k, o, **kw: call(k, o, interpret, **kw))
+
+  def fn(groups, x, w, poison, active):
+    spec = pl.GridSpec(
+        grid=(w.shape[2] // 32, active), num_scalar_prefetch=1,
+        in_specs=[pl.BlockSpec((16, x.shape[1]), lambda j, t, g: (t, 0)),
+                  pl.BlockSpec((None, w.shape[1], 32), lambda j, t, g: (g[t], 0, j)),
+                  pl.BlockSpec((16, 32), lambda j, t, g: (t, j))],
+        out_specs=pl.BlockSpec((16, 32), lambda j, t, g: (t, j)))
+    return launch(lambda g, x_ref, w_ref, p_ref, o_ref: kernel(g, x_ref, w_ref, o_ref),
+                  sds(poison), grid_spec=spec, input_output_aliases={3: 0},
+                  compiler_params=compiler_params)(groups, x, w, poison)
+  return fn
+
+
+def grouped_matmul_reference(groups, x, w, poison, active):
+  tiles = x.reshape(-1, 16, x.shape[1])
+  out = jnp.einsum("tik,tkn->tin", tiles, w[groups], precision=lax.Precision.HIGHEST)
+  keep = (jnp.arange(tiles.shape[0]) < active)[:, None, None]
+  return jnp.where(keep, out, poison.reshape(out.shape)).reshape(poison.shape)
+
+
+@case("dynamic_grid_grouped_matmul_over_active_tiles", tol=dict(rtol=1e-4, atol=1e-4))
+def _grouped_matmul(interpret):
+  groups = jnp.array([2, 0, 0, 1, 2], jnp.int32)    # 5 tiles of 16 rows, 4 active
+  x, w = random_array((80, 32)), random_array((3, 32, 64))
+  poison = jnp.full((80, 64), jnp.nan, jnp.float32)
+  fn = jax.jit(grouped_matmul(interpret, plt.CompilerParams(
+      dimension_semantics=("parallel", "parallel"))))
+  args = (groups, x, w, poison, jnp.int32(4))
+  return fn, args, grouped_matmul_reference(*args)

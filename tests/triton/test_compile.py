@@ -10,7 +10,7 @@ import pytest
 
 import pallet as pl
 import pallet.triton as plt
-from cases import CASES, MIXED_DOT_CASES, call
+from cases import CASES, DYNAMIC_GRID_CASES, MIXED_DOT_CASES, call
 from compiled import TARGETS, compile_for, kernels_of, spill_bytes
 from helpers import random_array, sds
 import pallet.tpu as pltpu
@@ -402,3 +402,28 @@ def test_dot_algorithm_other_than_a_float32_precision_is_a_clear_error():
   f, a, b = _mixed_dot(jnp.float32, jnp.float32,
                        precision=jax.lax.DotAlgorithmPreset.F32_F32_F32)
   assert 'input_precision="ieee"' in plt.source(f, a, b)
+
+
+# ------------------------------------------------------------------ grid sizes known at run time
+@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("name", DYNAMIC_GRID_CASES)
+def test_grids_of_run_time_size_compile(name, target):
+  assert compile_for(_kernel(name), target).asm["ttir"]
+
+
+def test_a_parallel_axis_of_run_time_size_launches_its_bound_and_strides():
+  from pallet.backends.triton import generated
+  kernel = _kernel("dynamic_grid_parallel_axis_past_its_bound")
+  gen = generated(kernel)
+  assert gen.launch_grid == (3 * 2, 1, 1)          # the bound times the static axis
+  assert gen.parameters[0] == "grid_size0_ptr"     # the size: the first operand
+  assert re.search(r"for i0 in range\(lane0_\d+, n0_\d+, 3\):", gen.source)
+  ttir = compile_for(kernel, "sm80").asm["ttir"]
+  assert "scf.for" in ttir
+
+
+def test_a_sequential_axis_of_run_time_size_is_a_loop_with_that_trip_count():
+  from pallet.backends.triton import generated
+  gen = generated(_kernel("dynamic_grid_sequential_reduction_axis"))
+  assert gen.launch_grid == (4, 1, 1)
+  assert re.search(r"for i1 in range\(n1_\d+\):  # grid axis 1 \(sequential\)", gen.source)

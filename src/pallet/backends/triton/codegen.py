@@ -647,7 +647,7 @@ def _identifier(name: str) -> str:
 
 def _param_names(kernel: KernelDescription) -> list[str]:
   gm = kernel.grid_mapping
-  names = []
+  names = [f"grid_size{a}" for a in gm.dynamic_axes]
   for i, _ in enumerate(gm.prefetch_avals):
     names.append(f"prefetch{i}")
   for kind, blocks in (("in", gm.inputs), ("out", gm.outputs)):
@@ -713,14 +713,18 @@ def generate(kernel: KernelDescription) -> GeneratedKernel:
   gm = kernel.grid_mapping
   schedule = make_schedule(kernel)
   gen = KernelGenerator(kernel)
+  # Parameters: grid sizes computed at run time, scalar prefetch, inputs, outputs.
+  n_dyn = len(gm.dynamic_axes)
   params = _param_names(kernel)
+  size_ptrs = [f"{p}_ptr" for p in params[:n_dyn]]
+  params = params[n_dyn:]
   n_pre, n_in, n_out = len(gm.prefetch_avals), len(gm.inputs), len(gm.outputs)
   ptrs = [f"{p}_ptr" for p in params]
   gen.input_pointers = {p: j for j, p in enumerate(ptrs[n_pre:n_pre + n_in])}
   pre_names, in_names, out_names = params[:n_pre], params[n_pre:n_pre + n_in], params[n_pre + n_in:]
   jaxpr = kernel.jaxpr.jaxpr
   g = len(gm.grid)
-  ref_invars = jaxpr.invars[g:]
+  ref_invars = jaxpr.invars[g + n_dyn:]
   out_invars = ref_invars[n_pre + n_in:n_pre + n_in + n_out]
   scratch_invars = ref_invars[n_pre + n_in + n_out:]
 
@@ -747,16 +751,24 @@ def generate(kernel: KernelDescription) -> GeneratedKernel:
     gen.line(f"#   {reason}")
   gen.line("pid = tl.program_id(0)")
   ids: list[Value] = [None] * g  # type: ignore
+  # sizes computed at run time, by axis
+  sizes = {a: gen.let(f"n{a}", f"tl.load({ptr})", (), np.int32)
+           for a, ptr in zip(gm.dynamic_axes, size_ptrs)}
+  strided = dict(schedule.strided)
+  lanes: dict[int, Value] = {}    # a program's first index along a strided axis
   stride = 1
   for a in reversed(schedule.parallel):
-    size = gm.grid[a]
+    size = schedule.programs_along(a)
     expr = "pid" if stride == 1 else f"(pid // {stride})"
     if stride * size < schedule.num_programs:
       expr = f"{expr} % {size}"
-    ids[a] = gen.let(f"i{a}", expr, (), np.int32)
+    if a in strided:
+      lanes[a] = gen.let(f"lane{a}", expr, (), np.int32) if size > 1 else constant(0, np.int32)
+    else:
+      ids[a] = gen.let(f"i{a}", expr, (), np.int32)
     stride *= size
   for a in schedule.sequential:
-    if gm.grid[a] <= 1:
+    if gm.grid[a] is not None and gm.grid[a] <= 1:
       ids[a] = constant(0, np.int32)
 
   prefetch = [MemoryRef(n, p, [ArrayDim(0, s, k, False, False, True) for s, k in
@@ -783,60 +795,72 @@ def generate(kernel: KernelDescription) -> GeneratedKernel:
     return _block_ref(gen, out_names[i], ptrs[n_pre + n_in + i], b, starts,
                       block_start_range(b, gm.grid, has_prefetch))
 
-  hoisted: dict[int, tuple[MemoryRef, RegisterRef]] = {}
-  zero_ids = [ids[a] if a in schedule.parallel or ids[a] is not None else constant(0, np.int32)
-              for a in range(g)]
-  for i in range(n_out):
-    if promoted_outputs[i] and schedule.resident_outputs[i]:
-      mem = output_block(i, zero_ids)
-      reg = RegisterRef(out_names[i], f"{out_names[i]}_block", mem.shape, mem.dtype)
-      gen.line(f"{reg.var} = {initial_block(i, mem)}")
-      hoisted[i] = (mem, reg)
-
-  # 3. the sequential loops and the kernel body.
-  loops = [a for a in schedule.sequential if gm.grid[a] > 1]
-  with contextlib.ExitStack() as stack:
-    for a in loops:
-      stack.enter_context(gen.block(f"for i{a} in range({gm.grid[a]}):  # grid axis {a} (sequential)"))
-      # (Triton's interpreter counts in Python ints: the index made a tensor.)
+  # 3. a parallel axis of run-time size: this program takes every
+  # programs_along(a)-th index, starting at its lane (see schedule.py).
+  with contextlib.ExitStack() as programs:
+    for a, n in schedule.strided:
+      programs.enter_context(gen.block(
+          f"for i{a} in range({_range_bound(lanes[a])}, {sizes[a].expr}, {n}):  "
+          f"# grid axis {a} (parallel, size at run time)"))
       ids[a] = gen.let(f"i{a}", f"tl.cast(i{a}, tl.int32)", (), np.int32)
-    gen.line("# block offsets of this grid step")
-    in_refs = []
-    for j, b in enumerate(gm.inputs):
-      starts = _block_starts(gen, b, in_names[j], ids, prefetch)
-      in_refs.append(_block_ref(gen, in_names[j], ptrs[n_pre + j], b, starts,
-                                block_start_range(b, gm.grid, has_prefetch)))
-    out_refs: list[Any] = []
-    per_step: list[tuple[MemoryRef, RegisterRef]] = []
+    hoisted: dict[int, tuple[MemoryRef, RegisterRef]] = {}
+    zero_ids = [ids[a] if a in schedule.parallel or ids[a] is not None else constant(0, np.int32)
+                for a in range(g)]
     for i in range(n_out):
-      if i in hoisted:
-        out_refs.append(hoisted[i][1])
-        continue
-      mem = output_block(i, ids)
-      if promoted_outputs[i]:
+      if promoted_outputs[i] and schedule.resident_outputs[i]:
+        mem = output_block(i, zero_ids)
         reg = RegisterRef(out_names[i], f"{out_names[i]}_block", mem.shape, mem.dtype)
         gen.line(f"{reg.var} = {initial_block(i, mem)}")
-        per_step.append((mem, reg))
-        out_refs.append(reg)
-      else:
-        out_refs.append(mem)
-    gen.line(f"# kernel body ({kernel.source})")
-    gen.last_source = None
-    gen.run(jaxpr, kernel.jaxpr.consts, [*ids, *prefetch, *in_refs, *out_refs, *scratch_refs])
-    gen.eqn = None
-    for mem, reg in per_step:
+        hoisted[i] = (mem, reg)
+
+    # 4. the sequential loops and the kernel body.
+    loops = [a for a in schedule.sequential if gm.grid[a] is None or gm.grid[a] > 1]
+    with contextlib.ExitStack() as stack:
+      for a in loops:
+        trips = gm.grid[a] if gm.grid[a] is not None else sizes[a].expr
+        stack.enter_context(gen.block(f"for i{a} in range({trips}):  # grid axis {a} (sequential)"))
+        # (Triton's interpreter counts in Python ints: the index made a tensor.)
+        ids[a] = gen.let(f"i{a}", f"tl.cast(i{a}, tl.int32)", (), np.int32)
+      gen.line("# block offsets of this grid step")
+      in_refs = []
+      for j, b in enumerate(gm.inputs):
+        starts = _block_starts(gen, b, in_names[j], ids, prefetch)
+        in_refs.append(_block_ref(gen, in_names[j], ptrs[n_pre + j], b, starts,
+                                  block_start_range(b, gm.grid, has_prefetch)))
+      out_refs: list[Any] = []
+      per_step: list[tuple[MemoryRef, RegisterRef]] = []
+      for i in range(n_out):
+        if i in hoisted:
+          out_refs.append(hoisted[i][1])
+          continue
+        mem = output_block(i, ids)
+        if promoted_outputs[i]:
+          reg = RegisterRef(out_names[i], f"{out_names[i]}_block", mem.shape, mem.dtype)
+          gen.line(f"{reg.var} = {initial_block(i, mem)}")
+          per_step.append((mem, reg))
+          out_refs.append(reg)
+        else:
+          out_refs.append(mem)
+      gen.line(f"# kernel body ({kernel.source})")
+      gen.last_source = None
+      gen.run(jaxpr, kernel.jaxpr.consts, [*ids, *sizes.values(), *prefetch, *in_refs,
+                                           *out_refs, *scratch_refs])
+      gen.eqn = None
+      for mem, reg in per_step:
+        gen._store(mem, [], reg.value, None)
+    for i, (mem, reg) in sorted(hoisted.items()):
       gen._store(mem, [], reg.value, None)
-  for i, (mem, reg) in sorted(hoisted.items()):
-    gen._store(mem, [], reg.value, None)
 
   # Assemble the module.
   fn_name = _identifier(kernel.name)
-  # Operands first, then results, as XLA hands buffers to the custom call:
-  # prefetch, inputs, closed-over constants, outputs, workspace, check flags.
+  # Operands first, then results, as XLA hands buffers to the custom call: grid sizes
+  # computed at run time, prefetch, inputs, closed-over constants, outputs, workspace,
+  # check flags.
   const_ptrs = [f"const{k}_ptr" for k in range(len(gen.constants))]
-  parameters = ptrs[:n_pre + n_in] + const_ptrs + ptrs[n_pre + n_in:]
+  parameters = size_ptrs + ptrs[:n_pre + n_in] + const_ptrs + ptrs[n_pre + n_in:]
   dtypes = dict(zip(ptrs, [*gm.prefetch_avals, *gm.inputs, *gm.outputs]))
   dtypes.update(zip(const_ptrs, gen.constants))
+  dtypes.update((p, np.zeros((), np.int32)) for p in size_ptrs)
   signature = {p: "*" + signature_dtype(dtypes[p].dtype) for p in parameters}
   if gen.workspace_bytes:
     parameters.append("workspace_ptr")
