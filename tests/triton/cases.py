@@ -929,3 +929,67 @@ def _grouped_matmul(interpret):
       dimension_semantics=("parallel", "parallel"))))
   args = (groups, x, w, poison, jnp.int32(4))
   return fn, args, grouped_matmul_reference(*args)
+
+
+# ------------------------------------------------------------------ DMAs and semaphores
+import pallet.tpu as pltpu    # noqa: E402  (the DMA API lives with the TPU names)
+
+DMA_CASES = ("dma_windows_semaphores_and_sync_copy", "dma_parallel_grid_axis",
+             "dma_copies_in_a_loop")
+_ANY = pl.BlockSpec(memory_space=pltpu.ANY)
+
+
+@case("dma_windows_semaphores_and_sync_copy")
+def _dma_windows(interpret):
+  # .at[] windows at traced offsets, a source semaphore, add=True, static semaphore reads
+  x = random_array((4, 16, 8))
+  def kernel(x_hbm, o_ref, seen_ref, buf, sems):
+    i = pl.program_id(0)
+    copy = pltpu.make_async_copy(x_hbm.at[3 - i, pl.ds(4, 8)], buf, sems.at[0],
+                                 src_sem=sems.at[1])
+    copy.start()
+    seen_ref[0] = pl.semaphore_read(sems.at[1])
+    copy.wait()
+    pltpu.sync_copy(x_hbm.at[i, pl.ds(0, 8)], o_ref)
+    pltpu.async_copy(buf, o_ref, sems.at[0], add=True).wait()
+    seen_ref[1] = pl.semaphore_read(sems.at[0])
+  f = call(kernel, (jax.ShapeDtypeStruct((4, 8, 8), jnp.float32),
+                    jax.ShapeDtypeStruct((4, 2), jnp.int32)), interpret, grid=(4,),
+           in_specs=[_ANY], out_specs=(pl.BlockSpec((None, 8, 8), lambda i: (i, 0, 0)),
+                                       pl.BlockSpec((None, 2), lambda i: (i, 0))),
+           scratch_shapes=[pltpu.VMEM((8, 8), jnp.float32), pltpu.SemaphoreType.DMA((2,))])
+  seen = jnp.broadcast_to(jnp.array([64, 0], jnp.int32), (4, 2))
+  return f, (x,), (x[:, :8] + x[::-1, 4:12], seen)
+
+
+@case("dma_parallel_grid_axis")
+def _dma_parallel(interpret):
+  x = random_array((4, 8, 128))
+  def kernel(x_hbm, o_hbm, buf, sems):
+    i = pl.program_id(0)
+    pltpu.async_copy(x_hbm.at[3 - i], buf, sems.at[0]).wait()
+    buf[...] = jnp.exp(buf[...]) + i.astype(jnp.float32)
+    pltpu.async_copy(buf, o_hbm.at[pl.ds(i * 8, 8)], sems.at[1]).wait()
+  f = call(kernel, jax.ShapeDtypeStruct((32, 128), jnp.float32), interpret, grid=(4,),
+           in_specs=[_ANY], out_specs=_ANY,
+           scratch_shapes=[pltpu.VMEM((8, 128), jnp.float32), pltpu.SemaphoreType.DMA((2,))],
+           compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)))
+  expected = jnp.exp(x[::-1]) + jnp.arange(4, dtype=jnp.float32)[:, None, None]
+  return f, (x,), expected.reshape(32, 128)
+
+
+@case("dma_copies_in_a_loop")
+def _dma_loop(interpret):
+  x, y = random_array((64, 16)), random_array((64, 16))
+  def kernel(x_hbm, y_hbm, o_hbm, buf, sem):
+    def step(k, carry):
+      rows = pl.ds(pl.multiple_of(k * 8, 8), 8)
+      pltpu.sync_copy(x_hbm.at[rows], buf)
+      buf[...] = buf[...] * 2.0
+      pltpu.async_copy(buf, o_hbm.at[rows], sem).wait()
+      pltpu.async_copy(y_hbm.at[rows], o_hbm.at[rows], sem, add=True).wait()
+      return carry
+    lax.fori_loop(0, 8, step, 0)
+  f = call(kernel, sds(x), interpret, in_specs=[_ANY, _ANY], out_specs=_ANY,
+           scratch_shapes=[pltpu.VMEM((8, 16), jnp.float32), pltpu.SemaphoreType.DMA])
+  return f, (x, y), 2.0 * x + y

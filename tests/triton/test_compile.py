@@ -10,7 +10,7 @@ import pytest
 
 import pallet as pl
 import pallet.triton as plt
-from cases import CASES, DYNAMIC_GRID_CASES, MIXED_DOT_CASES, call
+from cases import CASES, DMA_CASES, DYNAMIC_GRID_CASES, MIXED_DOT_CASES, call
 from compiled import TARGETS, compile_for, kernels_of, spill_bytes
 from helpers import random_array, sds
 import pallet.tpu as pltpu
@@ -427,3 +427,20 @@ def test_a_sequential_axis_of_run_time_size_is_a_loop_with_that_trip_count():
   gen = generated(_kernel("dynamic_grid_sequential_reduction_axis"))
   assert gen.launch_grid == (4, 1, 1)
   assert re.search(r"for i1 in range\(n1_\d+\):  # grid axis 1 \(sequential\)", gen.source)
+
+
+# ------------------------------------------------------------------ DMAs
+@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("name", DMA_CASES)
+def test_dma_kernels_compile(name, target):
+  assert compile_for(_kernel(name), target).asm["ttir"]
+
+
+def test_a_copy_is_a_load_and_a_store_between_barriers():
+  fn, args, _ = CASES["dma_parallel_grid_axis"].make(False)
+  src = plt.source(fn, *args)
+  copy = re.search(r"tl\.debug_barrier\(\)\n\s+x_hbm_offsets_\d+ = .*\n\s+x_hbm_load_\d+ = "
+                   r"tl\.load\(.*\n\s+scratch0_offsets_\d+ = .*\n\s+tl\.store\(scratch0_ptr_\d+ "
+                   r"\+ scratch0_offsets_\d+, x_hbm_load_\d+\)\n\s+tl\.debug_barrier\(\)", src)
+  assert copy, src
+  assert "-> 4 programs" in src       # a declared parallel axis: one program per step

@@ -29,7 +29,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from pallet import _internals as internals
-from pallet.backends.triton import ops, refs
+from pallet.backends.triton import dmas, ops, refs
 from pallet.backends.triton.refs import ArrayDim, MemoryRef, RegisterRef
 from pallet.backends.triton.schedule import Schedule, block_start_range, make_schedule
 from pallet.backends.triton.values import (TritonLoweringError, Value, constant, padded,
@@ -90,7 +90,7 @@ def _whole_access_only(jaxpr: Any, keys: dict[Any, Any], bad: set, reads: set) -
     name = eqn.primitive.name
     ref_args = [(i, keys[v]) for i, v in enumerate(eqn.invars)
                 if _is_var(v) and v in keys]
-    if name == "new_ref":
+    if name in ("new_ref", "empty_ref"):
       keys[eqn.outvars[0]] = eqn.outvars[0]
     elif name in ("get", "swap", "addupdate"):
       first = 1 if name == "get" else 2
@@ -116,6 +116,13 @@ def _whole_access_only(jaxpr: Any, keys: dict[Any, Any], bad: set, reads: set) -
         sub = dict(keys)
         sub.update({bv: keys[v] for bv, v in zip(jj.invars, ins) if _is_var(v) and v in keys})
         _whole_access_only(jj, sub, bad, reads)
+    elif name == "dma_start":      # copies read and write memory; semaphores are counted
+      for v in dmas.memory_refs_of_copy(eqn, eqn.invars):
+        if _is_var(v) and v in keys:
+          bad.add(keys[v])
+          reads.add(keys[v])
+    elif name in dmas.PRIMITIVES:
+      pass
     elif name == "scan" or name in _CALL_PRIMITIVES:
       inner = internals.scan_layout(eqn.params)[0] if name == "scan" else \
           _sub_jaxpr(eqn.params)[0]
@@ -149,6 +156,7 @@ class KernelGenerator:
     self.input_pointers: dict[str, int] = {}
     self.written_inputs: set[int] = set()
     self.check_messages: list[str] = []
+    self.semaphores = dmas.SemaphoreCounts()
 
   # -- emission ---------------------------------------------------------------
   def line(self, text: str) -> None:
@@ -272,8 +280,8 @@ class KernelGenerator:
     name = eqn.primitive.name
     if name in _REF_PRIMITIVES:
       return getattr(self, f"_ref_{name}")(eqn, ins, used)
-    if name in ("cond", "while", "scan", "new_ref", "multiple_of", "max_contiguous",
-                "debug_print", "debug_barrier", "pallet_check"):
+    if name in ("cond", "while", "scan", "new_ref", "empty_ref", "multiple_of",
+                "max_contiguous", "debug_print", "debug_barrier", "pallet_check"):
       return getattr(self, f"_{name}")(eqn, ins)
     if name in _CALL_PRIMITIVES:
       jaxpr, consts = _sub_jaxpr(eqn.params)
@@ -282,6 +290,8 @@ class KernelGenerator:
         return self.run(jaxpr, consts, ins)
       finally:
         self.enclosing.pop()
+    if name in dmas.RULES:
+      return dmas.RULES[name](self, eqn, ins)
     rule = ops.RULES.get(name)
     if rule is None:
       self.fail("this primitive")
@@ -425,6 +435,17 @@ class KernelGenerator:
     self._store(ref, [], init, None)
     return [ref]
 
+  def _empty_ref(self, eqn, ins):
+    """`jax.empty_ref(ty)`: a fresh ref whose contents are unspecified until written (zeros
+    where it lives in registers, whatever the workspace holds otherwise)."""
+    aval = eqn.outvars[0].aval.inner_aval
+    shape, dtype = tuple(aval.shape), np.dtype(aval.dtype)
+    if eqn.outvars[0] in self.promoted:
+      var = self.fresh("scoped")
+      self.line(f"{var} = {refs.zeros_like_ref(shape, dtype)}")
+      return [RegisterRef("scoped", var, shape, dtype)]
+    return [self.workspace_ref(self.fresh("scoped"), shape, dtype)]
+
   def workspace_ref(self, name: str, shape: tuple[int, ...], dtype: Any) -> MemoryRef:
     """A per-program buffer in the workspace (scratch that cannot live in registers)."""
     dtype = np.dtype(dtype)
@@ -506,7 +527,9 @@ class KernelGenerator:
             for n, v in zip(names, eqn.outvars)]
     order = list(range(len(branches) - 1, -1, -1)) if len(branches) == 2 else \
         list(range(len(branches)))
+    before, counts = self.semaphores.snapshot(), []
     for k, b in enumerate(order):
+      self.semaphores.restore(before)
       if len(branches) == 2:
         header = f"if {index.typed} != 0:" if k == 0 else "else:"
       else:
@@ -518,8 +541,10 @@ class KernelGenerator:
         self.last_source = None
         results = self.run(branch.jaxpr, branch.consts, operands)
         self._bind_outputs(names, [self._full(r, o.shape, o.dtype) for r, o in zip(results, outs)])
+      counts.append(self.semaphores.snapshot())
       if header == "else:" and self.lines[mark + 1:] == ["    " * (self.depth + 1) + "pass"]:
         del self.lines[mark:]     # an empty else branch (pl.when)
+    dmas.branches_agree(self, eqn, counts)
     return outs
 
   def _carry_vars(self, prefix: str, values: list[Value], avals: list[Any]) -> list[Value]:
@@ -544,6 +569,7 @@ class KernelGenerator:
     go = self.fresh("keep_going")
     (first,) = self.run(cond_jaxpr, cond_consts, [*cconsts, *carry])
     self.line(f"{go} = {first.typed}")
+    before = self.semaphores.snapshot()
     with self.block(f"while {go}:"):
       self.last_source = None
       new = self.run(body_jaxpr, body_consts, [*bconsts, *carry])
@@ -551,6 +577,7 @@ class KernelGenerator:
                          [self._full(n, c.shape, c.dtype) for n, c in zip(new, carry)])
       (again,) = self.run(cond_jaxpr, cond_consts, [*cconsts, *carry])
       self.line(f"{go} = {again.typed}")
+    dmas.iteration_keeps_counts(self, eqn, before, self.semaphores.snapshot())
     return carry
 
   def _counted_while(self, eqn, body_jaxpr, body_consts, bconsts, init, index: int,
@@ -568,6 +595,7 @@ class KernelGenerator:
                                               [avals[k] for k in others])))
     step = self.fresh("step")
     carry[bound] = end
+    before = self.semaphores.snapshot()
     with self.block(f"for {step} in range({_range_bound(start)}, {_range_bound(end)}):"):
       # (Triton's interpreter counts in Python ints: the index made a tensor.)
       carry[index] = self.let("index", f"tl.cast({step}, tl.int32)", (), np.int32)
@@ -576,6 +604,7 @@ class KernelGenerator:
       new = self.run(body_jaxpr, body_consts, [*bconsts, *inner])
       self._bind_outputs([carry[k].expr for k in others],
                          [self._full(new[k], carry[k].shape, carry[k].dtype) for k in others])
+    dmas.iteration_keeps_counts(self, eqn, before, self.semaphores.snapshot())
     # After `while i < n: i += 1`, i is max(i0, n) (dead code unless the kernel reads it).
     carry[index] = self.let("final_index", f"tl.maximum({start.typed}, {end.typed})", (),
                             avals[index].dtype)
@@ -588,11 +617,13 @@ class KernelGenerator:
     length, reverse = eqn.params["length"], eqn.params["reverse"]
     carry = self._carry_vars("carry", ins[n_consts:], [v.aval for v in eqn.outvars])
     step = self.fresh("step")
+    before = self.semaphores.snapshot()
     with self.block(f"for {step} in range({length}):"):
       self.last_source = None
       new = self.run(jaxpr, consts, [*ins[:n_consts], *carry])
       self._bind_outputs([c.expr for c in carry],
                          [self._full(n, c.shape, c.dtype) for n, c in zip(new, carry)])
+    dmas.iteration_keeps_counts(self, eqn, before, self.semaphores.snapshot())
     del reverse  # the body reads no xs, so the direction does not matter
     return carry
 
@@ -846,6 +877,8 @@ def generate(kernel: KernelDescription) -> GeneratedKernel:
       gen.run(jaxpr, kernel.jaxpr.consts, [*ids, *sizes.values(), *prefetch, *in_refs,
                                            *out_refs, *scratch_refs])
       gen.eqn = None
+      if None in gm.grid or math.prod(gm.grid) > 1:
+        dmas.check_step_end(gen)
       for mem, reg in per_step:
         gen._store(mem, [], reg.value, None)
     for i, (mem, reg) in sorted(hoisted.items()):
