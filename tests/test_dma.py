@@ -588,3 +588,22 @@ def test_triton_refuses_a_semaphore_selected_at_run_time():
 
   _refused(selected_semaphore, r"semaphore counts that differ between the branches",
            grid=(2,), scratch=[pltpu.SemaphoreType.DMA((2,))])
+
+
+def test_triton_refuses_reading_a_semaphore_a_run_time_index_may_alias():
+  def aliased_read(x_hbm, o_hbm, seen_ref, sems):
+    i = pl.program_id(0)
+    copy = pltpu.make_async_copy(x_hbm, o_hbm, sems.at[i % 2])
+    copy.start()
+    seen_ref[0] = pl.semaphore_read(sems.at[0])    # the same semaphore where i is even
+    copy.wait()
+
+  x = random_array((4, 8, 16))
+  call = pl.pallas_call(aliased_read, (sds(x), jax.ShapeDtypeStruct((1,), jnp.int32)),
+                        grid=(2,), in_specs=[ANY], out_specs=(ANY, ANY),
+                        scratch_shapes=[pltpu.SemaphoreType.DMA((2,))], backend="triton")
+  with pytest.raises(TritonLoweringError,
+                     match=r"kernel 'aliased_read'.*test_dma\.py:\d+.*primitive "
+                           r"'semaphore_read': reading scratch 0 \('sems'\)\[0\] while "
+                           r"scratch 0 \('sems'\)\[\w+\] holds 512"):
+    plt.source(call, x)

@@ -186,7 +186,20 @@ def _semaphore_wait(gen, eqn, ins):
 
 def _semaphore_read(gen, eqn, ins):
   key, _ = _semaphore_operands(gen, eqn, ins)
+  # Counts at a run-time index are followed by the value's name; another entry of the
+  # same array that holds a count may be the same semaphore at run time.
+  for other, count in gen.semaphores.counts.items():
+    if count and other != key and other[0] == key[0] and not (
+        _static_index(other) and _static_index(key)):
+      gen.fail(f"reading {gen.semaphores.labels[key]} while "
+               f"{gen.semaphores.labels[other]} holds {count} (with an index known only at "
+               f"run time they may be one semaphore, whose count cannot be known while "
+               f"generating the kernel)")
   return [constant(gen.semaphores.counts.get(key, 0), np.int32)]
+
+
+def _static_index(key: tuple) -> bool:
+  return all(re.fullmatch(r"-?\d+", i) for i in key[1])
 
 
 RULES = {"dma_start": _dma_start, "dma_wait": _dma_wait,
