@@ -5,16 +5,18 @@ and output (and a workspace pointer when scratch must live in memory, and a
 pointer to one int32 flag per run-time check, `pl.debug_check`, which a
 failing check sets for the launcher to report). Its body:
 
-  1. decodes the program id into the parallel grid indices (`schedule.py`),
-  2. loads resident output blocks kept in registers (`refs.RegisterRef`),
-  3. loops over the sequential grid axes; each step evaluates the index maps
+  1. decodes the program id into the parallel grid indices (`schedule.py`) and
+     loads the grid sizes computed at run time,
+  2. loops over the parallel axes of run-time size, taking every so many indices,
+  3. loads resident output blocks kept in registers (`refs.RegisterRef`),
+  4. loops over the sequential grid axes; each step evaluates the index maps
      (block offsets) and runs the kernel body, one line per jaxpr equation,
      each group preceded by a comment naming the kernel source line,
-  4. stores the register-resident outputs.
+  5. stores the register-resident outputs.
 
-Array operations are written by `ops.py`; this module handles refs, control
-flow (cond -> if, while -> while, fori_loop/scan and while loops that count up
-to a fixed bound -> for) and the frame.
+Array operations are written by `ops.py`, DMAs and semaphores by `dmas.py`; this
+module handles refs, control flow (cond -> if, while -> while, fori_loop/scan and
+while loops that count up to a fixed bound -> for) and the frame.
 """
 from __future__ import annotations
 
