@@ -993,3 +993,16 @@ def _dma_loop(interpret):
   f = call(kernel, sds(x), interpret, in_specs=[_ANY, _ANY], out_specs=_ANY,
            scratch_shapes=[pltpu.VMEM((8, 16), jnp.float32), pltpu.SemaphoreType.DMA])
   return f, (x, y), 2.0 * x + y
+
+
+@case("float8_reductions_of_padded_rows")
+def _float8_reductions(interpret):
+  # 20 columns padded to 32: the padding must not win a max or min (float8_e4m3fn has
+  # no infinity), and the block loads at the array edge fill float8 with 0.0.
+  x = random_array((4, 20)).astype(jnp.float8_e4m3fn)
+  fn = lambda x: (jnp.max(x, axis=1), jnp.min(x, axis=1),
+                  jnp.argmin(x, axis=1).astype(jnp.int32))
+  def kernel(x_ref, max_ref, min_ref, arg_ref):
+    max_ref[...], min_ref[...], arg_ref[...] = fn(x_ref[...])
+  expected = fn(x)
+  return call(kernel, tuple(sds(e) for e in expected), interpret), (x,), expected

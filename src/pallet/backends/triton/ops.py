@@ -20,6 +20,7 @@ from pallet.backends.triton.values import (Value, bit_width, constant,
 
 Rule = Callable[..., list[Value]]
 RULES: dict[str, Rule] = {}
+_FLOAT8 = ("float8_e4m3fn", "float8_e5m2")
 
 
 def rule(*names: str) -> Callable[[Rule], Rule]:
@@ -731,9 +732,22 @@ _REDUCERS = {
 }
 
 
-@rule(*_REDUCERS)
-def _reduce(gen, eqn, x):
-  shape, dtype = _out(eqn)
+def _in_float32_for_float8(rule_body: Callable[..., Value]) -> Rule:
+  """A reduction or scan rule whose float8 operands are computed in float32:
+  float8_e4m3fn has no infinity to pad a max or min with (it would become NaN), and
+  Triton reduces 8-bit floats through wider types anyway. Exact: float32 holds every
+  float8 value."""
+  def apply(gen, eqn, x):
+    shape, dtype = _out(eqn)
+    if x.dtype.name not in _FLOAT8:
+      return [rule_body(gen, eqn, x, shape, dtype)]
+    wide = np.dtype(np.float32) if dtype == x.dtype else dtype
+    out = rule_body(gen, eqn, converted(gen, x, np.float32), shape, wide)
+    return [converted(gen, out, dtype, shape)]
+  return apply
+
+
+def _reduce(gen, eqn, x, shape, dtype) -> Value:
   kind, template = _REDUCERS[eqn.primitive.name]
   for helper in ("_multiply", "_bitwise_and", "_bitwise_or", "_bitwise_xor"):
     if helper in template:
@@ -750,12 +764,13 @@ def _reduce(gen, eqn, x):
     expr = f"({expr}).to(tl.int1)"
   elif dtype.name in ("float16", "bfloat16", "int8", "int16", "uint8", "uint16"):
     expr = f"({expr}).to({tl_dtype(dtype)})"   # tl.sum widens small types
-  return [gen.let(eqn.primitive.name, expr, shape, dtype)]
+  return gen.let(eqn.primitive.name, expr, shape, dtype)
 
 
-@rule("argmax", "argmin")
-def _arg_reduce(gen, eqn, x):
-  shape, dtype = _out(eqn)
+RULES.update(dict.fromkeys(_REDUCERS, _in_float32_for_float8(_reduce)))
+
+
+def _arg_reduce(gen, eqn, x, shape, dtype) -> Value:
   (axis,) = eqn.params["axes"]
   kind = eqn.primitive.name
   x = gen.mask_padding(x, [axis], _identity("max" if kind == "argmax" else "min", x.dtype))
@@ -763,7 +778,10 @@ def _arg_reduce(gen, eqn, x):
   if is_bool(x.dtype):
     src = f"{src}.to(tl.int32)"
   expr = f"tl.{kind}({src}, axis={axis}, tie_break_left=True).to({tl_dtype(dtype)})"
-  return [gen.let(kind, expr, shape, dtype)]
+  return gen.let(kind, expr, shape, dtype)
+
+
+RULES.update(dict.fromkeys(("argmax", "argmin"), _in_float32_for_float8(_arg_reduce)))
 
 
 _SCANS = {"cumsum": ("sum", "tl.cumsum({x}, axis={a}, reverse={r})"),
@@ -772,9 +790,7 @@ _SCANS = {"cumsum": ("sum", "tl.cumsum({x}, axis={a}, reverse={r})"),
           "cummin": ("min", "tl.associative_scan({x}, {a}, _minimum, reverse={r})")}
 
 
-@rule(*_SCANS)
-def _cumulative(gen, eqn, x):
-  shape, dtype = _out(eqn)
+def _cumulative(gen, eqn, x, shape, dtype) -> Value:
   kind, template = _SCANS[eqn.primitive.name]
   for helper in ("_maximum", "_minimum"):
     if helper in template:
@@ -787,7 +803,10 @@ def _cumulative(gen, eqn, x):
   expr = template.format(x=src, a=axis, r=reverse)
   if dtype.name in ("float16", "bfloat16", "int8", "int16", "uint8", "uint16", "bool"):
     expr = f"({expr}).to({tl_dtype(dtype)})"
-  return [gen.let(eqn.primitive.name, expr, shape, dtype)]
+  return gen.let(eqn.primitive.name, expr, shape, dtype)
+
+
+RULES.update(dict.fromkeys(_SCANS, _in_float32_for_float8(_cumulative)))
 
 
 # ------------------------------------------------------------------ dot_general
@@ -829,7 +848,6 @@ def _check_dot_algorithm(gen, precision: Any) -> None:
              f"algorithms {sorted(_ALGORITHM_PRECISIONS)}, or a lax.Precision)")
 
 
-_FLOAT8 = ("float8_e4m3fn", "float8_e5m2")
 # What tl.dot multiplies on tensor cores: two operands of one of these dtypes, or any
 # two float8 types.
 _TENSOR_CORE_DTYPES = ("int8", "float16", "bfloat16", "float32", "float8_e4m3fn",
