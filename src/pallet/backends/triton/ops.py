@@ -767,7 +767,7 @@ def _reduce(gen, eqn, x, shape, dtype) -> Value:
   return gen.let(eqn.primitive.name, expr, shape, dtype)
 
 
-RULES.update(dict.fromkeys(_REDUCERS, _in_float32_for_float8(_reduce)))
+rule(*_REDUCERS)(_in_float32_for_float8(_reduce))
 
 
 def _arg_reduce(gen, eqn, x, shape, dtype) -> Value:
@@ -781,7 +781,7 @@ def _arg_reduce(gen, eqn, x, shape, dtype) -> Value:
   return gen.let(kind, expr, shape, dtype)
 
 
-RULES.update(dict.fromkeys(("argmax", "argmin"), _in_float32_for_float8(_arg_reduce)))
+rule("argmax", "argmin")(_in_float32_for_float8(_arg_reduce))
 
 
 _SCANS = {"cumsum": ("sum", "tl.cumsum({x}, axis={a}, reverse={r})"),
@@ -806,7 +806,7 @@ def _cumulative(gen, eqn, x, shape, dtype) -> Value:
   return gen.let(eqn.primitive.name, expr, shape, dtype)
 
 
-RULES.update(dict.fromkeys(_SCANS, _in_float32_for_float8(_cumulative)))
+rule(*_SCANS)(_in_float32_for_float8(_cumulative))
 
 
 # ------------------------------------------------------------------ dot_general
