@@ -1,6 +1,8 @@
 """DMAs and semaphores (`pltpu.make_async_copy`, `pl.semaphore_*`): what a TPU promises
 (a copy is visible after its wait, a semaphore counts) and a clear error where a TPU
-would hang."""
+would hang, on the backend under test. The Triton backend counts semaphores while it
+generates the kernel (pallet/backends/triton/dmas.py): the forms it cannot count are
+XLA-only here, and clear errors there (the tests at the end)."""
 from __future__ import annotations
 
 import jax
@@ -10,13 +12,17 @@ import pytest
 
 import pallet as pl
 from pallet import tpu as pltpu
+import pallet.triton as plt
 from helpers import assert_close, current_test_backend, pallas_call, random_array, sds
-
-pytestmark = pytest.mark.skipif(
-    current_test_backend() != "xla",
-    reason="DMAs and semaphores run on the XLA backend; the Triton backend has no rules for them")
+from pallet.backends.triton import TritonLoweringError
 
 ANY = pl.BlockSpec(memory_space=pltpu.ANY)
+TRITON = current_test_backend() == "triton"
+
+
+def xla_only(reason):
+  return pytest.mark.skipif(TRITON, reason=f"the Triton backend refuses {reason} (see the "
+                                           f"Triton tests at the end)")
 
 
 def test_copy_is_visible_after_wait():
@@ -88,6 +94,7 @@ def test_source_semaphore_counts_the_read():
   np.testing.assert_array_equal(seen, [64, 0])
 
 
+@xla_only("semaphores signalled by amounts known only at run time")
 def test_semaphores_count():
   inc = random_array((3,), jnp.int32, low=1, high=9)
 
@@ -141,6 +148,7 @@ def test_none_scratch_entries_reach_the_kernel_as_none():
   assert_close(out, x - 1.0)
 
 
+@xla_only("copies waited on in a later grid step")
 def test_double_buffering_across_grid_steps():
   """Step i waits for the block step i-1 started (slot i % 2) and prefetches block i+1.
   One TensorCore (pallet's stand-in is a v5e) runs "parallel" axes in order too."""
@@ -245,12 +253,14 @@ def test_dma_kernel_under_jit_and_vmap():
 
 
 # ------------------------------------------------------------------ errors
-def _run_expecting_error(kernel, scratch, fragments):
+def _run_expecting_error(kernel, scratch, fragments, triton_fragments):
+  """The XLA backend finds the unsatisfiable wait when it runs; the Triton backend when
+  it counts the semaphore, generating the kernel."""
   x = random_array((8, 8))
   call = pallas_call(kernel, sds(x), in_specs=[ANY], out_specs=ANY, scratch_shapes=scratch)
-  with pytest.raises(Exception) as info:
+  with pytest.raises(TritonLoweringError if TRITON else Exception) as info:
     jax.block_until_ready(call(x))
-  for f in fragments:
+  for f in triton_fragments if TRITON else fragments:
     assert f in str(info.value), str(info.value)
 
 
@@ -259,7 +269,9 @@ def test_wait_without_a_started_copy_is_an_error_not_a_hang():
     pltpu.make_async_copy(x_hbm, buf, sem).wait()   # the unsatisfiable wait
 
   _run_expecting_error(never_started, [pltpu.VMEM((8, 8), jnp.float32), pltpu.SemaphoreType.DMA],
-                       ["DMA wait", "never_started", "test_dma.py", "never finish"])
+                       ["DMA wait", "never_started", "test_dma.py", "never finish"],
+                       ["kernel 'never_started'", "test_dma.py", "a DMA wait for 64 copied "
+                        "elements on scratch 1 ('sem'), which holds 0"])
 
 
 def test_second_wait_for_one_copy_is_an_error():
@@ -270,7 +282,8 @@ def test_second_wait_for_one_copy_is_an_error():
     pltpu.make_async_copy(x_hbm, buf, sem).wait()   # 64 elements, none left
 
   _run_expecting_error(waits_twice, [pltpu.VMEM((8, 8), jnp.float32), pltpu.SemaphoreType.DMA],
-                       ["waits_twice", "64 copied elements", "never finish"])
+                       ["waits_twice", "64 copied elements", "never finish"],
+                       ["kernel 'waits_twice'", "64 copied elements", "holds 0"])
 
 
 def test_unsatisfiable_semaphore_wait_is_an_error():
@@ -279,7 +292,9 @@ def test_unsatisfiable_semaphore_wait_is_an_error():
     pl.semaphore_wait(sem, 3)
 
   _run_expecting_error(over_waits, [pltpu.SemaphoreType.REGULAR],
-                       ["semaphore_wait", "over_waits", "never finish"])
+                       ["semaphore_wait", "over_waits", "never finish"],
+                       ["kernel 'over_waits'", "semaphore wait for 3 on scratch 0 ('sem'), "
+                        "which holds 2"])
 
 
 def test_waiting_on_a_copy_without_semaphore_is_a_clear_error():
@@ -311,6 +326,7 @@ def test_remote_copies_are_a_clear_error():
                 out_specs=ANY, scratch_shapes=[pltpu.SemaphoreType.DMA])(random_array((8, 8)))
 
 
+@xla_only("copies started under a condition and waited on after it")
 def test_copy_from_a_ref_selected_at_run_time():
   """JAX's documented use of pl.select_ref: the source of a DMA chosen per grid step."""
   a, b = random_array((4, 8, 16)), random_array((4, 8, 16))
@@ -354,6 +370,7 @@ def test_copies_signal_and_wait_on_a_semaphore_selected_at_run_time():
   np.testing.assert_array_equal(counts, [128] * 4 + [0] * 4)
 
 
+@xla_only("semaphores signalled by amounts known only at run time")
 def test_semaphore_signal_wait_and_read_through_select_ref():
   inc = random_array((2,), jnp.int32, low=1, high=9)
 
@@ -376,6 +393,7 @@ def test_semaphore_signal_wait_and_read_through_select_ref():
   np.testing.assert_array_equal(call(jnp.array([1], jnp.int32), inc), [0, a + b, a + b, b])
 
 
+@xla_only("reshaped and bitcast ref views")
 def test_select_ref_reshaped_and_bitcast_selects_the_same_view_of_each_candidate():
   a, b = random_array((2, 4, 128)), random_array((2, 4, 128))
   choice = jnp.array([1, 0], jnp.int32)
@@ -394,3 +412,198 @@ def test_select_ref_reshaped_and_bitcast_selects_the_same_view_of_each_candidate
       scratch_shapes=[pltpu.SemaphoreType.DMA])(choice, a, b)
   assert_close(out, jnp.stack([b.reshape(8, 128), a.reshape(8, 128)]))
   np.testing.assert_array_equal(bits, jax.lax.bitcast_convert_type(b[0], jnp.int32))
+
+
+# ------------------------------------------------------------------ forms the Triton backend lowers
+def test_copies_started_and_waited_in_each_loop_iteration():
+  """Windows at traced offsets, one semaphore reused by every iteration, add=True."""
+  x, y = random_array((64, 16)), random_array((64, 16))
+
+  def kernel(x_hbm, y_hbm, o_hbm, buf, sem):
+    def step(k, carry):
+      rows = pl.ds(pl.multiple_of(k * 8, 8), 8)
+      pltpu.sync_copy(x_hbm.at[rows], buf)
+      buf[...] = buf[...] * 2.0
+      copy = pltpu.make_async_copy(buf, o_hbm.at[rows], sem)
+      copy.start()
+      copy.wait()
+      pltpu.async_copy(y_hbm.at[rows], o_hbm.at[rows], sem, add=True).wait()
+      return carry
+    jax.lax.fori_loop(0, 8, step, 0)
+
+  out = pallas_call(kernel, sds(x), in_specs=[ANY, ANY], out_specs=ANY,
+                    scratch_shapes=[pltpu.VMEM((8, 16), jnp.float32),
+                                    pltpu.SemaphoreType.DMA])(x, y)
+  assert_close(out, 2.0 * x + y)
+
+
+def test_dma_kernel_with_a_parallel_grid_axis():
+  """Each grid step copies its own block in and out: on the Triton backend the steps
+  run as separate GPU programs, each with its own scratch and semaphores."""
+  x = random_array((4, 8, 128))
+  poison = jnp.full((32, 128), jnp.nan, jnp.float32)
+
+  def kernel(x_hbm, p_hbm, o_hbm, buf, sems):
+    del p_hbm     # the poisoned buffer aliased to the output
+    i = pl.program_id(0)
+    pltpu.async_copy(x_hbm.at[3 - i], buf, sems.at[0]).wait()
+    buf[...] = jnp.exp(buf[...]) + i.astype(jnp.float32)
+    copy = pltpu.make_async_copy(buf, o_hbm.at[pl.ds(i * 8, 8)], sems.at[1])
+    copy.start()
+    copy.wait()
+
+  out = pallas_call(kernel, sds(poison), grid=(4,), in_specs=[ANY, ANY], out_specs=ANY,
+                    input_output_aliases={1: 0},
+                    scratch_shapes=[pltpu.VMEM((8, 128), jnp.float32),
+                                    pltpu.SemaphoreType.DMA((2,))],
+                    compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)))(
+                        x, poison)
+  expected = jnp.exp(x[::-1]) + jnp.arange(4, dtype=jnp.float32)[:, None, None]
+  assert_close(out, expected.reshape(32, 128))
+
+
+def test_copies_in_a_branch_with_semaphores_read_along_the_way():
+  x = random_array((2, 8, 16))
+
+  def kernel(x_hbm, o_ref, seen_ref, buf, sems):
+    i = pl.program_id(0)
+
+    @pl.when(i % 2 == 0)
+    def _():
+      pltpu.sync_copy(x_hbm.at[i], buf)
+
+    @pl.when(i % 2 == 1)
+    def _():
+      copy = pltpu.make_async_copy(x_hbm.at[i], buf, sems.at[0], src_sem=sems.at[1])
+      copy.start()
+      copy.wait_send()
+      copy.wait_recv()
+      buf[...] = -buf[...]
+
+    copy = pltpu.make_async_copy(buf, o_ref, sems.at[0], src_sem=sems.at[1])
+    copy.start()
+    seen_ref[0] = pl.semaphore_read(sems.at[0])
+    seen_ref[1] = pl.semaphore_read(sems.at[1])
+    copy.wait()
+    seen_ref[2] = pl.semaphore_read(sems.at[0])
+
+  out, seen = pallas_call(
+      kernel, (jax.ShapeDtypeStruct((2, 8, 16), jnp.float32),
+               jax.ShapeDtypeStruct((2, 3), jnp.int32)), grid=(2,), in_specs=[ANY],
+      out_specs=(pl.BlockSpec((None, 8, 16), lambda i: (i, 0, 0)),
+                 pl.BlockSpec((None, 3), lambda i: (i, 0), memory_space=pltpu.SMEM)),
+      scratch_shapes=[pltpu.VMEM((8, 16), jnp.float32), pltpu.SemaphoreType.DMA((2,))])(x)
+  assert_close(out, jnp.stack([x[0], -x[1]]))
+  np.testing.assert_array_equal(seen, [[128, 128, 0]] * 2)
+
+
+# ------------------------------------------------------------------ forms it refuses
+def _triton_source(kernel, *, grid=(), scratch=(), params=None, x=None):
+  x = random_array((4, 8, 16)) if x is None else x
+  call = pl.pallas_call(kernel, sds(x), grid=grid, in_specs=[ANY], out_specs=ANY,
+                        scratch_shapes=list(scratch), compiler_params=params,
+                        backend="triton")
+  return plt.source(call, x)
+
+
+def _refused(kernel, message, **kw):
+  with pytest.raises(TritonLoweringError, match=rf"kernel '{kernel.__name__}' \(.*"
+                                                rf"test_dma\.py:\d+\).*test_dma\.py:\d+.*"
+                                                + message):
+    _triton_source(kernel, **kw)
+
+
+_BUF = pltpu.VMEM((8, 16), jnp.float32)
+
+
+def test_triton_refuses_copies_waited_on_in_a_later_grid_step():
+  def double_buffered(x_hbm, o_hbm, bufs, sems):
+    i = pl.program_id(0)
+
+    def copy(step):
+      return pltpu.make_async_copy(x_hbm.at[step], bufs.at[step % 2], sems.at[step % 2])
+
+    @pl.when(i == 0)
+    def _():
+      copy(0).start()
+
+    @pl.when(i + 1 < 4)
+    def _():
+      copy(i + 1).start()
+
+    copy(i).wait()
+    o_hbm[i] = bufs[i % 2]
+
+  _refused(double_buffered, r"primitive 'cond': semaphore counts that differ between the "
+                            r"branches of a condition \(branch 0: scratch 1 \('sems'\)\[0\] "
+                            r"holds 128; branch 1: every semaphore at 0\)",
+           grid=(4,), scratch=[pltpu.VMEM((2, 8, 16), jnp.float32),
+                               pltpu.SemaphoreType.DMA((2,))])
+
+
+def test_triton_refuses_a_count_left_for_the_next_grid_step():
+  def left_over(x_hbm, o_hbm, buf, sem):
+    pltpu.make_async_copy(x_hbm.at[pl.program_id(0)], buf, sem).start()
+    o_hbm[pl.program_id(0)] = buf[...]
+
+  with pytest.raises(TritonLoweringError,
+                     match=r"kernel 'left_over' \(.*test_dma\.py:\d+\): scratch 1 \('sem'\) "
+                           r"holds 128 at the end of a grid step \(last signalled at "
+                           r".*test_dma\.py:\d+\).*double buffering across grid steps"):
+    _triton_source(left_over, grid=(4,), scratch=[_BUF, pltpu.SemaphoreType.DMA])
+
+
+def test_triton_refuses_a_copy_waited_on_in_the_next_loop_iteration():
+  def prefetching(x_hbm, o_hbm, bufs, sems):
+    def copy(k):
+      return pltpu.make_async_copy(x_hbm.at[k], bufs.at[k % 2], sems.at[k % 2])
+    copy(0).start()
+
+    def step(k, carry):
+      @pl.when(k + 1 < 4)
+      def _():
+        copy(k + 1).start()
+      copy(k).wait()
+      return carry
+    jax.lax.fori_loop(0, 4, step, 0)
+
+  _refused(prefetching, r"semaphore counts that differ",
+           scratch=[pltpu.VMEM((2, 8, 16), jnp.float32), pltpu.SemaphoreType.DMA((2,))])
+
+
+def test_triton_refuses_semaphores_counted_at_run_time():
+  def run_time_amount(x_hbm, o_hbm, sem):
+    pl.semaphore_signal(sem, x_hbm.shape[0] + pl.program_id(0))
+    pl.semaphore_wait(sem, 4)
+
+  _refused(run_time_amount, r"primitive 'semaphore_signal': a semaphore signal by an amount "
+                            r"known only at run time",
+           grid=(2,), scratch=[pltpu.SemaphoreType.REGULAR])
+
+
+def test_triton_refuses_a_semaphore_selected_at_run_time():
+  def selected_semaphore(x_hbm, o_hbm, sems):
+    chosen = pl.select_ref(pl.program_id(0) % 2, sems.at[0], sems.at[1])
+    pltpu.async_copy(x_hbm, o_hbm, chosen).wait()
+
+  _refused(selected_semaphore, r"semaphore counts that differ between the branches",
+           grid=(2,), scratch=[pltpu.SemaphoreType.DMA((2,))])
+
+
+def test_triton_refuses_reading_a_semaphore_a_run_time_index_may_alias():
+  def aliased_read(x_hbm, o_hbm, seen_ref, sems):
+    i = pl.program_id(0)
+    copy = pltpu.make_async_copy(x_hbm, o_hbm, sems.at[i % 2])
+    copy.start()
+    seen_ref[0] = pl.semaphore_read(sems.at[0])    # the same semaphore where i is even
+    copy.wait()
+
+  x = random_array((4, 8, 16))
+  call = pl.pallas_call(aliased_read, (sds(x), jax.ShapeDtypeStruct((1,), jnp.int32)),
+                        grid=(2,), in_specs=[ANY], out_specs=(ANY, ANY),
+                        scratch_shapes=[pltpu.SemaphoreType.DMA((2,))], backend="triton")
+  with pytest.raises(TritonLoweringError,
+                     match=r"kernel 'aliased_read'.*test_dma\.py:\d+.*primitive "
+                           r"'semaphore_read': reading scratch 0 \('sems'\)\[0\] while "
+                           r"scratch 0 \('sems'\)\[\w+\] holds 512"):
+    plt.source(call, x)

@@ -1,5 +1,6 @@
 """Grid sizes computed at run time (traced values, as megablox's gmm uses them):
-kernels against jax.numpy, under jit, vmap and jvp, plus the errors around them."""
+kernels against jax.numpy, under jit, vmap and jvp, on the backend under test, plus
+the errors around them."""
 from __future__ import annotations
 
 import functools
@@ -10,15 +11,14 @@ import numpy as np
 import pytest
 
 import pallet as pl
+import pallet.triton as plt
 from pallet import tpu as pltpu
-from helpers import assert_close, pallas_call, random_array, sds
+from helpers import assert_close, pallas_call, poisoned, random_array, sds
+from pallet.backends.triton import TritonLoweringError
 from pallet.backends.xla import plan_of
 from pallet.grid_mapping import PalletError
 
 f32 = jnp.float32
-# Traced grid sizes run on the XLA backend; the Triton backend rejects them with a clear
-# error (the last test), so the kernel tests here are CPU-backend specifics.
-cpu_only = pytest.mark.cpu_only
 
 
 def _first_blocks_doubled(x, n, block=8):
@@ -35,7 +35,6 @@ def _doubled_reference(x, n, block=8):
   return jnp.where(rows, 2 * x, x)
 
 
-@cpu_only
 @pytest.mark.parametrize("n", [0, 1, 3, 8])
 def test_traced_grid_size_under_jit(n):
   x = random_array((64, 16))
@@ -43,7 +42,6 @@ def test_traced_grid_size_under_jit(n):
   assert_close(out, _doubled_reference(x, n))
 
 
-@cpu_only
 def test_one_compilation_serves_every_size():
   x = random_array((64, 16))
   fn = jax.jit(_first_blocks_doubled)
@@ -52,14 +50,12 @@ def test_one_compilation_serves_every_size():
   assert fn._cache_size() == 1
 
 
-@cpu_only
 def test_concrete_array_grid_entries_are_static():
   x = random_array((64, 16))
   out = _first_blocks_doubled(x, jnp.int32(3))
   assert_close(out, _doubled_reference(x, 3))
 
 
-@cpu_only
 @pytest.mark.cpu_only
 def test_plan_describes_the_dynamic_loop():
   x = random_array((64, 16))
@@ -96,7 +92,6 @@ def _row_sums_of_first_columns(x, n_cols):
       scratch_shapes=[pltpu.VMEM((bm, 1), f32)])(x)
 
 
-@cpu_only
 @pytest.mark.parametrize("n_cols", [1, 3, 4])
 def test_traced_reduction_axis_with_scratch(n_cols):
   x = random_array((32, 64))
@@ -104,7 +99,6 @@ def test_traced_reduction_axis_with_scratch(n_cols):
   assert_close(out, jnp.sum(x[:, :16 * n_cols], axis=1, keepdims=True))
 
 
-@cpu_only
 def test_num_programs_of_a_traced_axis():
   def kernel(o_ref):
     o_ref[...] = jnp.full(o_ref.shape, pl.num_programs(0) * 100 + pl.program_id(0), jnp.int32)
@@ -133,7 +127,6 @@ def _gather_rows(table, idx, n):
           out_specs=pl.BlockSpec((4, table.shape[1]), lambda i, idx: (i, 0))))(idx, table)
 
 
-@cpu_only
 def test_traced_size_with_scalar_prefetch():
   table = random_array((40, 8))
   idx = jnp.array([3, 0, 7, 7, 2, 9], jnp.int32)
@@ -143,7 +136,6 @@ def test_traced_size_with_scalar_prefetch():
   assert_close(out[:n * 4], blocks + 1)
 
 
-@cpu_only
 def test_prefetch_operand_may_be_a_pytree():
   # megablox passes its group metadata (a tuple of arrays) as one prefetch operand
   def kernel(meta, o_ref):
@@ -159,14 +151,12 @@ def test_prefetch_operand_may_be_a_pytree():
   assert_close(out, jnp.broadcast_to(jnp.array([[40.], [50.], [60.]]), (3, 2)))
 
 
-@cpu_only
 def test_vmap_over_data_with_a_traced_size():
   xs = random_array((3, 64, 16))
   out = jax.jit(jax.vmap(_first_blocks_doubled, in_axes=(0, None)))(xs, jnp.int32(5))
   assert_close(out, jax.vmap(_doubled_reference, in_axes=(0, None))(xs, 5))
 
 
-@cpu_only
 def test_vmap_over_the_size_itself():
   xs = random_array((3, 64, 16))
   ns = jnp.array([0, 2, 7], jnp.int32)
@@ -174,7 +164,6 @@ def test_vmap_over_the_size_itself():
   assert_close(out, jnp.stack([_doubled_reference(x, int(n)) for x, n in zip(xs, ns)]))
 
 
-@cpu_only
 def test_jvp_through_a_traced_grid():
   x, t = random_array((32, 64)), random_array((32, 64))
   f = functools.partial(_row_sums_of_first_columns, n_cols=jnp.int32(3))
@@ -184,24 +173,88 @@ def test_jvp_through_a_traced_grid():
   assert_close(tangent, ref(t))
 
 
-@cpu_only
 def test_traced_grid_entry_must_be_an_integer_scalar():
   x = random_array((64, 16))
   with pytest.raises(PalletError, match="grid entries must be integers or traced integer"):
     jax.jit(lambda x, n: _first_blocks_doubled(x, n))(x, jnp.float32(2))
 
 
-def test_triton_backend_rejects_a_traced_grid_clearly():
-  x = random_array((64, 16))
-
+def _blocks_doubled_in_parallel(x, n, bounds):
+  """Row block i of x doubled, plus 100 * i and the traced size n, for i < n: an axis
+  of traced size declared parallel, with a bound on it for the Triton backend."""
   def kernel(x_ref, o_ref):
-    o_ref[...] = x_ref[...]
+    o_ref[...] = (2 * x_ref[...] + pl.program_id(0).astype(f32) * 100
+                  + pl.num_programs(0).astype(f32))
+  spec = pl.BlockSpec((8, 16), lambda i, j: (i, j))
+  return pallas_call(kernel, out_shape=sds(x), grid=(n, 2), in_specs=[spec], out_specs=spec,
+                     input_output_aliases={0: 0},
+                     compiler_params=plt.CompilerParams(
+                         dimension_semantics=("parallel", "parallel"), grid_bounds=bounds))(x)
+
+
+@pytest.mark.parametrize("bounds", [(3, None), None])
+def test_parallel_axis_of_traced_size_below_at_and_past_its_bound(bounds):
+  # The Triton backend launches 3 programs along axis 0 (or its default number): they
+  # exit at once past the size, and take several blocks each where it is larger.
+  x = random_array((64, 32))
+  run = jax.jit(functools.partial(_blocks_doubled_in_parallel, bounds=bounds))
+  for n in (0, 2, 3, 8):
+    rows = jnp.arange(64)[:, None]
+    expected = jnp.where(rows < 8 * n, 2 * x + (rows // 8) * 100.0 + n, x)
+    assert_close(run(x, jnp.int32(n)), expected)
+
+
+def test_grouped_matmul_over_a_traced_number_of_active_tiles():
+  """megablox's gmm in small: 16-row tiles each in one group, out[t] = x[t] @ w[g[t]]
+  for the first `active` tiles (traced), the tiles' groups as scalar prefetch; the
+  tile axis is parallel and of traced size, the output columns a static parallel axis."""
+  groups = jnp.array([1, 1, 0, 2, 2, 0], jnp.int32)
+  x, w = random_array((96, 48)), random_array((3, 48, 64))
+
+  def kernel(group_ref, x_ref, w_ref, o_in_ref, o_ref):
+    del group_ref, o_in_ref      # o_in_ref: the poisoned buffer aliased to the output
+    o_ref[...] = jnp.dot(x_ref[...], w_ref[...], precision=jax.lax.Precision.HIGHEST)
 
   @jax.jit
-  def run(x, n):
-    spec = pl.BlockSpec((8, 16), lambda i: (i, 0))
-    return pl.pallas_call(kernel, out_shape=sds(x), grid=(n,), in_specs=[spec],
-                          out_specs=spec, backend="triton", interpret=True)(x)
+  def gmm(groups, x, w, active):
+    spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1, grid=(2, active),
+        in_specs=[pl.BlockSpec((16, 48), lambda j, t, g: (t, 0)),
+                  pl.BlockSpec((None, 48, 32), lambda j, t, g: (g[t], 0, j)),
+                  pl.BlockSpec((16, 32), lambda j, t, g: (t, j))],
+        out_specs=pl.BlockSpec((16, 32), lambda j, t, g: (t, j)))
+    return pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((96, 64), f32), grid_spec=spec,
+                       input_output_aliases={3: 0},
+                       compiler_params=plt.CompilerParams(
+                           dimension_semantics=("parallel", "parallel"),
+                           grid_bounds=(None, 6)))(groups, x, w, poisoned((96, 64)))
 
-  with pytest.raises(PalletError, match="computed at run time.*triton backend"):
-    run(x, jnp.int32(2))
+  tiles = jnp.einsum("tik,tkn->tin", x.reshape(6, 16, 48), w[groups],
+                     precision=jax.lax.Precision.HIGHEST).reshape(96, 64)
+  for active in (0, 4, 6):
+    out = gmm(groups, x, w, jnp.int32(active))
+    assert_close(out[:16 * active], tiles[:16 * active], rtol=1e-4, atol=1e-4)
+    assert np.isnan(np.asarray(out[16 * active:])).all()     # untouched: still poisoned
+
+
+@pytest.mark.parametrize("bounds,message", [
+    ((4, None, 2), r"grid_bounds must be a tuple with one entry per grid axis"),
+    ((0, None), r"grid_bounds\[0\] must be None or a positive int, got 0"),
+    ((4, 3), r"grid_bounds\[1\] is 3, but grid axis 1 has the static size 2")])
+def test_bad_grid_bounds_are_clear_errors_on_the_triton_backend(bounds, message):
+  x = random_array((64, 32))
+
+  def bounded_kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...]
+
+  def run(x, n):
+    spec = pl.BlockSpec((8, 16), lambda i, j: (i, j))
+    return pl.pallas_call(bounded_kernel, out_shape=sds(x), grid=(n, 2), in_specs=[spec],
+                          out_specs=spec, backend="triton",
+                          compiler_params=plt.CompilerParams(
+                              dimension_semantics=("parallel", "parallel"),
+                              grid_bounds=bounds))(x)
+
+  with pytest.raises(TritonLoweringError, match=r"kernel 'bounded_kernel' \(.*"
+                                                r"test_dynamic_grid\.py:\d+\): " + message):
+    plt.source(run, x, jnp.int32(3))

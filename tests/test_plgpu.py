@@ -111,6 +111,32 @@ def test_dot_of_bf16_and_int8_blocks():
   assert_close(iout, jnp.dot(ia, ib, preferred_element_type=i32))
 
 
+@pytest.mark.parametrize("x_dtype,w_dtype,tol", [
+    (jnp.bfloat16, jnp.int8, dict(rtol=2e-2, atol=0.5)),
+    (jnp.float16, jnp.int8, dict(rtol=2e-3, atol=0.25)),
+    (jnp.int8, jnp.int8, dict(rtol=0, atol=0))])
+def test_dot_of_quantized_weights(x_dtype, w_dtype, tol):
+  """Activations by int8 weights, as quantized matmuls write them: the mixed pair
+  multiplied as XLA multiplies it (both operands converted to the result dtype)."""
+  x, w = random_array((32, 64), x_dtype), random_array((64, 48), w_dtype)
+  scale = random_array((1, 48))
+
+  def kernel(x_ref, w_ref, s_ref, o_ref, acc_ref, direct_ref):
+    o_ref[...] = jnp.dot(x_ref[...], w_ref[...].astype(x_ref.dtype))
+    acc_ref[...] = plgpu.dot(x_ref[...], w_ref[...]) * s_ref[...]
+    direct_ref[...] = jnp.dot(x_ref[...], w_ref[...])
+
+  out_dtype = jnp.dot(x, w).dtype
+  out, acc, direct = pallas_call(kernel, out_shape=(
+      jax.ShapeDtypeStruct((32, 48), x_dtype), jax.ShapeDtypeStruct((32, 48), f32),
+      jax.ShapeDtypeStruct((32, 48), out_dtype)))(x, w, scale)
+  assert_close(out, jnp.dot(x, w.astype(x_dtype)), **tol)
+  wide = i32 if x_dtype == jnp.int8 else f32
+  expected = jnp.dot(x, w, preferred_element_type=wide).astype(f32) * scale
+  assert_close(acc, expected, rtol=1e-5, atol=1e-3)
+  assert_close(direct, jnp.dot(x, w), **tol)
+
+
 def test_dot_argument_errors():
   x = jnp.ones((16, 16), f32)
   with pytest.raises(ValueError, match="2-d blocks"):

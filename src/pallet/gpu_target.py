@@ -25,13 +25,23 @@ class CompilerParams:
   (e.g. 80, 90) or `gpu_arch` (e.g. "gfx942") pick the target to compile for when
   no GPU is visible (ahead-of-time lowering); by default the target is device 0's.
   `dimension_semantics` ("parallel"/"arbitrary" per grid axis) overrides the
-  backend's own split of the grid into launched and looped axes.
+  backend's own split of the grid into launched and looped axes. `grid_bounds` (one
+  entry per grid axis, None for static ones) gives the largest size a grid axis
+  computed at run time is expected to take: a parallel one launches that many
+  programs, which exit early past the actual size (a larger size still runs every
+  index: each program then takes several).
   """
   num_warps: int | None = None
   num_stages: int | None = None
   compute_capability: int | None = None
   gpu_arch: str | None = None
   dimension_semantics: Sequence[str] | None = None
+  grid_bounds: Sequence[int | None] | None = None
+
+  def __post_init__(self):
+    # (a list would make the params unhashable, and kernels are cached by them)
+    if isinstance(self.grid_bounds, list):
+      object.__setattr__(self, "grid_bounds", tuple(self.grid_bounds))
 
 
 class GpuVersion(enum.Enum):

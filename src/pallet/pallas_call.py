@@ -152,10 +152,6 @@ def _launch(kernel, name, args, out_shape, grid, dynamic_sizes, in_specs, out_sp
   flat_prefetch, prefetch_tree = jax.tree_util.tree_flatten(tuple(prefetch_args))
   prefetch_avals = tuple(_as_aval(a, f"scalar prefetch operand {i}", name, backend_name)
                          for i, a in enumerate(flat_prefetch))
-  if dynamic_sizes and backend_name != "xla":
-    raise PalletError(f"pallas_call of kernel '{name}': grid {grid} has sizes computed at "
-                      f"run time (traced values, shown as None); the {backend_name} backend "
-                      f"needs static grid sizes (the default XLA backend runs such grids)")
   flat_out_shapes, out_tree = jax.tree_util.tree_flatten(out_shape)
   out_avals = [_as_aval(o, f"out_shape[{i}]", name, backend_name)
                for i, o in enumerate(flat_out_shapes)]

@@ -772,3 +772,237 @@ def _int8_dot(interpret):
     o_ref[...] = plt.dot(a_ref[...], b_ref[...])
   f = call(kernel, jax.ShapeDtypeStruct((16, 32), jnp.int32), interpret)
   return f, (a, b), jnp.dot(a, b, preferred_element_type=jnp.int32)
+
+
+# ------------------------------------------------------------------ dots of mixed dtypes
+# (lhs dtype, rhs dtype, preferred_element_type, how the kernel asks for the product).
+# XLA multiplies a mixed pair converted to the result dtype; the generated code converts
+# too (quantized weights: activations by int8 weights), where it used to hand Triton's
+# dot two dtypes and crash Triton's interpreter with no location.
+_MIXED_DOTS = {
+    "bf16_by_int8": (jnp.bfloat16, jnp.int8, None, "jnp.dot"),
+    "bf16_by_int8_to_f32": (jnp.bfloat16, jnp.int8, jnp.float32, "jnp.dot"),
+    "int8_by_bf16": (jnp.int8, jnp.bfloat16, None, "dot_general"),
+    "f16_by_int8": (jnp.float16, jnp.int8, None, "dot_general"),
+    "f16_by_int8_to_f32": (jnp.float16, jnp.int8, jnp.float32, "dot_general"),
+    "int8_by_int8_to_int32": (jnp.int8, jnp.int8, jnp.int32, "dot_general"),
+    "int8_by_int8_to_f32": (jnp.int8, jnp.int8, jnp.float32, "dot_general"),
+    "int8_by_int8_to_bf16": (jnp.int8, jnp.int8, jnp.bfloat16, "dot_general"),
+    "f32_by_bf16": (jnp.float32, jnp.bfloat16, None, "dot_general"),
+    "f32_by_int8_to_bf16": (jnp.float32, jnp.int8, jnp.bfloat16, "dot_general"),
+    "e4m3_by_bf16_to_f32": (jnp.float8_e4m3fn, jnp.bfloat16, jnp.float32, "dot_general"),
+    "e5m2_by_int8": (jnp.float8_e5m2, jnp.int8, None, "dot_general"),
+    "e4m3_by_e5m2_to_f32": (jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float32, "dot_general"),
+    "pl_dot_bf16_by_int8": (jnp.bfloat16, jnp.int8, None, "plgpu.dot"),
+    "bf16_by_int8_cast_in_kernel": (jnp.bfloat16, jnp.int8, None, "astype"),
+}
+MIXED_DOT_CASES = tuple(f"dot_mixed_{n}" for n in _MIXED_DOTS)
+
+
+def _mixed_product(how, pet):
+  if how == "jnp.dot":
+    return lambda a, b: jnp.dot(a, b, preferred_element_type=pet)
+  if how == "plgpu.dot":
+    return plt.dot
+  if how == "astype":
+    return lambda a, b: jnp.dot(a, b.astype(a.dtype))
+  return lambda a, b: lax.dot_general(a, b, (((1,), (0,)), ((), ())),
+                                      preferred_element_type=pet)
+
+
+def _mixed_dot_case(a_dtype, b_dtype, pet, how):
+  def make(interpret):
+    # M and N padded to powers of two, K = 80 padded to 128 (masked to zero)
+    a, b = random_array((24, 80), a_dtype), random_array((80, 40), b_dtype)
+    fn = _mixed_product(how, pet)
+    expected = fn(a, b)
+    def kernel(a_ref, b_ref, o_ref):
+      o_ref[...] = fn(a_ref[...], b_ref[...])
+    return call(kernel, sds(expected), interpret), (a, b), expected
+  return make
+
+
+def _mixed_tolerance(a_dtype, b_dtype, pet, how):
+  out = jax.eval_shape(_mixed_product(how, pet), jax.ShapeDtypeStruct((2, 2), a_dtype),
+                       jax.ShapeDtypeStruct((2, 2), b_dtype)).dtype
+  if jnp.issubdtype(out, jnp.integer):
+    return None
+  if a_dtype == jnp.float32 and out == jnp.bfloat16:
+    # XLA rounds the float32 operand to bf16; the interpreter holds bf16 in float32
+    # and does not (interpreter.py): products differ by ~2**-9 of their size.
+    return dict(rtol=2e-2, atol=4.0)
+  # A sum of 80 products of size ~50 in the result's precision (fp8 results: e5m2's
+  # 2 mantissa bits; inputs rounded to bf16 where XLA rounds them too).
+  return {"float8_e5m2": dict(rtol=0.25, atol=1.0), "bfloat16": dict(rtol=2e-2, atol=0.5),
+          "float16": dict(rtol=2e-3, atol=0.25)}.get(jnp.dtype(out).name,
+                                                     dict(rtol=1e-4, atol=1e-3))
+
+
+for _name, _spec in _MIXED_DOTS.items():
+  case(f"dot_mixed_{_name}", tol=_mixed_tolerance(*_spec))(_mixed_dot_case(*_spec))
+
+
+# ------------------------------------------------------------------ grid sizes known at run time
+# `fn(x, n)` with n traced: the grid size is an operand of the launch.
+DYNAMIC_GRID_CASES = ("dynamic_grid_parallel_axis_past_its_bound",
+                      "dynamic_grid_sequential_reduction_axis",
+                      "dynamic_grid_grouped_matmul_over_active_tiles")
+
+
+@case("dynamic_grid_parallel_axis_past_its_bound")
+def _dynamic_parallel(interpret):
+  # 5 row blocks on a bound of 3: programs p take row blocks p and p + 3; rows past the
+  # 5 blocks keep the aliased input.
+  x, n = random_array((64, 32)), 5
+  def kernel(x_ref, o_ref):
+    o_ref[...] = (x_ref[...] * 2 + pl.program_id(0).astype(jnp.float32) * 100
+                  + pl.num_programs(0).astype(jnp.float32))
+  spec = pl.BlockSpec((8, 16), lambda i, j: (i, j))
+  params = plt.CompilerParams(dimension_semantics=("parallel", "parallel"),
+                              grid_bounds=(3, None))
+  fn = jax.jit(lambda x, n: call(kernel, sds(x), interpret, grid=(n, 2), in_specs=[spec],
+                                 out_specs=spec, input_output_aliases={0: 0},
+                                 compiler_params=params)(x))
+  rows = jnp.arange(64)[:, None]
+  expected = jnp.where(rows < 8 * n, x * 2 + (rows // 8) * 100.0 + n, x)
+  return fn, (x, jnp.int32(n)), expected
+
+
+@case("dynamic_grid_sequential_reduction_axis", tol=dict(rtol=1e-5, atol=1e-5))
+def _dynamic_reduction(interpret):
+  # Row sums of the first n column blocks: a reduction axis of traced length (a loop
+  # with that trip count in every program), a scratch accumulator, num_programs.
+  x, n = random_array((32, 64)), 3
+  def kernel(x_ref, o_ref, acc_ref):
+    k = pl.program_id(1)
+    @pl.when(k == 0)
+    def _():
+      acc_ref[...] = jnp.zeros_like(acc_ref)
+    acc_ref[...] += jnp.sum(x_ref[...], axis=1, keepdims=True)
+    @pl.when(k == pl.num_programs(1) - 1)
+    def _():
+      o_ref[...] = acc_ref[...]
+  fn = jax.jit(lambda x, n: call(
+      kernel, jax.ShapeDtypeStruct((32, 1), jnp.float32), interpret, grid=(4, n),
+      in_specs=[pl.BlockSpec((8, 16), lambda i, k: (i, k))],
+      out_specs=pl.BlockSpec((8, 1), lambda i, k: (i, 0)),
+      scratch_shapes=[pl.ScratchShape((8, 1), jnp.float32)],
+      compiler_params=plt.CompilerParams(dimension_semantics=("parallel", "arbitrary")))(x))
+  return fn, (x, jnp.int32(n)), jnp.sum(x[:, :16 * n], axis=1, keepdims=True)
+
+
+def grouped_matmul(interpret, compiler_params, call_fn=None):
+  """A megablox-style grouped matmul: rows in groups (tiles of 16 rows each in one
+  group), out[tile] = x[tile] @ w[group of tile] for the first `active` tiles, a traced
+  count; the tiles' groups come as scalar prefetch."""
+  def kernel(group_ref, x_ref, w_ref, o_ref):
+    del group_ref
+    o_ref[...] = jnp.dot(x_ref[...], w_ref[...], precision=lax.Precision.HIGHEST)
+  launch = call_fn or (lambda k, o, **kw: call(k, o, interpret, **kw))
+
+  def fn(groups, x, w, poison, active):
+    spec = pl.GridSpec(
+        grid=(w.shape[2] // 32, active), num_scalar_prefetch=1,
+        in_specs=[pl.BlockSpec((16, x.shape[1]), lambda j, t, g: (t, 0)),
+                  pl.BlockSpec((None, w.shape[1], 32), lambda j, t, g: (g[t], 0, j)),
+                  pl.BlockSpec((16, 32), lambda j, t, g: (t, j))],
+        out_specs=pl.BlockSpec((16, 32), lambda j, t, g: (t, j)))
+    return launch(lambda g, x_ref, w_ref, p_ref, o_ref: kernel(g, x_ref, w_ref, o_ref),
+                  sds(poison), grid_spec=spec, input_output_aliases={3: 0},
+                  compiler_params=compiler_params)(groups, x, w, poison)
+  return fn
+
+
+def grouped_matmul_reference(groups, x, w, poison, active):
+  tiles = x.reshape(-1, 16, x.shape[1])
+  out = jnp.einsum("tik,tkn->tin", tiles, w[groups], precision=lax.Precision.HIGHEST)
+  keep = (jnp.arange(tiles.shape[0]) < active)[:, None, None]
+  return jnp.where(keep, out, poison.reshape(out.shape)).reshape(poison.shape)
+
+
+@case("dynamic_grid_grouped_matmul_over_active_tiles", tol=dict(rtol=1e-4, atol=1e-4))
+def _grouped_matmul(interpret):
+  groups = jnp.array([2, 0, 0, 1, 2], jnp.int32)    # 5 tiles of 16 rows, 4 active
+  x, w = random_array((80, 32)), random_array((3, 32, 64))
+  poison = jnp.full((80, 64), jnp.nan, jnp.float32)
+  fn = jax.jit(grouped_matmul(interpret, plt.CompilerParams(
+      dimension_semantics=("parallel", "parallel"))))
+  args = (groups, x, w, poison, jnp.int32(4))
+  return fn, args, grouped_matmul_reference(*args)
+
+
+# ------------------------------------------------------------------ DMAs and semaphores
+import pallet.tpu as pltpu    # noqa: E402  (the DMA API lives with the TPU names)
+
+DMA_CASES = ("dma_windows_semaphores_and_sync_copy", "dma_parallel_grid_axis",
+             "dma_copies_in_a_loop")
+_ANY = pl.BlockSpec(memory_space=pltpu.ANY)
+
+
+@case("dma_windows_semaphores_and_sync_copy")
+def _dma_windows(interpret):
+  # .at[] windows at traced offsets, a source semaphore, add=True, static semaphore reads
+  x = random_array((4, 16, 8))
+  def kernel(x_hbm, o_ref, seen_ref, buf, sems):
+    i = pl.program_id(0)
+    copy = pltpu.make_async_copy(x_hbm.at[3 - i, pl.ds(4, 8)], buf, sems.at[0],
+                                 src_sem=sems.at[1])
+    copy.start()
+    seen_ref[0] = pl.semaphore_read(sems.at[1])
+    copy.wait()
+    pltpu.sync_copy(x_hbm.at[i, pl.ds(0, 8)], o_ref)
+    pltpu.async_copy(buf, o_ref, sems.at[0], add=True).wait()
+    seen_ref[1] = pl.semaphore_read(sems.at[0])
+  f = call(kernel, (jax.ShapeDtypeStruct((4, 8, 8), jnp.float32),
+                    jax.ShapeDtypeStruct((4, 2), jnp.int32)), interpret, grid=(4,),
+           in_specs=[_ANY], out_specs=(pl.BlockSpec((None, 8, 8), lambda i: (i, 0, 0)),
+                                       pl.BlockSpec((None, 2), lambda i: (i, 0))),
+           scratch_shapes=[pltpu.VMEM((8, 8), jnp.float32), pltpu.SemaphoreType.DMA((2,))])
+  seen = jnp.broadcast_to(jnp.array([64, 0], jnp.int32), (4, 2))
+  return f, (x,), (x[:, :8] + x[::-1, 4:12], seen)
+
+
+@case("dma_parallel_grid_axis")
+def _dma_parallel(interpret):
+  x = random_array((4, 8, 128))
+  def kernel(x_hbm, o_hbm, buf, sems):
+    i = pl.program_id(0)
+    pltpu.async_copy(x_hbm.at[3 - i], buf, sems.at[0]).wait()
+    buf[...] = jnp.exp(buf[...]) + i.astype(jnp.float32)
+    pltpu.async_copy(buf, o_hbm.at[pl.ds(i * 8, 8)], sems.at[1]).wait()
+  f = call(kernel, jax.ShapeDtypeStruct((32, 128), jnp.float32), interpret, grid=(4,),
+           in_specs=[_ANY], out_specs=_ANY,
+           scratch_shapes=[pltpu.VMEM((8, 128), jnp.float32), pltpu.SemaphoreType.DMA((2,))],
+           compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)))
+  expected = jnp.exp(x[::-1]) + jnp.arange(4, dtype=jnp.float32)[:, None, None]
+  return f, (x,), expected.reshape(32, 128)
+
+
+@case("dma_copies_in_a_loop")
+def _dma_loop(interpret):
+  x, y = random_array((64, 16)), random_array((64, 16))
+  def kernel(x_hbm, y_hbm, o_hbm, buf, sem):
+    def step(k, carry):
+      rows = pl.ds(pl.multiple_of(k * 8, 8), 8)
+      pltpu.sync_copy(x_hbm.at[rows], buf)
+      buf[...] = buf[...] * 2.0
+      pltpu.async_copy(buf, o_hbm.at[rows], sem).wait()
+      pltpu.async_copy(y_hbm.at[rows], o_hbm.at[rows], sem, add=True).wait()
+      return carry
+    lax.fori_loop(0, 8, step, 0)
+  f = call(kernel, sds(x), interpret, in_specs=[_ANY, _ANY], out_specs=_ANY,
+           scratch_shapes=[pltpu.VMEM((8, 16), jnp.float32), pltpu.SemaphoreType.DMA])
+  return f, (x, y), 2.0 * x + y
+
+
+@case("float8_reductions_of_padded_rows")
+def _float8_reductions(interpret):
+  # 20 columns padded to 32: the padding must not win a max or min (float8_e4m3fn has
+  # no infinity), and the block loads at the array edge fill float8 with 0.0.
+  x = random_array((4, 20)).astype(jnp.float8_e4m3fn)
+  fn = lambda x: (jnp.max(x, axis=1), jnp.min(x, axis=1),
+                  jnp.argmin(x, axis=1).astype(jnp.int32))
+  def kernel(x_ref, max_ref, min_ref, arg_ref):
+    max_ref[...], min_ref[...], arg_ref[...] = fn(x_ref[...])
+  expected = fn(x)
+  return call(kernel, tuple(sds(e) for e in expected), interpret), (x,), expected

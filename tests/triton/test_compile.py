@@ -10,7 +10,7 @@ import pytest
 
 import pallet as pl
 import pallet.triton as plt
-from cases import CASES, call
+from cases import CASES, DMA_CASES, DYNAMIC_GRID_CASES, MIXED_DOT_CASES, call
 from compiled import TARGETS, compile_for, kernels_of, spill_bytes
 from helpers import random_array, sds
 import pallet.tpu as pltpu
@@ -345,3 +345,103 @@ def test_unsigned_integer_dot_is_a_clear_error():
   with pytest.raises(TritonLoweringError, match=r"kernel 'dot_kernel'.*primitive "
                                                 r"'dot_general': a dot of unsigned integers"):
     plt.source(f, x, y)
+
+
+# ------------------------------------------------------------------ dots of mixed dtypes
+@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("name", MIXED_DOT_CASES + ("float8_reductions_of_padded_rows",))
+def test_mixed_dtype_dots_and_float8_compile(name, target):
+  kernel = _kernel(name)
+  needs_sm89 = "e4m3" in name or "e5m2_by_int8" in name or "float8" in name
+  if needs_sm89 and target == "sm80":
+    with pytest.raises(TritonLoweringError, match=r"compute capability 8\.9"):
+      compile_for(kernel, target)
+    return
+  ttir = compile_for(kernel, target).asm["ttir"]
+  assert "tt.dot" in ttir or "float8" in name
+
+
+@pytest.mark.parametrize("target,instruction", [("sm80", "mma.sync"), ("sm90", "wgmma")])
+def test_bf16_by_int8_weights_multiply_on_bf16_tensor_cores(target, instruction):
+  # int8 weights convert to bf16 exactly, so the product runs on bf16 tensor cores
+  # (XLA's float32 dot of the converted operands gives the same products).
+  def quantized_kernel(x_ref, w_ref, o_ref):
+    o_ref[...] = jnp.dot(x_ref[...], w_ref[...], preferred_element_type=jnp.float32)
+  x, w = jnp.ones((128, 64), jnp.bfloat16), jnp.ones((64, 128), jnp.int8)
+  f = call(quantized_kernel, jax.ShapeDtypeStruct((128, 128), jnp.float32), False)
+  compiled = compile_for(kernels_of(f, x, w)[0], target)
+  assert re.search(r"tt\.dot .*bf16", compiled.asm["ttir"])
+  assert instruction in compiled.asm["ptx"]
+
+
+def _mixed_dot(a_dtype, b_dtype, precision=None, pet=None):
+  def mixed_dot_kernel(a_ref, b_ref, o_ref):
+    o_ref[...] = jax.lax.dot_general(a_ref[...], b_ref[...], (((1,), (0,)), ((), ())),
+                                     precision=precision, preferred_element_type=pet)
+  a, b = jnp.ones((32, 64), a_dtype), jnp.ones((64, 32), b_dtype)
+  out = jax.eval_shape(lambda a, b: jax.lax.dot_general(
+      a, b, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=pet), a, b)
+  return pl.pallas_call(mixed_dot_kernel, out_shape=out, backend="triton"), a, b
+
+
+def test_dot_of_dtypes_tensor_cores_cannot_take_is_a_clear_error():
+  f, a, b = _mixed_dot(jnp.int8, jnp.int16, pet=jnp.int32)
+  with pytest.raises(TritonLoweringError,
+                     match=r"kernel 'mixed_dot_kernel'.*test_compile\.py:\d+.*primitive "
+                           r"'dot_general': a dot of int8 by int16 giving int32 \(multiplied "
+                           r"as int32 by int32.*int8, float16, bfloat16, float32 and float8"):
+    plt.source(f, a, b)
+
+
+def test_dot_algorithm_other_than_a_float32_precision_is_a_clear_error():
+  f, a, b = _mixed_dot(jnp.float32, jnp.float32,
+                       precision=jax.lax.DotAlgorithmPreset.BF16_BF16_F32)
+  with pytest.raises(TritonLoweringError,
+                     match=r"kernel 'mixed_dot_kernel'.*test_compile\.py:\d+.*algorithm "
+                           r"BF16_BF16_F32"):
+    plt.source(f, a, b)
+  f, a, b = _mixed_dot(jnp.float32, jnp.float32,
+                       precision=jax.lax.DotAlgorithmPreset.F32_F32_F32)
+  assert 'input_precision="ieee"' in plt.source(f, a, b)
+
+
+# ------------------------------------------------------------------ grid sizes known at run time
+@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("name", DYNAMIC_GRID_CASES)
+def test_grids_of_run_time_size_compile(name, target):
+  assert compile_for(_kernel(name), target).asm["ttir"]
+
+
+def test_a_parallel_axis_of_run_time_size_launches_its_bound_and_strides():
+  from pallet.backends.triton import generated
+  kernel = _kernel("dynamic_grid_parallel_axis_past_its_bound")
+  gen = generated(kernel)
+  assert gen.launch_grid == (3 * 2, 1, 1)          # the bound times the static axis
+  assert gen.parameters[0] == "grid_size0_ptr"     # the size: the first operand
+  assert re.search(r"for i0 in range\(lane0_\d+, n0_\d+, 3\):", gen.source)
+  ttir = compile_for(kernel, "sm80").asm["ttir"]
+  assert "scf.for" in ttir
+
+
+def test_a_sequential_axis_of_run_time_size_is_a_loop_with_that_trip_count():
+  from pallet.backends.triton import generated
+  gen = generated(_kernel("dynamic_grid_sequential_reduction_axis"))
+  assert gen.launch_grid == (4, 1, 1)
+  assert re.search(r"for i1 in range\(n1_\d+\):  # grid axis 1 \(sequential\)", gen.source)
+
+
+# ------------------------------------------------------------------ DMAs
+@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("name", DMA_CASES)
+def test_dma_kernels_compile(name, target):
+  assert compile_for(_kernel(name), target).asm["ttir"]
+
+
+def test_a_copy_is_a_load_and_a_store_between_barriers():
+  fn, args, _ = CASES["dma_parallel_grid_axis"].make(False)
+  src = plt.source(fn, *args)
+  copy = re.search(r"tl\.debug_barrier\(\)\n\s+x_hbm_offsets_\d+ = .*\n\s+x_hbm_load_\d+ = "
+                   r"tl\.load\(.*\n\s+scratch0_offsets_\d+ = .*\n\s+tl\.store\(scratch0_ptr_\d+ "
+                   r"\+ scratch0_offsets_\d+, x_hbm_load_\d+\)\n\s+tl\.debug_barrier\(\)", src)
+  assert copy, src
+  assert "-> 4 programs" in src       # a declared parallel axis: one program per step

@@ -91,7 +91,8 @@ _LOWERING_CASES = ("scratch_indexed_in_memory_and_run_scoped", "scalar_prefetch_
                    "threefry2x32_random_bits",
                    "closed_over_constant_array", "input_output_aliases_add_in_place",
                    "atomic_add_float_from_parallel_programs", "atomic_cas_scalar",
-                   "squeezed_and_element_dims")
+                   "squeezed_and_element_dims", "dynamic_grid_parallel_axis_past_its_bound",
+                   "dynamic_grid_grouped_matmul_over_active_tiles", "dma_parallel_grid_axis")
 
 
 @pytest.mark.parametrize("name", _LOWERING_CASES)

@@ -4,6 +4,7 @@ Pipeline, one file per stage:
   schedule.py     grid axes -> launch grid (parallel) and in-program loops (sequential)
   codegen.py      kernel description -> Python source of a `@triton.jit` function
   ops.py, refs.py the rules codegen uses for array operations and for refs
+  dmas.py         DMAs as loads and stores, semaphores counted while generating
   compiler.py     source -> module -> `triton.compile` for a GPUTarget (cached)
   launch.py       the XLA custom call that launches the compiled kernel (CUDA, ROCm)
   interpreter.py  `interpret=True`: the same source under Triton's CPU interpreter

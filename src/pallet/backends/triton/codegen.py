@@ -5,16 +5,18 @@ and output (and a workspace pointer when scratch must live in memory, and a
 pointer to one int32 flag per run-time check, `pl.debug_check`, which a
 failing check sets for the launcher to report). Its body:
 
-  1. decodes the program id into the parallel grid indices (`schedule.py`),
-  2. loads resident output blocks kept in registers (`refs.RegisterRef`),
-  3. loops over the sequential grid axes; each step evaluates the index maps
+  1. decodes the program id into the parallel grid indices (`schedule.py`) and
+     loads the grid sizes computed at run time,
+  2. loops over the parallel axes of run-time size, taking every so many indices,
+  3. loads resident output blocks kept in registers (`refs.RegisterRef`),
+  4. loops over the sequential grid axes; each step evaluates the index maps
      (block offsets) and runs the kernel body, one line per jaxpr equation,
      each group preceded by a comment naming the kernel source line,
-  4. stores the register-resident outputs.
+  5. stores the register-resident outputs.
 
-Array operations are written by `ops.py`; this module handles refs, control
-flow (cond -> if, while -> while, fori_loop/scan and while loops that count up
-to a fixed bound -> for) and the frame.
+Array operations are written by `ops.py`, DMAs and semaphores by `dmas.py`; this
+module handles refs, control flow (cond -> if, while -> while, fori_loop/scan and
+while loops that count up to a fixed bound -> for) and the frame.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from pallet import _internals as internals
-from pallet.backends.triton import ops, refs
+from pallet.backends.triton import dmas, ops, refs
 from pallet.backends.triton.refs import ArrayDim, MemoryRef, RegisterRef
 from pallet.backends.triton.schedule import Schedule, block_start_range, make_schedule
 from pallet.backends.triton.values import (TritonLoweringError, Value, constant, padded,
@@ -90,7 +92,7 @@ def _whole_access_only(jaxpr: Any, keys: dict[Any, Any], bad: set, reads: set) -
     name = eqn.primitive.name
     ref_args = [(i, keys[v]) for i, v in enumerate(eqn.invars)
                 if _is_var(v) and v in keys]
-    if name == "new_ref":
+    if name in ("new_ref", "empty_ref"):
       keys[eqn.outvars[0]] = eqn.outvars[0]
     elif name in ("get", "swap", "addupdate"):
       first = 1 if name == "get" else 2
@@ -116,6 +118,13 @@ def _whole_access_only(jaxpr: Any, keys: dict[Any, Any], bad: set, reads: set) -
         sub = dict(keys)
         sub.update({bv: keys[v] for bv, v in zip(jj.invars, ins) if _is_var(v) and v in keys})
         _whole_access_only(jj, sub, bad, reads)
+    elif name == "dma_start":      # copies read and write memory; semaphores are counted
+      for v in dmas.memory_refs_of_copy(eqn, eqn.invars):
+        if _is_var(v) and v in keys:
+          bad.add(keys[v])
+          reads.add(keys[v])
+    elif name in dmas.PRIMITIVES:
+      pass
     elif name == "scan" or name in _CALL_PRIMITIVES:
       inner = internals.scan_layout(eqn.params)[0] if name == "scan" else \
           _sub_jaxpr(eqn.params)[0]
@@ -149,6 +158,7 @@ class KernelGenerator:
     self.input_pointers: dict[str, int] = {}
     self.written_inputs: set[int] = set()
     self.check_messages: list[str] = []
+    self.semaphores = dmas.SemaphoreCounts()
 
   # -- emission ---------------------------------------------------------------
   def line(self, text: str) -> None:
@@ -272,8 +282,8 @@ class KernelGenerator:
     name = eqn.primitive.name
     if name in _REF_PRIMITIVES:
       return getattr(self, f"_ref_{name}")(eqn, ins, used)
-    if name in ("cond", "while", "scan", "new_ref", "multiple_of", "max_contiguous",
-                "debug_print", "debug_barrier", "pallet_check"):
+    if name in ("cond", "while", "scan", "new_ref", "empty_ref", "multiple_of",
+                "max_contiguous", "debug_print", "debug_barrier", "pallet_check"):
       return getattr(self, f"_{name}")(eqn, ins)
     if name in _CALL_PRIMITIVES:
       jaxpr, consts = _sub_jaxpr(eqn.params)
@@ -282,6 +292,8 @@ class KernelGenerator:
         return self.run(jaxpr, consts, ins)
       finally:
         self.enclosing.pop()
+    if name in dmas.RULES:
+      return dmas.RULES[name](self, eqn, ins)
     rule = ops.RULES.get(name)
     if rule is None:
       self.fail("this primitive")
@@ -317,7 +329,9 @@ class KernelGenerator:
     masks = [m for m in (structural, mask.typed if mask is not None else None) if m]
     args = ""
     if masks:
-      fill = other.typed if other is not None else "0"
+      # (Triton cannot cast an integer 0 to float8: those are filled with 0.0)
+      fill = other.typed if other is not None else \
+          "0.0" if ref.dtype.name.startswith("float8") else "0"
       args = f", mask={' & '.join(masks)}, other={fill}"
     return self.let(f"{ref.name}_load", f"tl.load({pointer}{args})", shape, ref.dtype)
 
@@ -423,6 +437,17 @@ class KernelGenerator:
     self._store(ref, [], init, None)
     return [ref]
 
+  def _empty_ref(self, eqn, ins):
+    """`jax.empty_ref(ty)`: a fresh ref whose contents are unspecified until written (zeros
+    where it lives in registers, whatever the workspace holds otherwise)."""
+    aval = eqn.outvars[0].aval.inner_aval
+    shape, dtype = tuple(aval.shape), np.dtype(aval.dtype)
+    if eqn.outvars[0] in self.promoted:
+      var = self.fresh("scoped")
+      self.line(f"{var} = {refs.zeros_like_ref(shape, dtype)}")
+      return [RegisterRef("scoped", var, shape, dtype)]
+    return [self.workspace_ref(self.fresh("scoped"), shape, dtype)]
+
   def workspace_ref(self, name: str, shape: tuple[int, ...], dtype: Any) -> MemoryRef:
     """A per-program buffer in the workspace (scratch that cannot live in registers)."""
     dtype = np.dtype(dtype)
@@ -504,7 +529,9 @@ class KernelGenerator:
             for n, v in zip(names, eqn.outvars)]
     order = list(range(len(branches) - 1, -1, -1)) if len(branches) == 2 else \
         list(range(len(branches)))
+    before, counts = self.semaphores.snapshot(), []
     for k, b in enumerate(order):
+      self.semaphores.restore(before)
       if len(branches) == 2:
         header = f"if {index.typed} != 0:" if k == 0 else "else:"
       else:
@@ -516,8 +543,10 @@ class KernelGenerator:
         self.last_source = None
         results = self.run(branch.jaxpr, branch.consts, operands)
         self._bind_outputs(names, [self._full(r, o.shape, o.dtype) for r, o in zip(results, outs)])
+      counts.append(self.semaphores.snapshot())
       if header == "else:" and self.lines[mark + 1:] == ["    " * (self.depth + 1) + "pass"]:
         del self.lines[mark:]     # an empty else branch (pl.when)
+    dmas.branches_agree(self, eqn, counts)
     return outs
 
   def _carry_vars(self, prefix: str, values: list[Value], avals: list[Any]) -> list[Value]:
@@ -542,6 +571,7 @@ class KernelGenerator:
     go = self.fresh("keep_going")
     (first,) = self.run(cond_jaxpr, cond_consts, [*cconsts, *carry])
     self.line(f"{go} = {first.typed}")
+    before = self.semaphores.snapshot()
     with self.block(f"while {go}:"):
       self.last_source = None
       new = self.run(body_jaxpr, body_consts, [*bconsts, *carry])
@@ -549,6 +579,7 @@ class KernelGenerator:
                          [self._full(n, c.shape, c.dtype) for n, c in zip(new, carry)])
       (again,) = self.run(cond_jaxpr, cond_consts, [*cconsts, *carry])
       self.line(f"{go} = {again.typed}")
+    dmas.iteration_keeps_counts(self, eqn, before, self.semaphores.snapshot())
     return carry
 
   def _counted_while(self, eqn, body_jaxpr, body_consts, bconsts, init, index: int,
@@ -566,6 +597,7 @@ class KernelGenerator:
                                               [avals[k] for k in others])))
     step = self.fresh("step")
     carry[bound] = end
+    before = self.semaphores.snapshot()
     with self.block(f"for {step} in range({_range_bound(start)}, {_range_bound(end)}):"):
       # (Triton's interpreter counts in Python ints: the index made a tensor.)
       carry[index] = self.let("index", f"tl.cast({step}, tl.int32)", (), np.int32)
@@ -574,6 +606,7 @@ class KernelGenerator:
       new = self.run(body_jaxpr, body_consts, [*bconsts, *inner])
       self._bind_outputs([carry[k].expr for k in others],
                          [self._full(new[k], carry[k].shape, carry[k].dtype) for k in others])
+    dmas.iteration_keeps_counts(self, eqn, before, self.semaphores.snapshot())
     # After `while i < n: i += 1`, i is max(i0, n) (dead code unless the kernel reads it).
     carry[index] = self.let("final_index", f"tl.maximum({start.typed}, {end.typed})", (),
                             avals[index].dtype)
@@ -586,11 +619,13 @@ class KernelGenerator:
     length, reverse = eqn.params["length"], eqn.params["reverse"]
     carry = self._carry_vars("carry", ins[n_consts:], [v.aval for v in eqn.outvars])
     step = self.fresh("step")
+    before = self.semaphores.snapshot()
     with self.block(f"for {step} in range({length}):"):
       self.last_source = None
       new = self.run(jaxpr, consts, [*ins[:n_consts], *carry])
       self._bind_outputs([c.expr for c in carry],
                          [self._full(n, c.shape, c.dtype) for n, c in zip(new, carry)])
+    dmas.iteration_keeps_counts(self, eqn, before, self.semaphores.snapshot())
     del reverse  # the body reads no xs, so the direction does not matter
     return carry
 
@@ -645,7 +680,7 @@ def _identifier(name: str) -> str:
 
 def _param_names(kernel: KernelDescription) -> list[str]:
   gm = kernel.grid_mapping
-  names = []
+  names = [f"grid_size{a}" for a in gm.dynamic_axes]
   for i, _ in enumerate(gm.prefetch_avals):
     names.append(f"prefetch{i}")
   for kind, blocks in (("in", gm.inputs), ("out", gm.outputs)):
@@ -711,14 +746,18 @@ def generate(kernel: KernelDescription) -> GeneratedKernel:
   gm = kernel.grid_mapping
   schedule = make_schedule(kernel)
   gen = KernelGenerator(kernel)
+  # Parameters: grid sizes computed at run time, scalar prefetch, inputs, outputs.
+  n_dyn = len(gm.dynamic_axes)
   params = _param_names(kernel)
+  size_ptrs = [f"{p}_ptr" for p in params[:n_dyn]]
+  params = params[n_dyn:]
   n_pre, n_in, n_out = len(gm.prefetch_avals), len(gm.inputs), len(gm.outputs)
   ptrs = [f"{p}_ptr" for p in params]
   gen.input_pointers = {p: j for j, p in enumerate(ptrs[n_pre:n_pre + n_in])}
   pre_names, in_names, out_names = params[:n_pre], params[n_pre:n_pre + n_in], params[n_pre + n_in:]
   jaxpr = kernel.jaxpr.jaxpr
   g = len(gm.grid)
-  ref_invars = jaxpr.invars[g:]
+  ref_invars = jaxpr.invars[g + n_dyn:]
   out_invars = ref_invars[n_pre + n_in:n_pre + n_in + n_out]
   scratch_invars = ref_invars[n_pre + n_in + n_out:]
 
@@ -745,16 +784,24 @@ def generate(kernel: KernelDescription) -> GeneratedKernel:
     gen.line(f"#   {reason}")
   gen.line("pid = tl.program_id(0)")
   ids: list[Value] = [None] * g  # type: ignore
+  # sizes computed at run time, by axis
+  sizes = {a: gen.let(f"n{a}", f"tl.load({ptr})", (), np.int32)
+           for a, ptr in zip(gm.dynamic_axes, size_ptrs)}
+  strided = dict(schedule.strided)
+  lanes: dict[int, Value] = {}    # a program's first index along a strided axis
   stride = 1
   for a in reversed(schedule.parallel):
-    size = gm.grid[a]
+    size = schedule.programs_along(a)
     expr = "pid" if stride == 1 else f"(pid // {stride})"
     if stride * size < schedule.num_programs:
       expr = f"{expr} % {size}"
-    ids[a] = gen.let(f"i{a}", expr, (), np.int32)
+    if a in strided:
+      lanes[a] = gen.let(f"lane{a}", expr, (), np.int32) if size > 1 else constant(0, np.int32)
+    else:
+      ids[a] = gen.let(f"i{a}", expr, (), np.int32)
     stride *= size
   for a in schedule.sequential:
-    if gm.grid[a] <= 1:
+    if gm.grid[a] is not None and gm.grid[a] <= 1:
       ids[a] = constant(0, np.int32)
 
   prefetch = [MemoryRef(n, p, [ArrayDim(0, s, k, False, False, True) for s, k in
@@ -781,60 +828,74 @@ def generate(kernel: KernelDescription) -> GeneratedKernel:
     return _block_ref(gen, out_names[i], ptrs[n_pre + n_in + i], b, starts,
                       block_start_range(b, gm.grid, has_prefetch))
 
-  hoisted: dict[int, tuple[MemoryRef, RegisterRef]] = {}
-  zero_ids = [ids[a] if a in schedule.parallel or ids[a] is not None else constant(0, np.int32)
-              for a in range(g)]
-  for i in range(n_out):
-    if promoted_outputs[i] and schedule.resident_outputs[i]:
-      mem = output_block(i, zero_ids)
-      reg = RegisterRef(out_names[i], f"{out_names[i]}_block", mem.shape, mem.dtype)
-      gen.line(f"{reg.var} = {initial_block(i, mem)}")
-      hoisted[i] = (mem, reg)
-
-  # 3. the sequential loops and the kernel body.
-  loops = [a for a in schedule.sequential if gm.grid[a] > 1]
-  with contextlib.ExitStack() as stack:
-    for a in loops:
-      stack.enter_context(gen.block(f"for i{a} in range({gm.grid[a]}):  # grid axis {a} (sequential)"))
-      # (Triton's interpreter counts in Python ints: the index made a tensor.)
+  # 3. a parallel axis of run-time size: this program takes every
+  # programs_along(a)-th index, starting at its lane (see schedule.py).
+  with contextlib.ExitStack() as programs:
+    for a, n in schedule.strided:
+      programs.enter_context(gen.block(
+          f"for i{a} in range({_range_bound(lanes[a])}, {sizes[a].expr}, {n}):  "
+          f"# grid axis {a} (parallel, size at run time)"))
       ids[a] = gen.let(f"i{a}", f"tl.cast(i{a}, tl.int32)", (), np.int32)
-    gen.line("# block offsets of this grid step")
-    in_refs = []
-    for j, b in enumerate(gm.inputs):
-      starts = _block_starts(gen, b, in_names[j], ids, prefetch)
-      in_refs.append(_block_ref(gen, in_names[j], ptrs[n_pre + j], b, starts,
-                                block_start_range(b, gm.grid, has_prefetch)))
-    out_refs: list[Any] = []
-    per_step: list[tuple[MemoryRef, RegisterRef]] = []
+    hoisted: dict[int, tuple[MemoryRef, RegisterRef]] = {}
+    zero_ids = [ids[a] if a in schedule.parallel or ids[a] is not None else constant(0, np.int32)
+                for a in range(g)]
     for i in range(n_out):
-      if i in hoisted:
-        out_refs.append(hoisted[i][1])
-        continue
-      mem = output_block(i, ids)
-      if promoted_outputs[i]:
+      if promoted_outputs[i] and schedule.resident_outputs[i]:
+        mem = output_block(i, zero_ids)
         reg = RegisterRef(out_names[i], f"{out_names[i]}_block", mem.shape, mem.dtype)
         gen.line(f"{reg.var} = {initial_block(i, mem)}")
-        per_step.append((mem, reg))
-        out_refs.append(reg)
-      else:
-        out_refs.append(mem)
-    gen.line(f"# kernel body ({kernel.source})")
-    gen.last_source = None
-    gen.run(jaxpr, kernel.jaxpr.consts, [*ids, *prefetch, *in_refs, *out_refs, *scratch_refs])
-    gen.eqn = None
-    for mem, reg in per_step:
+        hoisted[i] = (mem, reg)
+
+    # 4. the sequential loops and the kernel body.
+    loops = [a for a in schedule.sequential if gm.grid[a] is None or gm.grid[a] > 1]
+    with contextlib.ExitStack() as stack:
+      for a in loops:
+        trips = gm.grid[a] if gm.grid[a] is not None else sizes[a].expr
+        stack.enter_context(gen.block(f"for i{a} in range({trips}):  # grid axis {a} (sequential)"))
+        # (Triton's interpreter counts in Python ints: the index made a tensor.)
+        ids[a] = gen.let(f"i{a}", f"tl.cast(i{a}, tl.int32)", (), np.int32)
+      gen.line("# block offsets of this grid step")
+      in_refs = []
+      for j, b in enumerate(gm.inputs):
+        starts = _block_starts(gen, b, in_names[j], ids, prefetch)
+        in_refs.append(_block_ref(gen, in_names[j], ptrs[n_pre + j], b, starts,
+                                  block_start_range(b, gm.grid, has_prefetch)))
+      out_refs: list[Any] = []
+      per_step: list[tuple[MemoryRef, RegisterRef]] = []
+      for i in range(n_out):
+        if i in hoisted:
+          out_refs.append(hoisted[i][1])
+          continue
+        mem = output_block(i, ids)
+        if promoted_outputs[i]:
+          reg = RegisterRef(out_names[i], f"{out_names[i]}_block", mem.shape, mem.dtype)
+          gen.line(f"{reg.var} = {initial_block(i, mem)}")
+          per_step.append((mem, reg))
+          out_refs.append(reg)
+        else:
+          out_refs.append(mem)
+      gen.line(f"# kernel body ({kernel.source})")
+      gen.last_source = None
+      gen.run(jaxpr, kernel.jaxpr.consts, [*ids, *sizes.values(), *prefetch, *in_refs,
+                                           *out_refs, *scratch_refs])
+      gen.eqn = None
+      if None in gm.grid or math.prod(gm.grid) > 1:
+        dmas.check_step_end(gen)
+      for mem, reg in per_step:
+        gen._store(mem, [], reg.value, None)
+    for i, (mem, reg) in sorted(hoisted.items()):
       gen._store(mem, [], reg.value, None)
-  for i, (mem, reg) in sorted(hoisted.items()):
-    gen._store(mem, [], reg.value, None)
 
   # Assemble the module.
   fn_name = _identifier(kernel.name)
-  # Operands first, then results, as XLA hands buffers to the custom call:
-  # prefetch, inputs, closed-over constants, outputs, workspace, check flags.
+  # Operands first, then results, as XLA hands buffers to the custom call: grid sizes
+  # computed at run time, prefetch, inputs, closed-over constants, outputs, workspace,
+  # check flags.
   const_ptrs = [f"const{k}_ptr" for k in range(len(gen.constants))]
-  parameters = ptrs[:n_pre + n_in] + const_ptrs + ptrs[n_pre + n_in:]
+  parameters = size_ptrs + ptrs[:n_pre + n_in] + const_ptrs + ptrs[n_pre + n_in:]
   dtypes = dict(zip(ptrs, [*gm.prefetch_avals, *gm.inputs, *gm.outputs]))
   dtypes.update(zip(const_ptrs, gen.constants))
+  dtypes.update((p, np.zeros((), np.int32)) for p in size_ptrs)
   signature = {p: "*" + signature_dtype(dtypes[p].dtype) for p in parameters}
   if gen.workspace_bytes:
     parameters.append("workspace_ptr")

@@ -224,7 +224,7 @@ def _run(generated: Any, operands: Sequence[np.ndarray],
   gm = generated.kernel.grid_mapping
   fn = getattr(load_module(generated.source, True), generated.function_name)
   ins = [_contiguous(_widen(np.asarray(a))) for a in operands]
-  n_pre = len(gm.prefetch_avals)
+  n_pre = len(gm.dynamic_axes) + len(gm.prefetch_avals)   # operands before the inputs
   for j in generated.written_inputs:   # never write into the caller's (JAX's) buffers
     ins[n_pre + j] = np.array(ins[n_pre + j], copy=True)
   by_output = {o: i for i, o in aliases.items()}
@@ -242,7 +242,7 @@ def _run(generated: Any, operands: Sequence[np.ndarray],
       [HostTensor(b.array) for b in buffers] + \
       ([HostTensor(flags)] if flags.size else []) + \
       [HostTensor(ins[n_pre + j]) for j in generated.written_inputs]
-  if generated.schedule.num_programs and all(gm.grid):
+  if generated.schedule.num_programs and 0 not in gm.grid:
     fn[generated.launch_grid](*args)
   for b, what in zip(buffers, [o.origin for o in gm.outputs] + ["the workspace"]):
     b.check(generated.kernel, what)

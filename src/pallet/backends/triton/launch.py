@@ -65,7 +65,7 @@ def lower_gpu(ctx: Any, *args: Any, kernel: KernelDescription, platform: str) ->
   from pallet.backends.triton import generated
   gm = kernel.grid_mapping
   gen = generated(kernel)
-  if gen.schedule.num_programs == 0 or not all(gm.grid):
+  if gen.schedule.num_programs == 0 or 0 in gm.grid:
     return _no_programs(ctx, *args, kernel=kernel)
   library = _kernel_call_library(kernel, platform)
   target = target_for(kernel, platform, library)
@@ -102,7 +102,7 @@ def lower_gpu(ctx: Any, *args: Any, kernel: KernelDescription, platform: str) ->
     out_avals.append(jax.core.ShapedArray((len(gen.check_messages),), jnp.int32))
   in_avals = list(ctx.avals_in) + [jax.core.ShapedArray(c.shape, c.dtype)
                                    for c in gen.constants]
-  n_pre = len(gm.prefetch_avals)
+  n_pre = len(gm.dynamic_axes) + len(gm.prefetch_avals)   # operands before the inputs
   aliases = {n_pre + i: o for i, o in kernel.input_output_aliases}
   for j in gen.written_inputs:
     aliases[n_pre + j] = len(out_avals)
@@ -166,7 +166,7 @@ def _hsaco_path(compiled: Any) -> str:
 def _no_programs(ctx: Any, *args: Any, kernel: KernelDescription) -> list:
   """A grid with no steps writes nothing: outputs are their aliased inputs or zeros."""
   gm = kernel.grid_mapping
-  n_pre = len(gm.prefetch_avals)
+  n_pre = len(gm.dynamic_axes) + len(gm.prefetch_avals)
   by_output = {o: i for i, o in kernel.input_output_aliases}
 
   def empty(*operands):

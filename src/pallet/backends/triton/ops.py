@@ -20,6 +20,7 @@ from pallet.backends.triton.values import (Value, bit_width, constant,
 
 Rule = Callable[..., list[Value]]
 RULES: dict[str, Rule] = {}
+_FLOAT8 = ("float8_e4m3fn", "float8_e5m2")
 
 
 def rule(*names: str) -> Callable[[Rule], Rule]:
@@ -250,13 +251,20 @@ def _bit_count(gen, eqn, x):
 @rule("convert_element_type")
 def _convert(gen, eqn, x):
   shape, dtype = _out(eqn)
+  return [converted(gen, x, dtype, shape)]
+
+
+def converted(gen, x: Value, dtype: Any, shape: tuple | None = None) -> Value:
+  """`x` as `dtype` (as lax.convert_element_type converts)."""
+  dtype = np.dtype(dtype)
+  shape = x.shape if shape is None else shape
   if x.is_constant:
-    return [constant(np.asarray(x.constant).astype(dtype).item(), dtype, shape)]
+    return constant(np.asarray(x.constant).astype(dtype).item(), dtype, shape)
   if x.dtype == dtype:
-    return [x]
-  if np.dtype(dtype).name.startswith("float8"):
-    return [_to_float8(gen, x, shape, dtype)]
-  return [gen.let("convert", f"{x.expr}.to({tl_dtype(dtype)})", shape, dtype)]
+    return x
+  if dtype.name.startswith("float8"):
+    return _to_float8(gen, x, shape, dtype)
+  return gen.let("convert", f"{x.expr}.to({tl_dtype(dtype)})", shape, dtype)
 
 
 def _to_float8(gen, x: Value, shape: tuple, dtype: np.dtype) -> Value:
@@ -724,9 +732,22 @@ _REDUCERS = {
 }
 
 
-@rule(*_REDUCERS)
-def _reduce(gen, eqn, x):
-  shape, dtype = _out(eqn)
+def _in_float32_for_float8(rule_body: Callable[..., Value]) -> Rule:
+  """A reduction or scan rule whose float8 operands are computed in float32:
+  float8_e4m3fn has no infinity to pad a max or min with (it would become NaN), and
+  Triton reduces 8-bit floats through wider types anyway. Exact: float32 holds every
+  float8 value."""
+  def apply(gen, eqn, x):
+    shape, dtype = _out(eqn)
+    if x.dtype.name not in _FLOAT8:
+      return [rule_body(gen, eqn, x, shape, dtype)]
+    wide = np.dtype(np.float32) if dtype == x.dtype else dtype
+    out = rule_body(gen, eqn, converted(gen, x, np.float32), shape, wide)
+    return [converted(gen, out, dtype, shape)]
+  return apply
+
+
+def _reduce(gen, eqn, x, shape, dtype) -> Value:
   kind, template = _REDUCERS[eqn.primitive.name]
   for helper in ("_multiply", "_bitwise_and", "_bitwise_or", "_bitwise_xor"):
     if helper in template:
@@ -743,12 +764,13 @@ def _reduce(gen, eqn, x):
     expr = f"({expr}).to(tl.int1)"
   elif dtype.name in ("float16", "bfloat16", "int8", "int16", "uint8", "uint16"):
     expr = f"({expr}).to({tl_dtype(dtype)})"   # tl.sum widens small types
-  return [gen.let(eqn.primitive.name, expr, shape, dtype)]
+  return gen.let(eqn.primitive.name, expr, shape, dtype)
 
 
-@rule("argmax", "argmin")
-def _arg_reduce(gen, eqn, x):
-  shape, dtype = _out(eqn)
+rule(*_REDUCERS)(_in_float32_for_float8(_reduce))
+
+
+def _arg_reduce(gen, eqn, x, shape, dtype) -> Value:
   (axis,) = eqn.params["axes"]
   kind = eqn.primitive.name
   x = gen.mask_padding(x, [axis], _identity("max" if kind == "argmax" else "min", x.dtype))
@@ -756,7 +778,10 @@ def _arg_reduce(gen, eqn, x):
   if is_bool(x.dtype):
     src = f"{src}.to(tl.int32)"
   expr = f"tl.{kind}({src}, axis={axis}, tie_break_left=True).to({tl_dtype(dtype)})"
-  return [gen.let(kind, expr, shape, dtype)]
+  return gen.let(kind, expr, shape, dtype)
+
+
+rule("argmax", "argmin")(_in_float32_for_float8(_arg_reduce))
 
 
 _SCANS = {"cumsum": ("sum", "tl.cumsum({x}, axis={a}, reverse={r})"),
@@ -765,9 +790,7 @@ _SCANS = {"cumsum": ("sum", "tl.cumsum({x}, axis={a}, reverse={r})"),
           "cummin": ("min", "tl.associative_scan({x}, {a}, _minimum, reverse={r})")}
 
 
-@rule(*_SCANS)
-def _cumulative(gen, eqn, x):
-  shape, dtype = _out(eqn)
+def _cumulative(gen, eqn, x, shape, dtype) -> Value:
   kind, template = _SCANS[eqn.primitive.name]
   for helper in ("_maximum", "_minimum"):
     if helper in template:
@@ -780,7 +803,10 @@ def _cumulative(gen, eqn, x):
   expr = template.format(x=src, a=axis, r=reverse)
   if dtype.name in ("float16", "bfloat16", "int8", "int16", "uint8", "uint16", "bool"):
     expr = f"({expr}).to({tl_dtype(dtype)})"
-  return [gen.let(eqn.primitive.name, expr, shape, dtype)]
+  return gen.let(eqn.primitive.name, expr, shape, dtype)
+
+
+rule(*_SCANS)(_in_float32_for_float8(_cumulative))
 
 
 # ------------------------------------------------------------------ dot_general
@@ -789,6 +815,9 @@ _PRECISIONS = {"HIGHEST": "ieee", "HIGH": "tf32x3", "DEFAULT": "tf32"}
 # kernel and its jax.numpy twin round float32 inputs alike (unset: TF32, XLA's GPU default).
 _CONFIG_PRECISIONS = {"highest": "ieee", "float32": "ieee", "high": "tf32x3",
                       "bfloat16_3x": "tf32x3", "tensorfloat32": "tf32"}
+# Dot algorithms (lax.DotAlgorithmPreset) that are a float32 input precision.
+_ALGORITHM_PRECISIONS = {"TF32_TF32_F32": "tf32", "TF32_TF32_F32_X3": "tf32x3",
+                         "F32_F32_F32": "ieee"}
 
 
 def input_precision(precision: Any, a: Value, b: Value) -> str | None:
@@ -799,22 +828,73 @@ def input_precision(precision: Any, a: Value, b: Value) -> str | None:
   for p in (precision if isinstance(precision, tuple) else (precision,)):
     if p is not None:
       names.append(getattr(p, "name", str(p)).upper())
+  if names and names[0] in _ALGORITHM_PRECISIONS:
+    return _ALGORITHM_PRECISIONS[names[0]]
+  names = [n for n in names if n in _PRECISIONS]
   if not names:
     return _CONFIG_PRECISIONS.get(str(jax.config.jax_default_matmul_precision).lower(), "tf32")
   best = max(names, key=["DEFAULT", "HIGH", "HIGHEST"].index)
   return _PRECISIONS.get(best, "ieee")
 
 
+def _check_dot_algorithm(gen, precision: Any) -> None:
+  """Dot algorithms other than a float32 input precision (which convert operands to
+  other types and accumulate in them) are refused rather than approximated."""
+  name = getattr(precision, "name", None)
+  if isinstance(precision, tuple) or name is None or name == "DEFAULT":
+    return
+  if name not in _ALGORITHM_PRECISIONS:
+    gen.fail(f"a dot with the algorithm {name} (the Triton backend takes the float32 "
+             f"algorithms {sorted(_ALGORITHM_PRECISIONS)}, or a lax.Precision)")
+
+
+# What tl.dot multiplies on tensor cores: two operands of one of these dtypes, or any
+# two float8 types.
+_TENSOR_CORE_DTYPES = ("int8", "float16", "bfloat16", "float32", "float8_e4m3fn",
+                       "float8_e5m2")
+# Dtypes every value of which a 16-bit float holds exactly.
+_EXACT_IN = {"bfloat16": ("bfloat16", "int8", "uint8", "bool") + _FLOAT8,
+             "float16": ("float16", "int8", "uint8", "bool") + _FLOAT8}
+
+
+def dot_operand_dtypes(a: np.dtype, b: np.dtype, out: np.dtype) -> tuple[np.dtype, np.dtype]:
+  """The dtypes a dot of `a` by `b` giving `out` multiplies in, as XLA's dot on CPU and
+  GPU does: operands of one dtype, and two float8 types, as they are; any other mixed
+  pair (bf16 activations by int8 weights) converted to the result dtype. A float32
+  result of two operands that a 16-bit float holds exactly (bf16 x int8, fp16 x int8,
+  int8 x float8) multiplies in that 16-bit float instead: the products are exact either
+  way, accumulated in float32 either way, and tensor cores take 16-bit floats."""
+  a, b, out = np.dtype(a), np.dtype(b), np.dtype(out)
+  if a == b or (a.name in _FLOAT8 and b.name in _FLOAT8):
+    return a, b
+  if out.name == "float32":
+    for narrow in ("bfloat16", "float16"):
+      if narrow in (a.name, b.name) and all(d.name in _EXACT_IN[narrow] for d in (a, b)):
+        return (_named_dtype(narrow),) * 2
+    if all(d.name in _EXACT_IN["bfloat16"] for d in (a, b)):
+      return (_named_dtype("bfloat16"),) * 2
+  return out, out
+
+
+def _named_dtype(name: str) -> np.dtype:
+  return np.dtype(getattr(jax.numpy, name))
+
+
 @rule("dot_general")
 def _dot_general(gen, eqn, a, b):
   shape, dtype = _out(eqn)
   (ca, cb), (ba, bb) = eqn.params["dimension_numbers"]
-  if any(np.issubdtype(v.dtype, np.unsignedinteger) for v in (a, b)):
-    gen.fail(f"a dot of unsigned integers ({a.dtype} x {b.dtype}; Triton's dot takes "
-             f"floats and signed int8)")
   if len(ca) != 1 or len(cb) != 1 or len(ba) > 1:
     gen.fail(f"dot_general with dimension numbers {eqn.params['dimension_numbers']}: "
              f"the Triton backend contracts one dimension, with at most one batch dimension")
+  precision = eqn.params.get("precision")
+  _check_dot_algorithm(gen, precision)
+  wanted = dot_operand_dtypes(a.dtype, b.dtype, dtype)
+  if any(np.issubdtype(d, np.unsignedinteger) for d in wanted):
+    gen.fail(f"a dot of unsigned integers ({a.dtype} x {b.dtype}; Triton's dot takes "
+             f"floats and signed int8)")
+  given = f"a dot of {a.dtype} by {b.dtype} giving {dtype}"
+  a, b = converted(gen, a, wanted[0]), converted(gen, b, wanted[1])
   # Bring both operands to (batch, M, K) x (batch, K, N).
   def arrange(v, contract, batch, lhs):
     free = [d for d in range(len(v.shape)) if d not in (contract, *batch)]
@@ -833,16 +913,25 @@ def _dot_general(gen, eqn, a, b):
     # Padding along K must be zero in both operands, or it pollutes every sum.
     a2 = gen.mask_padding(a2, [len(a2.shape) - 1], "0")
     b2 = gen.mask_padding(b2, [len(b2.shape) - 2], "0")
-  acc = np.dtype(np.float32) if is_float(dtype) or is_float(a.dtype) else np.dtype(np.int32)
-  if dtype.name == "float64":
-    acc = dtype
+  # Integers accumulate in int32 (Triton's int8 dot gives int32), floats in float32.
+  operands_float = is_float(a.dtype) or is_float(b.dtype)
+  acc = np.dtype(np.float32) if operands_float else np.dtype(np.int32)
+  if np.dtype(np.float64) in (dtype, a.dtype, b.dtype) and operands_float:
+    acc = np.dtype(np.float64)
   m, n = a2.tensor_shape[-2], b2.tensor_shape[-1]
   kt = a2.tensor_shape[-1]
   prod_shape = a2.shape[:-1] + (b2.shape[-1],)
   # Tensor-core dots need M, N >= 16 and K >= 16 (K >= 32 for 8-bit operands).
   min_k = 32 if max(a2.dtype.itemsize, b2.dtype.itemsize) == 1 else 16
   if min(m, n) >= 16 and kt >= min_k and acc.name != "float64":
-    prec = input_precision(eqn.params.get("precision"), a, b)
+    both = (a2.dtype.name, b2.dtype.name)
+    if not all(d in _TENSOR_CORE_DTYPES for d in both) or (
+        a2.dtype != b2.dtype and not all(d in _FLOAT8 for d in both)):
+      gen.fail(f"{given} (multiplied as {a.dtype} by {b.dtype}, blocks of {a2.shape} by "
+               f"{b2.shape}; Triton's dot multiplies int8, float16, bfloat16, float32 and "
+               f"float8 blocks, so convert the operands to one of those, int8 only where "
+               f"their values fit)")
+    prec = input_precision(precision, a2, b2)
     extra = f", input_precision=\"{prec}\"" if prec else ""
     expr = f"tl.dot({a2.typed}, {b2.typed}, out_dtype={tl_dtype(acc)}{extra})"
   else:
@@ -854,9 +943,7 @@ def _dot_general(gen, eqn, a, b):
   out = gen.let("dot", expr, prod_shape, acc)
   if not a_free or not b_free:
     out = _reshape(gen, out, shape, "dot")
-  if dtype != acc:
-    out = gen.let("dot", f"{out.expr}.to({tl_dtype(dtype)})", shape, dtype)
-  return [out]
+  return [converted(gen, out, dtype, shape)]
 
 
 def _transpose_value(gen, v: Value, order: list[int]) -> Value:

@@ -83,7 +83,9 @@ def signature_dtype(dtype: Any) -> str:
 
 
 def is_float(dtype: Any) -> bool:
-  return np.issubdtype(np.dtype(dtype), np.floating) or np.dtype(dtype).name == "bfloat16"
+  """Floating point, bfloat16 and float8 included (NumPy knows neither as floating)."""
+  import jax.numpy as jnp
+  return bool(jnp.issubdtype(np.dtype(dtype), jnp.floating))
 
 
 def is_int(dtype: Any) -> bool:
