@@ -106,6 +106,9 @@ def grad_of_all_gather():
     loss = lambda f: (lambda v: jnp.sum(f(v).reshape(w.shape) * w))
     close(jax.grad(loss(ours))(x), jax.grad(loss(ref))(x), rtol=1e-5, atol=1e-5)
     close(jax.jit(jax.grad(loss(ours)))(x), jax.grad(loss(ref))(x), rtol=1e-5, atol=1e-5)
+  xs = random((3, N * 8, 128), 14)      # and vmap over a batch of inputs
+  close(jax.vmap(on_mesh(ring_all_gather, P("x"), P("x")))(xs),
+        jax.vmap(on_mesh(lambda v: lax.all_gather(v, "x"), P("x"), P("x")))(xs), rtol=0, atol=0)
 
 
 # ------------------------------------------------------------------ barrier, then exchange
@@ -383,6 +386,29 @@ def deadlock_and_ordering_errors():
                 f"remote_dma_cases.py:{line_of('# WAITS FOR A LATER SIGNAL')}", "lockstep")
   run_expecting(on_mesh(call(off_the_mesh, [pltpu.SemaphoreType.DMA] * 2), P("x"), P("x")), x,
                 "kernel 'off_the_mesh'", "outside the axis (size 4)")
+
+
+def reads_past_the_end_on_device_2(x_ref, o_ref, sem):
+  me, right, left = neighbours()
+
+  @pl.when(me == 2)
+  def _():
+    o_ref[0, 0] = x_ref[100, 0]  # OUT OF BOUNDS ON ONE DEVICE
+  barrier_with(left, right)
+
+
+@case
+def checking_mode_on_every_device():
+  """Checking mode's bounds checks run on each device (the others read in bounds)."""
+  x = random((N * 8, 128), 15)
+  checked = lambda v: pl.pallas_call(
+      reads_past_the_end_on_device_2, out_shape=jax.ShapeDtypeStruct(v.shape, v.dtype),
+      in_specs=[VMEM], out_specs=VMEM, scratch_shapes=[pltpu.SemaphoreType.REGULAR],
+      interpret=pl.InterpretParams(out_of_bounds_reads="raise",
+                                   uninitialized_memory="zero"))(v)
+  run_expecting(on_mesh(checked, P("x"), P("x")), x,
+                "out_of_bounds in kernel 'reads_past_the_end_on_device_2'",
+                f"remote_dma_cases.py:{line_of('# OUT OF BOUNDS ON ONE DEVICE')}")
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxprs_in_params
 
 from pallet import _internals as internals
 from pallet import checks, dma, lockstep_ops, ref_views, remote, trace_cache
@@ -141,7 +141,7 @@ class _Lockstep:
       if (eqn.effects or name in dma.DMA_PRIMITIVE_NAMES or name == "axis_index"
           or any(isinstance(v.aval, internals.AbstractRef) for v in eqn.invars)):
         return True
-      if any(self._needs_lockstep(s) for s in _sub_jaxprs_of(eqn)):
+      if any(self._needs_lockstep(s) for s in jaxprs_in_params(eqn.params)):
         return True
     return False
 
@@ -182,7 +182,7 @@ class _Lockstep:
     if prim.ref_allocating:
       return [self.allocate(eqn, ins)]
     has_refs = any(isinstance(v, _Ref) for v in ins)
-    subs = _sub_jaxprs_of(eqn)
+    subs = list(jaxprs_in_params(eqn.params))
     if subs and (has_refs or any(self._needs_lockstep(s) for s in subs)):
       if name == "cond":
         return self.cond(eqn, ins, mask)
@@ -412,17 +412,6 @@ class _Lockstep:
     carry, ys = lax.scan(body, init, xs, length=eqn.params["length"],
                          reverse=eqn.params["reverse"])
     return [_Val(c, True) for c in carry] + [_Val(jnp.moveaxis(y, 0, 1), True) for y in ys]
-
-
-def _sub_jaxprs_of(eqn: Any) -> list[Jaxpr]:
-  subs = []
-  for value in eqn.params.values():
-    for v in (value if isinstance(value, (tuple, list)) else (value,)):
-      if isinstance(v, ClosedJaxpr):
-        subs.append(v.jaxpr)
-      elif isinstance(v, Jaxpr):
-        subs.append(v)
-  return subs
 
 
 # ------------------------------------------------------------------ the mesh kernel

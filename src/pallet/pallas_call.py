@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import warnings
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
@@ -207,21 +206,17 @@ def _launch(kernel, name, args, out_shape, grid, dynamic_sizes, in_specs, out_sp
   sizes = [jnp.asarray(d, jnp.int32) for d in dynamic_sizes]
   bounded_slices.check(description, flat_prefetch)
   flat_args = [*flat_args, *closed_over.operands(description)]
+  bind = functools.partial(pallas_call_p.bind, name=name, backend=backend_name,
+                           interpret=interpret)
   if mesh_launch.talks_to_devices(description):
-    if check_options is not None:
-      warnings.warn(f"pallas_call of kernel '{name}': checking mode does not instrument "
-                    f"kernels that talk to other devices; it ran unchecked", stacklevel=3)
     # The whole mesh in lockstep, on the XLA backend (see pallet/mesh_launch.py).
-    results = mesh_launch.launch(description, [*sizes, *flat_prefetch, *flat_args],
-                                 lambda k, a: pallas_call_p.bind(
-                                     *a, kernel=k, name=name, backend="xla",
-                                     interpret=interpret))
-  elif check_options is None:
-    results = pallas_call_p.bind(*sizes, *flat_prefetch, *flat_args, kernel=description,
-                                 name=name, backend=backend_name, interpret=interpret)
+    backend_name = "xla"
+    bind = functools.partial(mesh_launch.launch, bind=functools.partial(
+        pallas_call_p.bind, name=name, backend=backend_name, interpret=interpret))
+    check_options = mesh_launch.checks_that_apply(check_options, name)
+  if check_options is None:
+    results = bind(*sizes, *flat_prefetch, *flat_args, kernel=description)
   else:
-    bind = functools.partial(pallas_call_p.bind, name=name, backend=backend_name,
-                             interpret=interpret)
     results = checking.run(description, check_options, gm_lib.kernel_parameter_names(kernel),
                            bind, sizes, flat_prefetch, flat_args, backend_name)
   results = closed_over.write_back(description, results)

@@ -19,7 +19,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.extend.core import Primitive, subjaxprs
+from jax.extend.core import Literal, Primitive, jaxprs_in_params, subjaxprs
 
 from pallet import _internals as internals
 from pallet import checks, device_ids, dma, primitives
@@ -46,11 +46,41 @@ def uses_remote(jaxpr: Any) -> bool:
           or any(uses_remote(sub) for sub in subjaxprs(jaxpr)))
 
 
-def target_axes(jaxpr: Any) -> frozenset:
-  """The mesh axes along which some remote operation of `jaxpr` reaches another device."""
-  axes = {a for e in jaxpr.eqns if e.primitive in REMOTE_PRIMITIVES
-          for a in e.params.get("axes", ())}
-  return frozenset(axes).union(*(target_axes(sub) for sub in subjaxprs(jaxpr)))
+def target_axes(jaxpr: Any, own: dict | None = None) -> frozenset:
+  """The mesh axes along which some remote operation of `jaxpr` reaches another device.
+  A coordinate that is this device's own, `lax.axis_index` of that very axis (as in
+  `device_id=(lax.axis_index("y"), neighbour)`), does not move; `own` maps such
+  variables of `jaxpr` to their axis."""
+  own = dict(own or {})
+  axes = set()
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "axis_index" and not isinstance(eqn.params["axis_name"], tuple):
+      own[eqn.outvars[0]] = eqn.params["axis_name"]
+    if eqn.primitive in (remote_copy_p, remote_signal_p):
+      axes.update(a for a, c in zip(eqn.params["axes"], _coordinates(eqn))
+                  if isinstance(c, Literal) or own.get(c) != a)
+    for sub, sub_own in _nested(eqn, own):
+      axes |= target_axes(sub, sub_own)
+  return frozenset(axes)
+
+
+def _coordinates(eqn: Any) -> tuple:
+  if eqn.primitive is remote_copy_p:
+    return jax.tree_util.tree_unflatten(eqn.params["tree"], eqn.invars)[_COORDS]
+  return jax.tree_util.tree_unflatten(eqn.params["tree"], eqn.invars[:-1])[2]
+
+
+def _nested(eqn: Any, own: dict) -> list[tuple[Any, dict]]:
+  """Each jaxpr nested in `eqn`, with what `own` says about its inputs (the branches of
+  a cond and calls receive the equation's operands; loops are not followed)."""
+  subs = list(jaxprs_in_params(eqn.params))
+  name = eqn.primitive.name
+  operands = (eqn.invars[1:] if name == "cond" else
+              eqn.invars if len(subs) == 1 and name not in ("scan", "while") else None)
+  if operands is None:
+    return [(sub, {}) for sub in subs]
+  return [(sub, {v: own[o] for v, o in zip(sub.invars, operands)
+                 if not isinstance(o, Literal) and o in own}) for sub in subs]
 
 
 def _outside_the_mesh(*args, **params):
