@@ -311,6 +311,46 @@ def control_flow_that_differs_between_devices():
   np.testing.assert_array_equal(counts, [(d - 1) % N + 1 for d in range(N)])
 
 
+def handshake_kernel(x_ref, o_ref, sem, send_sem, recv_sem):
+  """Device 0 waits for device 1's signal, which device 1 sends in a later `pl.when`,
+  then sends its block to device 1; device 1 waits for it and answers with its own:
+  each device's program reads top to bottom, the devices run concurrently (even
+  devices likewise ask their right neighbour, who waits for the question)."""
+  me = lax.axis_index("x")
+  partner = jnp.where(lax.rem(me, 2) == 0, me + 1, me - 1)
+
+  @pl.when(lax.rem(me, 2) == 0)
+  def _():
+    pl.semaphore_wait(sem, 1)                                    # the partner is ready
+    pltpu.make_async_remote_copy(x_ref, o_ref, send_sem, recv_sem, device_id=partner).start()
+    pltpu.make_async_remote_copy(x_ref, o_ref, send_sem, recv_sem,
+                                 device_id=partner).wait()       # its answer arrived
+
+  @pl.when(lax.rem(me, 2) == 1)
+  def _():
+    pl.semaphore_signal(sem, 1, device_id=partner)
+    copy = pltpu.make_async_remote_copy(x_ref, o_ref, send_sem, recv_sem, device_id=partner)
+    copy.wait_recv()                                             # the question arrived
+    copy.start()
+    copy.wait_send()
+
+
+@case
+def devices_that_wait_for_a_later_branch():
+  x = random((N * 8, 128), 16)
+  f = lambda v: pl.pallas_call(
+      handshake_kernel, out_shape=jax.ShapeDtypeStruct(v.shape, v.dtype),
+      in_specs=[ANY], out_specs=ANY,
+      scratch_shapes=[pltpu.SemaphoreType.REGULAR] + [pltpu.SemaphoreType.DMA] * 2,
+      interpret=True)(v)
+  swap = [(i, i ^ 1) for i in range(N)]
+  want = on_mesh(lambda v: lax.ppermute(v, "x", swap), P("x"), P("x"))(x)
+  close(on_mesh(f, P("x"), P("x"))(x), want, rtol=0, atol=0)
+  close(jax.grad(lambda v: jnp.sum(on_mesh(f, P("x"), P("x"))(v) * want))(x),
+        jax.grad(lambda v: jnp.sum(on_mesh(lambda u: lax.ppermute(u, "x", swap), P("x"),
+                                           P("x"))(v) * want))(x), rtol=1e-6, atol=1e-6)
+
+
 # ------------------------------------------------------------------ JAX's example kernel
 @case
 def jax_all_gather_op():
@@ -346,15 +386,19 @@ def never_signalled(x_ref, o_ref, sem):
   pl.semaphore_wait(sem, 1)  # WAITS FOREVER
 
 
-def waits_for_a_later_signal(x_ref, o_ref):
-  """Device 0 waits for device 1, which signals it only in a later `pl.when`: a TPU
-  runs this (the devices run concurrently), lockstep cannot order it."""
+def waits_in_a_loop_for_a_later_signal(x_ref, o_ref):
+  """Device 0 waits, inside a loop, for device 1, which signals only after the loop: a
+  TPU runs this (device 1 skips the wait and runs ahead), lockstep cannot order it
+  (a loop runs whole, for every device at once)."""
   me = lax.axis_index("x")
   sem = pltpu.get_barrier_semaphore()
 
-  @pl.when(me == 0)
-  def _():
-    pl.semaphore_wait(sem, 1)  # WAITS FOR A LATER SIGNAL
+  def body(i, carry):
+    @pl.when(me == 0)
+    def _():
+      pl.semaphore_wait(sem, 1)  # WAITS FOR A LATER SIGNAL
+    return carry
+  lax.fori_loop(0, 1, body, 0)
 
   @pl.when(me == 1)
   def _():
@@ -381,8 +425,8 @@ def deadlock_and_ordering_errors():
   run_expecting(on_mesh(call(lonely, [pltpu.SemaphoreType.REGULAR] * 2), P("x"), P("x")), x,
                 "semaphore_wait in kernel 'lonely'",
                 f"remote_dma_cases.py:{line_of('# WAITS FOREVER')}", "would hang")
-  run_expecting(on_mesh(call(waits_for_a_later_signal, []), P("x"), P("x")), x,
-                "semaphore_wait in kernel 'waits_for_a_later_signal'",
+  run_expecting(on_mesh(call(waits_in_a_loop_for_a_later_signal, []), P("x"), P("x")), x,
+                "semaphore_wait in kernel 'waits_in_a_loop_for_a_later_signal'",
                 f"remote_dma_cases.py:{line_of('# WAITS FOR A LATER SIGNAL')}", "lockstep")
   run_expecting(on_mesh(call(off_the_mesh, [pltpu.SemaphoreType.DMA] * 2), P("x"), P("x")), x,
                 "kernel 'off_the_mesh'", "outside the axis (size 4)")

@@ -17,15 +17,17 @@ device on its own entry.
   index runs every branch, each with the mask of the devices that take it, and
   selects the values; a `while` with a batched condition runs until no device
   continues, each device stopping where its own loop would. A `cond` on a shared
-  index stays a `cond`; loops with static trip counts stay `scan`s.
+  index stays a `cond`; loops with static trip counts stay `scan`s. Branches that
+  wait are ordered by `lockstep_schedule`: devices in different branches each run
+  as far as they can before waiting.
 * Remote copies, remote signals and waits become the `lockstep_ops` primitives.
 
 Why lockstep is sound: it is one interleaving of the devices' programs, each in
-its own program order, with DMAs completing as they start. A wait that holds at
-the point every device reaches it is one the hardware could pass there too, so a
-race-free kernel computes what it computes on a TPU. A wait that does not hold is
-an error, where the kernel either deadlocks or relies on one device running ahead
-of another (a signal later in program order), which this order cannot show.
+its own program order, with DMAs completing as they start. A wait that holds when
+its turn comes is one the hardware could pass there too, so a race-free kernel
+computes what it computes on a TPU. A wait that does not hold is an error, where
+the kernel either deadlocks or relies on an order this schedule does not take
+(one device running ahead of another past a loop, say).
 """
 from __future__ import annotations
 
@@ -38,15 +40,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxprs_in_params
+from jax.extend.core import ClosedJaxpr, Jaxpr, jaxprs_in_params
 
 from pallet import _internals as internals
-from pallet import checks, dma, lockstep_ops, ref_views, remote, trace_cache
+from pallet import checks, dma, lockstep_ops, lockstep_schedule, ref_views, remote, trace_cache
 from pallet.grid_mapping import BlockDimension, PalletError
 from pallet.tracing import KernelDescription
 
-_CALLS = ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
-          "custom_vjp_call_jaxpr", "remat2", "checkpoint")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,24 +145,32 @@ class _Lockstep:
         return True
     return False
 
-  # -- the main loop
+  # -- the main loop: one block, in the order lockstep_schedule decides
   def run(self, jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], mask: Any) -> list:
-    env: dict[Any, Any] = {}
-    for v, c in zip(jaxpr.constvars, consts):
-      env[v] = _Val(c, False)
-    for v, a in zip(jaxpr.invars, args):
-      env[v] = a
+    return lockstep_schedule.Block(self, mask).run(jaxpr, consts, args)
 
-    def read(v):
-      return _Val(v.val, False) if isinstance(v, Literal) else env[v]
+  # -- what lockstep_schedule needs of values
+  def value(self, x: Any) -> _Val:
+    return _Val(x, False)
 
-    for eqn in jaxpr.eqns:
-      ins = [read(v) for v in eqn.invars]
-      with internals.equation_context(eqn):
-        outs = self.eqn(eqn, ins, mask)
-      for v, o in zip(eqn.outvars, outs):
-        env[v] = o
-    return [read(v) for v in jaxpr.outvars]
+  def stacked(self, v: _Val) -> jax.Array:
+    return _array(v, self.n)
+
+  def select(self, index: _Val, values: list) -> _Val:
+    """Each device's value from the branch its `index` picks."""
+    arrays = [_array(v, self.n) for v in values]
+    which = _array(index, self.n).reshape((self.n,) + (1,) * (arrays[0].ndim - 1))
+    return _Val(lax.select_n(jnp.broadcast_to(which, arrays[0].shape), *arrays), True)
+
+  def merge(self, mask: jax.Array, new: Any, old: Any) -> Any:
+    """`new` for the devices of `mask`, `old` for the others (a ref: its entries)."""
+    if isinstance(old, _Ref):
+      whole = old.ref[...]
+      on = mask.reshape((self.n,) + (1,) * (whole.ndim - 1))
+      old.ref[...] = jnp.where(on, new.ref[...], whole)
+      return old
+    a, b = _array(new, self.n), _array(old, self.n)
+    return _Val(jnp.where(mask.reshape((self.n,) + (1,) * (a.ndim - 1)), a, b), True)
 
   def eqn(self, eqn: Any, ins: list, mask: Any) -> list:
     prim, name = eqn.primitive, eqn.primitive.name
@@ -172,7 +180,7 @@ class _Lockstep:
       return self.remote_copy(eqn, ins, mask)
     if prim is remote.remote_signal_p:
       return self.remote_signal(eqn, ins, mask)
-    if name in ("dma_wait", "semaphore_wait"):
+    if name in lockstep_schedule.WAITS:
       return self.wait(eqn, ins, mask)
     if prim is checks.check_p:
       return self.check(eqn, ins, mask)
@@ -190,7 +198,7 @@ class _Lockstep:
         return self.while_loop(eqn, ins, mask)
       if name == "scan":
         return self.scan(eqn, ins, mask)
-      if name in _CALLS:
+      if name in lockstep_schedule.CALLS:
         jaxpr, consts = _sub_jaxpr(eqn)
         return self.run(jaxpr, consts, ins, mask)
       raise PalletError(f"{_site(self.kernel, eqn)}: '{name}' around refs or remote "
@@ -330,13 +338,14 @@ class _Lockstep:
       sem, sem_t = jax.tree_util.tree_unflatten(eqn.params["tree"], flat)
       what, decrement = "semaphore_wait", eqn.params["decrement"]
     message = (
-        f"{what} in {_site(self.kernel, eqn)}: when every device reaches this wait "
-        f"(pallet runs the {self.n} devices of mesh axes ({self.mesh.describe()}) in "
-        f"lockstep, operation by operation in program order), the semaphore holds less "
-        f"than the wait needs on some device. Either no device signals it before this "
-        f"point, and on a TPU the kernel would hang, or the kernel relies on one device "
-        f"running ahead of another (a signal later in program order), an order pallet's "
-        f"lockstep execution cannot reproduce")
+        f"{what} in {_site(self.kernel, eqn)}: when this wait's turn came, the semaphore "
+        f"held less than the wait needs on some device (pallet runs the {self.n} devices "
+        f"of mesh axes ({self.mesh.describe()}) in lockstep: operation by operation in "
+        f"program order, devices in different branches of a pl.when each as far as it can "
+        f"before waiting, loops whole). Either no device signals it before this point, and "
+        f"on a TPU the kernel would hang, or the kernel relies on one device running ahead "
+        f"of another (past a loop, say), an order pallet's lockstep execution cannot "
+        f"reproduce")
     lockstep_ops.wait(sem.ref, self._views(sem_t), _array(amount, self.n),
                       self._full_mask(mask), decrement=decrement, message=message)
     return []
@@ -358,15 +367,9 @@ class _Lockstep:
         return lambda: [_array(o, self.n) for o in self.run(b.jaxpr, b.consts, ops, mask)]
       outs = lax.switch(index.x, [branch(b) for b in branches])
       return [_Val(o, True) for o in outs]
-    results = []
-    for i, b in enumerate(branches):
-      taken = self._mask_and(mask, index.x == i)
-      results.append([_array(o, self.n) for o in self.run(b.jaxpr, b.consts, ops, taken)])
-    outs = []
-    for values in zip(*results):
-      which = index.x.reshape((self.n,) + (1,) * (values[0].ndim - 1))
-      outs.append(_Val(lax.select_n(jnp.broadcast_to(which, values[0].shape), *values), True))
-    return outs
+    results = [self.run(b.jaxpr, b.consts, ops, self._mask_and(mask, index.x == i))
+               for i, b in enumerate(branches)]
+    return [self.select(index, values) for values in zip(*results)]
 
   def while_loop(self, eqn: Any, ins: list, mask: Any) -> list:
     p = eqn.params
