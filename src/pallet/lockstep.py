@@ -165,6 +165,8 @@ class _Lockstep:
   def merge(self, mask: jax.Array, new: Any, old: Any) -> Any:
     """`new` for the devices of `mask`, `old` for the others (a ref: its entries)."""
     if isinstance(old, _Ref):
+      if new.ref is old.ref:       # a ref passed on (into a branch): the same memory
+        return old
       whole = old.ref[...]
       on = mask.reshape((self.n,) + (1,) * (whole.ndim - 1))
       old.ref[...] = jnp.where(on, new.ref[...], whole)
@@ -234,8 +236,7 @@ class _Lockstep:
     results = jax.vmap(lambda *a: jax.core.eval_jaxpr(pure.jaxpr, pure.consts, *a),
                        in_axes=axes)(*values)
     n_out = len(eqn.outvars)
-    written = [i for i in range(len(ins)) if i in wholes]
-    for k, i in enumerate(written):
+    for k, i in enumerate(ref_pos):   # the discharged form returns every ref's new value
       if pure.jaxpr.outvars[n_out + k] is pure.jaxpr.invars[i]:
         continue    # passed through: not written
       new = results[n_out + k]
