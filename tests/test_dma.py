@@ -317,15 +317,6 @@ def test_copy_shape_mismatch_is_a_clear_error():
                     random_array((8, 8)))
 
 
-def test_remote_copies_are_a_clear_error():
-  def remote(x_hbm, o_hbm, sem):
-    pltpu.make_async_remote_copy(x_hbm, o_hbm, sem, sem, device_id=1)
-
-  with pytest.raises(pl.PalletError, match=r"remote.*not supported"):
-    pallas_call(remote, jax.ShapeDtypeStruct((8, 8), jnp.float32), in_specs=[ANY],
-                out_specs=ANY, scratch_shapes=[pltpu.SemaphoreType.DMA])(random_array((8, 8)))
-
-
 @xla_only("copies started under a condition and waited on after it")
 def test_copy_from_a_ref_selected_at_run_time():
   """JAX's documented use of pl.select_ref: the source of a DMA chosen per grid step."""

@@ -28,6 +28,8 @@ AbstractRef = jax.ref.AbstractRef
 ReadEffect = _state_types.ReadEffect
 WriteEffect = _state_types.WriteEffect
 debug_effect = _debugging.debug_effect
+# a ref made inside a jaxpr (as `jax.new_ref` makes one): its effects stay inside
+internal_ref_effect = _core.internal_mutable_array_effect
 
 # --- lowering with devices known (automatic partitioning, pallet/partitioning.py) ---
 def require_devices_during_lowering(primitive: Any) -> None:
@@ -179,6 +181,12 @@ def trace_context_state(name: str, help: str) -> Any:
 # other traced value, so backends never see axis_index.
 from jax._src.interpreters import partial_eval as _pe
 from jax._src.lax import parallel as _parallel
+
+
+def axis_env() -> tuple[tuple[Any, int], ...]:
+  """(name, size) of every named axis in scope (shard_map's mesh axes in mesh order,
+  vmap's named axes, a kernel's named grid), in the order they were bound."""
+  return tuple(_core.get_axis_env().axis_sizes.items())
 
 
 def extend_axis_env(name_size_pairs: list[tuple[Any, int]]) -> Any:

@@ -23,15 +23,18 @@ import numpy as np
 from jax.extend.core import Primitive, subjaxprs
 
 from pallet import _internals as internals
-from pallet import checks, dynamic_views, primitives, ref_views
+from pallet import checks, device_ids, dynamic_views, primitives, ref_views
 from pallet.grid_mapping import PalletError
 from pallet.refs_select import SelectedRef
 from pallet.specs import MemorySpace, ScratchShape
 
 # Names of the primitives below: the XLA plan runs kernels that use them in exact
 # grid order, since copies and semaphores carry state from one grid step to the next.
+# The remote and lockstep ones (pallet/remote.py, pallet/lockstep_ops.py) count too.
 DMA_PRIMITIVE_NAMES = frozenset({"dma_start", "dma_wait", "semaphore_signal",
-                                 "semaphore_wait", "semaphore_read"})
+                                 "semaphore_wait", "semaphore_read", "remote_copy_start",
+                                 "remote_semaphore_signal", "barrier_semaphore",
+                                 "lockstep_copy", "lockstep_signal", "lockstep_wait"})
 
 
 def uses_dmas(jaxpr: Any) -> bool:
@@ -82,15 +85,15 @@ def _is_ref(x: Any) -> bool:
     return False
 
 
-def _check_ref(x: Any, api: str, what: str) -> None:
+def check_ref(x: Any, api: str, what: str) -> None:
   if not _is_ref(x):
     raise PalletError(f"{api} in {kernel_site()}: {what} must be a ref (a kernel parameter, "
                       f"scratch buffer or a view such as ref.at[...]), got "
                       f"{type(x).__name__}")
 
 
-def _semaphore_view(sem: Any, api: str) -> tuple[Any, tuple[Any, ...]]:
-  _check_ref(sem, api, "the semaphore")
+def semaphore_view(sem: Any, api: str) -> tuple[Any, tuple[Any, ...]]:
+  check_ref(sem, api, "the semaphore")
   base, transforms = primitives.ref_and_transforms(sem)
   aval = primitives.view_aval(jax.typeof(base), transforms)
   if aval.shape != () or aval.dtype != jnp.int32:
@@ -284,7 +287,7 @@ class AsyncCopyDescriptor:
   def _semaphore(sem: Any) -> tuple[Any, tuple[Any, ...]]:
     if sem is None:
       return None, ()
-    return _semaphore_view(sem, "make_async_copy(...).start()")
+    return semaphore_view(sem, "make_async_copy(...).start()")
 
   def _wait_on(self, ref: Any, sem: Any, which: str) -> None:
     if sem is None:
@@ -296,7 +299,7 @@ class AsyncCopyDescriptor:
     if isinstance(ref, SelectedRef):   # every candidate has the same shape: any one sizes the wait
       ref = ref.refs[0]
     base, transforms = primitives.ref_and_transforms(ref)
-    sem, sem_t = _semaphore_view(sem, "make_async_copy(...).wait()")
+    sem, sem_t = semaphore_view(sem, "make_async_copy(...).wait()")
     if dynamic_views.has_dynamic_size(transforms):
       _dynamic_window(base, transforms, f"make_async_copy(...).{which}()", "the waited-on ref")
       amount = "the elements of its copy (a number known at run time)"
@@ -331,7 +334,7 @@ def make_async_copy(src_ref: Any, dst_ref: Any, sem: Any = None, *,
                     src_sem: Any = None) -> AsyncCopyDescriptor:
   """Describes a copy `src_ref -> dst_ref` whose arrival `sem` counts; start it with `.start()`."""
   for what, r in (("src_ref", src_ref), ("dst_ref", dst_ref)):
-    _check_ref(r, "make_async_copy", what)
+    check_ref(r, "make_async_copy", what)
   return AsyncCopyDescriptor(src_ref, dst_ref, sem, src_sem)
 
 
@@ -341,13 +344,6 @@ def async_copy(src_ref: Any, dst_ref: Any, sem: Any = None, *, src_sem: Any = No
   copy = make_async_copy(src_ref, dst_ref, sem, src_sem=src_sem)
   copy.start(priority=priority, add=add)
   return copy
-
-
-def make_async_remote_copy(src_ref: Any, dst_ref: Any, send_sem: Any, recv_sem: Any,
-                           device_id: Any, device_id_type: Any = None) -> AsyncCopyDescriptor:
-  raise PalletError(f"make_async_remote_copy in {kernel_site()}: copies to other devices are "
-                    f"not supported on this backend (pallet runs a kernel on one device); "
-                    f"use make_async_copy for local copies")
 
 
 def sync_copy(src_ref: Any, dst_ref: Any, *, add: bool = False) -> None:
@@ -373,18 +369,20 @@ semaphore_read_p = Primitive("semaphore_read")
 
 
 def _sem_operands(sem: Any, api: str) -> tuple[list[Any], Any]:
-  base, transforms = _semaphore_view(sem, api)
+  base, transforms = semaphore_view(sem, api)
   return jax.tree_util.tree_flatten((base, transforms))
 
 
 def semaphore_signal(sem_or_view: Any, inc: Any = 1, *, device_id: Any = None,
                      device_id_type: Any = None, core_index: Any = None) -> None:
-  """Adds `inc` to a semaphore."""
-  del device_id_type
-  if device_id is not None or core_index is not None:
-    raise PalletError(f"semaphore_signal in {kernel_site()}: signalling another device or core "
-                      f"is not supported on this backend (pallet runs a kernel on one core "
-                      f"of one device)")
+  """Adds `inc` to a semaphore, on the device `device_id` names when given (see
+  pallet/remote.py)."""
+  if core_index is not None:
+    device_ids.check_core_index(core_index, "semaphore_signal", kernel_site())
+  if device_id is not None:
+    from pallet import remote   # remote builds on this module
+    remote.signal(sem_or_view, inc, device_id, device_id_type)
+    return
   if isinstance(sem_or_view, SelectedRef):
     sem_or_view.write(lambda chosen: semaphore_signal(chosen, inc))
     return

@@ -5,20 +5,18 @@ A mesh names the cores a kernel runs on (`{"core": 2}`), and the body asks
 core in turn: `pl.kernel` becomes a `pallas_call` whose grid is the mesh, with
 named axes (so `lax.axis_index` answers) run in order ("arbitrary"), every
 operand passed whole (memory space ANY, as on a TPU, where the body moves data
-itself). `core_map` runs its body once per core, in order, on the refs it closes
-over. Cores that wait on each other (barriers between concurrently running
-cores) cannot be played in turn; those operations raise a clear error.
+itself). `core_map` is such a kernel over the refs its body closes over. Cores
+that wait on each other (barriers between concurrently running cores) cannot be
+played in turn; those operations raise a clear error.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
 import functools
-import itertools
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
-import jax.numpy as jnp
 
 from pallet import primitives
 from pallet import specs as specs_lib
@@ -121,22 +119,20 @@ def core_map(mesh: Any, *, compiler_params: Any = None, interpret: Any = False,
              scratch_shapes: Any = ()) -> Callable[[Callable[[], None]], None]:
   """`@pl.core_map(mesh)` runs a body that takes no arguments once per core of the
   mesh (in order), with `lax.axis_index(axis)` giving the core; the body works on
-  refs it closes over (e.g. inside `pl.run_state`)."""
-  del compiler_params, interpret, debug, cost_estimate, metadata
-
+  refs it closes over (e.g. inside `pl.run_state`). It is a `pl.kernel` with no
+  operands of its own: the refs it closes over become the call's operands, written
+  back when it returns (pallet/closed_over.py), and a body that talks to other
+  devices runs like any kernel that does (pallet/mesh_launch.py)."""
   def run(fn: Callable[..., None]) -> None:
     kernel_name = name or getattr(fn, "__name__", "core_map")
-    axes = _mesh_axes(mesh, f"pl.core_map '{kernel_name}'")
-    names = tuple(n for n, _ in axes)
-    sizes = tuple(s for _, s in axes)
-    scratch, keyword_scratch = specs_lib.scratch_arguments(scratch_shapes)
-    for index in itertools.product(*(range(s) for s in sizes)):
-      ids = tuple(jnp.int32(i) for i in index)
-      with primitives.grid_context(ids, sizes, kernel_name=kernel_name, grid_names=names):
-        if scratch or keyword_scratch:
-          primitives.run_scoped(fn, *scratch, **keyword_scratch)
-        else:
-          fn()
+    _mesh_axes(mesh, f"pl.core_map '{kernel_name}'")
+
+    def body(*scratch: Any, **keyword_scratch: Any) -> None:
+      fn(*scratch, **keyword_scratch)
+
+    kernel(body, (), mesh=mesh, scratch_types=scratch_shapes,
+           compiler_params=compiler_params, interpret=interpret, debug=debug,
+           cost_estimate=cost_estimate, name=kernel_name, metadata=metadata)()
     return None
   return run
 

@@ -25,6 +25,7 @@ from pallet import bounded_slices
 from pallet import checking
 from pallet import closed_over
 from pallet import dma
+from pallet import mesh_launch
 from pallet import plain_call
 from pallet import grid_mapping as gm_lib
 from pallet import specs as specs_lib
@@ -189,10 +190,12 @@ def _launch(kernel, name, args, out_shape, grid, dynamic_sizes, in_specs, out_sp
 
   # Everything the traced description depends on; the kernel's own Python code is
   # keyed by identity (partials by their function and arguments).
+  # The mesh axes in scope count: `lax.axis_size` and remote device ids resolve on them.
   key = (name, grid, grid_names, kernel_args_tree, tuple(in_avals), tuple(out_avals),
          scratch_avals, prefetch_avals, in_specs, out_specs, aliases, compiler_params,
          dimension_semantics, debug, metadata, checks.debug_checks_enabled(),
-         checks.poison_buffers_enabled(), bool(jax.config.jax_enable_x64))
+         checks.poison_buffers_enabled(), bool(jax.config.jax_enable_x64),
+         internals.axis_env())
   with internals.vma_checks_off():
     description = trace_cache.lookup(kernel, key, build)
   if debug:
@@ -202,12 +205,17 @@ def _launch(kernel, name, args, out_shape, grid, dynamic_sizes, in_specs, out_sp
   sizes = [jnp.asarray(d, jnp.int32) for d in dynamic_sizes]
   bounded_slices.check(description, flat_prefetch)
   flat_args = [*flat_args, *closed_over.operands(description)]
+  bind = functools.partial(pallas_call_p.bind, name=name, backend=backend_name,
+                           interpret=interpret)
+  if mesh_launch.talks_to_devices(description):
+    # The whole mesh in lockstep, on the XLA backend (see pallet/mesh_launch.py).
+    backend_name = "xla"
+    bind = functools.partial(mesh_launch.launch, bind=functools.partial(
+        pallas_call_p.bind, name=name, backend=backend_name, interpret=interpret))
+    check_options = mesh_launch.checks_that_apply(check_options, name)
   if check_options is None:
-    results = pallas_call_p.bind(*sizes, *flat_prefetch, *flat_args, kernel=description,
-                                 name=name, backend=backend_name, interpret=interpret)
+    results = bind(*sizes, *flat_prefetch, *flat_args, kernel=description)
   else:
-    bind = functools.partial(pallas_call_p.bind, name=name, backend=backend_name,
-                             interpret=interpret)
     results = checking.run(description, check_options, gm_lib.kernel_parameter_names(kernel),
                            bind, sizes, flat_prefetch, flat_args, backend_name)
   results = closed_over.write_back(description, results)

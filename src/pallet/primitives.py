@@ -79,6 +79,15 @@ def current_kernel_name() -> str | None:
   return _grid_contexts[-1].kernel_name if _grid_contexts else None
 
 
+def current_grid_names() -> dict[Any, Any]:
+  """Named axes of the innermost kernel's grid (a `pl.kernel` mesh), each with this
+  program's index along it; empty outside kernels and for unnamed grids."""
+  if not _grid_contexts or _grid_contexts[-1].grid_names is None:
+    return {}
+  ctx = _grid_contexts[-1]
+  return {n: i for n, i in zip(ctx.grid_names, ctx.program_ids) if n is not None}
+
+
 def _named_grid_index(axis_name: Any) -> Any:
   """The program id of the named grid axis `axis_name` of the kernel being traced, or None."""
   if not _grid_contexts or _grid_contexts[-1].grid_names is None:

@@ -14,8 +14,7 @@ from pallet.tpu_random import (prng_random_bits, prng_seed, sample_block,
                                stateful_uniform, to_pallas_key)
 from pallet.mesh import (TensorCoreMesh, core_barrier, create_tensorcore_mesh,
                          run_on_first_core)
-from pallet.unsupported import (async_remote_copy, get_barrier_semaphore,
-                                matmul_acc_lhs, matmul_lhs_fifo, matmul_pop,
+from pallet.unsupported import (matmul_acc_lhs, matmul_lhs_fifo, matmul_pop,
                                 matmul_pop_fifo, matmul_push_rhs, pack_fp6, unpack_fp6)
 from pallet.bits import join_bits, pack_elementwise, split_bits, unpack_elementwise
 from pallet.tpu_conv import conv
@@ -29,8 +28,9 @@ from pallet.tpu_params import (ARBITRARY, CORE_PARALLEL, PARALLEL, SUBCORE_PARAL
                                CompilerParams, CoreType, GridDimensionSemantics,
                                PrefetchScalarGridSpec, SideEffectType)
 from pallet.dma import (AsyncCopyDescriptor, SemaphoreType, async_copy, dma_semaphore,
-                        make_async_copy, make_async_remote_copy, semaphore_read,
-                        semaphore_signal, semaphore_wait, sync_copy)
+                        make_async_copy, semaphore_read, semaphore_signal, semaphore_wait,
+                        sync_copy)
+from pallet.remote import async_remote_copy, get_barrier_semaphore, make_async_remote_copy
 from pallet.pipeline import (BufferedRef, BufferType, PipelineStep, emit_pipeline,
                              emit_pipeline_with_allocations, emit_pipeline_with_async_prefetch)
 from pallet.pipeline import BufferedRef as BufferedRefBase  # deprecated in JAX

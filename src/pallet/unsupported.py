@@ -1,8 +1,7 @@
 """Names of TPU-hardware-only operations, present so that kernels import cleanly.
 
 Some Pallas TPU operations drive a unit of the chip directly (the matrix unit's
-FIFOs, fp6 packing, DMAs to other chips, barrier semaphores shared between
-devices, the SparseCore). They have no meaning on one CPU device, so pallet
+FIFOs, fp6 packing, the SparseCore). They have no meaning on a CPU device, so pallet
 provides each name as an object that raises a `PalletError` saying so, naming the
 kernel being traced and the user's source line, when it is used.
 """
@@ -75,8 +74,7 @@ def tpu_hardware_only(name: str) -> Unsupported:
 # The TPU names in `jax.experimental.pallas.tpu` that only a TPU can execute.
 TPU_HARDWARE_ONLY = (
     "matmul_push_rhs", "matmul_acc_lhs", "matmul_pop", "matmul_lhs_fifo",
-    "matmul_pop_fifo", "pack_fp6", "unpack_fp6", "async_remote_copy",
-    "get_barrier_semaphore",
+    "matmul_pop_fifo", "pack_fp6", "unpack_fp6",
 )
 
 for _name in TPU_HARDWARE_ONLY:
