@@ -437,7 +437,7 @@ def reads_past_the_end_on_device_2(x_ref, o_ref, sem):
 
   @pl.when(me == 2)
   def _():
-    o_ref[0, 0] = x_ref[100, 0]  # OUT OF BOUNDS ON ONE DEVICE
+    o_ref[0, 0] = x_ref[me * 50, 0]  # OUT OF BOUNDS ON ONE DEVICE
   barrier_with(left, right)
 
 
