@@ -6,8 +6,8 @@ over the inner grid that, per step, copies each operand's block into a buffer,
 runs the body on the buffers and copies the output blocks back; that is what
 this module builds (one `fori_loop`, buffers allocated once). Blocks that
 overhang an array edge read unspecified values there (zeros) and write only
-their in-bounds part, as on a TPU. Inside the body, `pl.program_id` answers for
-the inner grid.
+their in-bounds part, as on a TPU. Inside the body and the pipeline's index maps,
+`pl.program_id` and `pl.num_programs` answer for the inner grid.
 """
 from __future__ import annotations
 
@@ -289,8 +289,11 @@ def _run(body, prologue, grid, n_steps, ins, outs, scratch, bufs) -> None:
 
   def step(i, carry):
     ids = _unravel(i, grid)
-    views = [(r, w, buf) + (w.view(w.starts(ids)) if w is not None else ((), None))
-             for (r, w), buf in zip(operands, buf_of)]
+    # Index maps, like the body, see the pipeline's own grid: `pl.program_id` and
+    # `pl.num_programs` there answer for this step of the inner grid.
+    with primitives.grid_context(ids, grid, kernel_name=kernel_name):
+      views = [(r, w, buf) + (w.view(w.starts(ids)) if w is not None else ((), None))
+               for (r, w), buf in zip(operands, buf_of)]
     block_refs = []
     for r, w, buf, idx, mask in views:
       if w is None:
