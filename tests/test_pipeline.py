@@ -328,3 +328,49 @@ def test_pipeline_spec_count_mismatch_is_a_clear_error():
                      match=r"emit_pipeline in kernel 'kernel'.*1 output specs for 2 output"):
     pallas_call(kernel, jax.ShapeDtypeStruct((16, 8), jnp.float32), in_specs=[ANY],
                 out_specs=ANY)(random_array((16, 8)))
+
+
+def _nested_kernel(outer_space):
+  """An outer pipeline over 2x2 blocks whose body runs an inner pipeline over each."""
+  def inner(x_blk, o_blk):
+    o_blk[...] = x_blk[...] * 2.0 + 1.0
+
+  def outer_body(x_ref, o_ref):
+    spec = pl.BlockSpec((4, 8), lambda i: (i, 0))
+    pltpu.emit_pipeline(inner, grid=(2,), in_specs=[spec], out_specs=[spec])(x_ref, o_ref)
+
+  def kernel(x_hbm, o_hbm):
+    spec = pl.BlockSpec((8, 8), lambda i, j: (i, j), memory_space=outer_space)
+    pltpu.emit_pipeline(outer_body, grid=(2, 2), in_specs=[spec], out_specs=[spec])(
+        x_hbm, o_hbm)
+  return kernel
+
+
+def test_nested_pipeline_over_copied_outer_blocks():
+  x = random_array((16, 16))
+  out = pallas_call(_nested_kernel(None), sds(x), in_specs=[ANY], out_specs=ANY)(x)
+  assert_close(out, x * 2.0 + 1.0)
+
+
+def test_any_block_specs_in_a_pipeline_are_refused():
+  # Issue 28: an ANY spec with a block shape ran the body on the whole ref, so a nested
+  # pipeline wrote only the first outer block. Pallas refuses such specs; so does pallet.
+  x = random_array((16, 16))
+  with pytest.raises(pl.PalletError,
+                     match=r"emit_pipeline in kernel 'kernel' at .*test_pipeline.py:\d+, "
+                           r"input 0: BlockSpec\(block_shape=\(8, 8\), memory_space=ANY\) "
+                           r"is not a pipeline block.*Leave memory_space out"):
+    pallas_call(_nested_kernel(pltpu.ANY), sds(x), in_specs=[ANY], out_specs=ANY)(x)
+
+
+def test_any_block_spec_of_a_pipeline_output_is_refused():
+  def kernel(x_hbm, o_hbm):
+    pltpu.emit_pipeline(
+        lambda x_blk, o_blk: o_blk.__setitem__(..., x_blk[...]), grid=(2,),
+        in_specs=[pl.BlockSpec((8, 16), lambda i: (i, 0))],
+        out_specs=[pl.BlockSpec((8, 16), lambda i: (i, 0), memory_space=pl.ANY)])(
+            x_hbm, o_hbm)
+
+  x = random_array((16, 16))
+  with pytest.raises(pl.PalletError, match=r"kernel 'kernel' at .*, output 0: BlockSpec"):
+    pallas_call(kernel, sds(x), in_specs=[ANY], out_specs=ANY)(x)
