@@ -225,7 +225,8 @@ def _library_roots() -> tuple[str, ...]:
     path = sysconfig.get_paths().get(name)
     if path:
       roots.add(path)
-  for path in (*site.getsitepackages(), site.getusersitepackages()):
+  site_dirs = getattr(site, "getsitepackages", lambda: [])()   # absent in old virtualenvs
+  for path in (*site_dirs, site.getusersitepackages()):
     roots.add(path)
   return tuple(sorted({os.path.join(os.path.realpath(r), "") for r in roots}))
 
