@@ -4,6 +4,7 @@ or called under other settings (x64, matmul precision, promotion rules, checking
 interpret mode, backend), is traced again; one that is the same still hits."""
 from __future__ import annotations
 
+import dataclasses
 import sys
 import types
 
@@ -214,6 +215,25 @@ def test_recursive_helpers_are_keyed_by_back_reference():
 
 def _count_down(n):
   return 0 if n == 0 else 1 + _count_down(n - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """A user dataclass a kernel closes over (its generated __repr__ closes over a set)."""
+  scale: float
+
+
+def test_user_dataclasses_and_objects_in_closures_still_hit():
+  x = random_array((8, 128))
+
+  def op(case, knob):
+    def k(x_ref, o_ref):
+      o_ref[...] = knob.times(x_ref[...]) * case.scale
+    return _run(k, x)
+
+  for scale in (2.0, 2.0, 3.0, 2.0):
+    assert_close(op(Case(scale), Knob(0.5)), x * 0.5 * scale)
+  assert dict(trace_cache.stats) == {"miss": 2, "hit": 2}
 
 
 # ------------------------------------------------------------------ settings

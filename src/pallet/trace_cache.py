@@ -140,6 +140,8 @@ def freeze(x: Any, walk: _Walk | None = None) -> Any:
 def _freeze_container(x: Any, walk: _Walk) -> Any:
   if isinstance(x, (list, tuple)):
     return (tuple, tuple(freeze(v, walk) for v in x))
+  if isinstance(x, (set, frozenset)):
+    return (frozenset, frozenset(freeze(v, walk) for v in x))
   if isinstance(x, dict):
     try:
       items = sorted(x.items())
