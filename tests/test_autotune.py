@@ -211,6 +211,14 @@ def test_the_cache_key_includes_versions_backend_and_shapes(monkeypatch):
     assert copy.choose(x).key["backend"].startswith("triton")
   assert copy.choose(random_array((256,), jnp.bfloat16)).key["shapes"] == {
       "x": "bfloat16[256]"}
+  # Settings that change the compiled kernels key the choice too.
+  with jax.default_matmul_precision("highest"):
+    assert copy.choose(x).key["settings"]["matmul_precision"] == "highest"
+    assert copy.last_choice.source == "tuned"
+  assert copy.choose(x).source == "cache"
+  monkeypatch.setenv("PALLET_CHECKS", "1")
+  assert copy.choose(x).key["settings"]["checks"] is not None
+  monkeypatch.delenv("PALLET_CHECKS")
   # A new pallet version does not reuse what an older one measured.
   fresh = make_tuned([{"work": 1}, {"work": 2}], traced)
   assert fresh.choose(x).source == "cache"      # found on disk, same versions

@@ -183,6 +183,76 @@ def test_inner_pipeline_per_outer_step_sees_its_own_program_ids():
   assert_close(out, x * 2.0 + steps)
 
 
+def _reversed_pipeline(x_hbm, o_hbm, rows_at):
+  """A pipeline over 3 column blocks whose input index map counts down from
+  pl.num_programs(0) - 1 and whose output one is pl.program_id(0); the body adds its
+  own step, pl.program_id(0)."""
+  def body(x_blk, o_blk):
+    o_blk[...] = x_blk[...] * 2.0 + pl.program_id(0).astype(jnp.float32)
+
+  pltpu.emit_pipeline(
+      body, grid=(3,),
+      in_specs=[pl.BlockSpec((8, 16), lambda j: (rows_at, pl.num_programs(0) - 1 - j))],
+      out_specs=[pl.BlockSpec((8, 16), lambda j: (rows_at, pl.program_id(0)))])(x_hbm, o_hbm)
+
+
+def _reversed_expected(x):
+  blocks = x.reshape(x.shape[0], 3, 16)
+  return (blocks[:, ::-1] * 2.0 + jnp.arange(3.0)[:, None]).reshape(x.shape)
+
+
+@pytest.mark.parametrize("outer", [None, 1, 2, 3])
+def test_index_maps_of_a_pipeline_see_its_own_grid(outer):
+  # Issue 28: pl.num_programs / pl.program_id in a pipeline's index map answered for
+  # the enclosing pallas_call's grid (or failed with "the grid () has 0 axes").
+  x = random_array(((outer or 1) * 8, 48))
+
+  def kernel(x_hbm, o_hbm):
+    _reversed_pipeline(x_hbm, o_hbm, pl.program_id(0) if outer else 0)
+
+  out = pallas_call(kernel, sds(x), grid=(outer,) if outer else (), in_specs=[ANY],
+                    out_specs=ANY)(x)
+  assert_close(out, _reversed_expected(x))
+
+
+@pytest.mark.parametrize("outer", [1, 2, 3])
+def test_index_maps_of_a_pipeline_over_at_windows_see_its_own_grid(outer):
+  x = random_array((outer * 8, 48))
+
+  def kernel(x_hbm, o_hbm):
+    rows = pl.ds(pl.program_id(0) * 8, 8)
+    _reversed_pipeline(x_hbm.at[rows], o_hbm.at[rows], 0)
+
+  out = pallas_call(kernel, sds(x), grid=(outer,), in_specs=[ANY], out_specs=ANY)(x)
+  assert_close(out, _reversed_expected(x))
+
+
+@pytest.mark.parametrize("outer", [1, 2])
+def test_revisited_reduction_in_a_pipeline_counts_its_own_steps(outer):
+  # An order-sensitive fold over the pipeline's last axis, visiting the input blocks
+  # backwards; the output block stays put along that axis and is zeroed at its start.
+  x = random_array((outer * 16, 48))
+
+  def body(x_blk, o_blk):
+    @pl.when(pl.program_id(1) == 0)
+    def _():
+      o_blk[...] = jnp.zeros_like(o_blk)
+    o_blk[...] = o_blk[...] * 0.5 + x_blk[...]
+
+  def kernel(x_hbm, o_hbm):
+    r = pl.program_id(0)
+    pltpu.emit_pipeline(
+        body, grid=(2, 3),
+        in_specs=[pl.BlockSpec((8, 16),
+                               lambda i, k: (2 * r + i, pl.num_programs(1) - 1 - k))],
+        out_specs=[pl.BlockSpec((8, 16), lambda i, k: (2 * r + i, 0))])(x_hbm, o_hbm)
+
+  out = pallas_call(kernel, jax.ShapeDtypeStruct((outer * 16, 16), jnp.float32),
+                    grid=(outer,), in_specs=[ANY], out_specs=ANY)(x)
+  b = x.reshape(outer * 16, 3, 16)
+  assert_close(out, (b[:, 2] * 0.5 + b[:, 1]) * 0.5 + b[:, 0])
+
+
 def test_body_prologue_runs_before_every_step():
   x = random_array((4, 8))
 
@@ -255,3 +325,49 @@ def test_pipeline_spec_count_mismatch_is_a_clear_error():
                      match=r"emit_pipeline in kernel 'kernel'.*1 output specs for 2 output"):
     pallas_call(kernel, jax.ShapeDtypeStruct((16, 8), jnp.float32), in_specs=[ANY],
                 out_specs=ANY)(random_array((16, 8)))
+
+
+def _nested_kernel(outer_space):
+  """An outer pipeline over 2x2 blocks whose body runs an inner pipeline over each."""
+  def inner(x_blk, o_blk):
+    o_blk[...] = x_blk[...] * 2.0 + 1.0
+
+  def outer_body(x_ref, o_ref):
+    spec = pl.BlockSpec((4, 8), lambda i: (i, 0))
+    pltpu.emit_pipeline(inner, grid=(2,), in_specs=[spec], out_specs=[spec])(x_ref, o_ref)
+
+  def kernel(x_hbm, o_hbm):
+    spec = pl.BlockSpec((8, 8), lambda i, j: (i, j), memory_space=outer_space)
+    pltpu.emit_pipeline(outer_body, grid=(2, 2), in_specs=[spec], out_specs=[spec])(
+        x_hbm, o_hbm)
+  return kernel
+
+
+def test_nested_pipeline_over_copied_outer_blocks():
+  x = random_array((16, 16))
+  out = pallas_call(_nested_kernel(None), sds(x), in_specs=[ANY], out_specs=ANY)(x)
+  assert_close(out, x * 2.0 + 1.0)
+
+
+def test_any_block_specs_in_a_pipeline_are_refused():
+  # Issue 28: an ANY spec with a block shape ran the body on the whole ref, so a nested
+  # pipeline wrote only the first outer block. Pallas refuses such specs; so does pallet.
+  x = random_array((16, 16))
+  with pytest.raises(pl.PalletError,
+                     match=r"emit_pipeline in kernel 'kernel' at .*test_pipeline.py:\d+, "
+                           r"input 0: BlockSpec\(block_shape=\(8, 8\), memory_space=ANY\) "
+                           r"is not a pipeline block.*Leave memory_space out"):
+    pallas_call(_nested_kernel(pltpu.ANY), sds(x), in_specs=[ANY], out_specs=ANY)(x)
+
+
+def test_any_block_spec_of_a_pipeline_output_is_refused():
+  def kernel(x_hbm, o_hbm):
+    pltpu.emit_pipeline(
+        lambda x_blk, o_blk: o_blk.__setitem__(..., x_blk[...]), grid=(2,),
+        in_specs=[pl.BlockSpec((8, 16), lambda i: (i, 0))],
+        out_specs=[pl.BlockSpec((8, 16), lambda i: (i, 0), memory_space=pl.ANY)])(
+            x_hbm, o_hbm)
+
+  x = random_array((16, 16))
+  with pytest.raises(pl.PalletError, match=r"kernel 'kernel' at .*, output 0: BlockSpec"):
+    pallas_call(kernel, sds(x), in_specs=[ANY], out_specs=ANY)(x)

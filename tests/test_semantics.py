@@ -383,6 +383,84 @@ def test_scratch_with_reduction_axis_first():
   assert_close(out, x.sum(0), rtol=1e-5, atol=1e-5)
 
 
+_CARRY_SEMANTICS = [None, ("arbitrary", "arbitrary"), ("arbitrary", "parallel"),
+                    ("parallel", "arbitrary"), ("parallel", "parallel")]
+
+
+@pytest.mark.parametrize("semantics", _CARRY_SEMANTICS)
+def test_scratch_carry_across_moving_output_blocks_under_any_semantics(semantics):
+  # A running sum in scratch, zeroed only at the very first step, written to an output
+  # block that moves with the grid: every axis carries the sum on, whatever is declared
+  # (a carry along a "parallel" axis breaks the promise: pallet warns, runs it in order).
+  def kernel(x_ref, o_ref, acc_ref):
+    @pl.when((pl.program_id(0) == 0) & (pl.program_id(1) == 0))
+    def _():
+      acc_ref[...] = jnp.zeros_like(acc_ref)
+    acc_ref[...] += x_ref[...]
+    o_ref[...] = acc_ref[...]
+
+  x = random_array((2, 3, 8, 128))
+  spec = pl.BlockSpec((None, None, 8, 128), lambda i, j: (i, j, 0, 0))
+  params = None if semantics is None else pltpu.CompilerParams(dimension_semantics=semantics)
+  call = pallas_call(kernel, out_shape=sds(x), grid=(2, 3), in_specs=[spec], out_specs=spec,
+                     scratch_shapes=[pltpu.VMEM((8, 128), f32)], compiler_params=params)
+  if semantics is not None and "parallel" in semantics:
+    with pytest.warns(pl.GridOrderWarning, match="declared \"parallel\""):
+      out = call(x)
+  else:
+    out = call(x)
+  expected = jnp.cumsum(x.reshape(6, 8, 128), axis=0).reshape(x.shape)
+  assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("semantics", [None, ("arbitrary",), ("parallel",)])
+def test_scratch_carry_of_the_issue_under_dimension_semantics(semantics):
+  # The repro of issue 28: block 1 came out as if the carry were zero under "arbitrary".
+  def kernel(x_ref, o_ref, acc):
+    @pl.when(pl.program_id(0) == 0)
+    def _():
+      acc[...] = jnp.zeros_like(acc)
+    acc[...] += x_ref[...]
+    o_ref[...] = acc[...]
+
+  x = random_array((16, 128))
+  params = None if semantics is None else pltpu.CompilerParams(dimension_semantics=semantics)
+  spec = pl.BlockSpec((8, 128), lambda i: (i, 0))
+  call = pallas_call(kernel, out_shape=sds(x), grid=(2,), in_specs=[spec], out_specs=spec,
+                     scratch_shapes=[pltpu.VMEM((8, 128), f32)], compiler_params=params)
+  if semantics == ("parallel",):
+    with pytest.warns(pl.GridOrderWarning):
+      out = call(x)
+  else:
+    out = call(x)
+  assert_close(out, jnp.concatenate([x[:8], x[:8] + x[8:]]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("semantics", [None, ("arbitrary", "arbitrary"),
+                                       ("parallel", "arbitrary")])
+def test_scratch_accumulator_over_a_trailing_reduction_axis_under_semantics(semantics):
+  # The TPU matmul form (zero at k == 0, copy out at the last k): right whichever of
+  # its axes are declared in order.
+  def kernel(x_ref, y_ref, o_ref, acc_ref):
+    @pl.when(pl.program_id(1) == 0)
+    def _():
+      acc_ref[...] = jnp.zeros_like(acc_ref)
+    acc_ref[...] += jnp.dot(x_ref[...], y_ref[...], preferred_element_type=f32)
+
+    @pl.when(pl.program_id(1) == pl.num_programs(1) - 1)
+    def _():
+      o_ref[...] = acc_ref[...] * 2
+
+  x, y = random_array((32, 48)), random_array((48, 16))
+  params = None if semantics is None else pltpu.CompilerParams(dimension_semantics=semantics)
+  out = pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((32, 16), f32), grid=(4, 3),
+                    in_specs=[pl.BlockSpec((8, 16), lambda i, k: (i, k)),
+                              pl.BlockSpec((16, 16), lambda i, k: (k, 0))],
+                    out_specs=pl.BlockSpec((8, 16), lambda i, k: (i, 0)),
+                    scratch_shapes=[pltpu.VMEM((8, 16), f32)], compiler_params=params)(x, y)
+  assert_close(out, 2 * (x @ y), matmul=True)
+
+
 def test_scratch_shapes_accept_shape_dtype_structs():
   def kernel(x_ref, o_ref, tmp_ref):
     tmp_ref[...] = x_ref[...] * 2

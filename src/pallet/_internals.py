@@ -174,6 +174,13 @@ def trace_context_state(name: str, help: str) -> Any:
   return _config.string_or_object_state(name, None, help, include_in_jit_key=True,
                                         include_in_trace_context=True)
 
+
+def trace_context() -> tuple:
+  """Every setting JAX keys its jit caches on (x64, default matmul precision, dtype and
+  rank promotion, default device, meshes, pallet's own trace settings, ...): what a
+  cache of traced kernels must key on too."""
+  return _config.trace_context()
+
 # --- named grids: `lax.axis_index(name)` of a grid axis is that axis's program id ----
 # The kernel is traced with the grid names in JAX's axis environment (so
 # `lax.axis_size` answers) and a staging rule for axis_index_p that asks pallet

@@ -439,12 +439,19 @@ class Autotuned:
 # ------------------------------------------------------------------ environment key
 def environment() -> dict[str, Any]:
   """What besides the arguments decides which config is fastest: the backend calls
-  resolve to now, the device, and the versions of pallet, JAX and (for Triton) Triton."""
+  resolve to now, the device, the settings that change the compiled kernels (x64,
+  the default matmul precision, the checking mode) and the versions of pallet, JAX
+  and (for Triton) Triton."""
   import pallet
+  from pallet import checking
   name, interpret = backends.resolve(None, False)
   device = jax.devices()[0]
+  checks = checking.options(False)
   env = {"backend": name + ("-interpret" if interpret and name == "triton" else ""),
          "device": f"{device.platform}:{device.device_kind}",
+         "settings": {"x64": bool(jax.config.jax_enable_x64),
+                      "matmul_precision": str(jax.config.jax_default_matmul_precision),
+                      "checks": None if checks is None else repr(checks)},
          "versions": {"pallet": pallet.__version__, "jax": jax.__version__,
                       "jaxlib": _version("jaxlib")}}
   if device.platform == "cpu":

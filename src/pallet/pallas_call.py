@@ -188,14 +188,16 @@ def _launch(kernel, name, args, out_shape, grid, dynamic_sizes, in_specs, out_sp
     static_bounds.check(description)
     return description
 
-  # Everything the traced description depends on; the kernel's own Python code is
-  # keyed by identity (partials by their function and arguments).
-  # The mesh axes in scope count: `lax.axis_size` and remote device ids resolve on them.
+  # Everything the traced description depends on (docs/caching.md): the call's
+  # arguments, the settings read while tracing (JAX's whole trace context: x64,
+  # default matmul precision, promotion rules, ...), the mesh axes in scope
+  # (`lax.axis_size` and remote device ids resolve on them) and where it runs. The
+  # kernel's own Python code is keyed by content (trace_cache.freeze_callable).
   key = (name, grid, grid_names, kernel_args_tree, tuple(in_avals), tuple(out_avals),
          scratch_avals, prefetch_avals, in_specs, out_specs, aliases, compiler_params,
          dimension_semantics, debug, metadata, checks.debug_checks_enabled(),
-         checks.poison_buffers_enabled(), bool(jax.config.jax_enable_x64),
-         internals.axis_env())
+         checks.poison_buffers_enabled(), internals.trace_context(), internals.axis_env(),
+         backend_name, interpret, check_options)
   with internals.vma_checks_off():
     description = trace_cache.lookup(kernel, key, build)
   if debug:

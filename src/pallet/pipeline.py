@@ -6,8 +6,8 @@ over the inner grid that, per step, copies each operand's block into a buffer,
 runs the body on the buffers and copies the output blocks back; that is what
 this module builds (one `fori_loop`, buffers allocated once). Blocks that
 overhang an array edge read unspecified values there (zeros) and write only
-their in-bounds part, as on a TPU. Inside the body, `pl.program_id` answers for
-the inner grid.
+their in-bounds part, as on a TPU. Inside the body and the pipeline's index maps,
+`pl.program_id` and `pl.num_programs` answer for the inner grid.
 """
 from __future__ import annotations
 
@@ -153,6 +153,20 @@ def _is_windowed(spec: Any) -> bool:
           and spec.memory_space is not MemorySpace.ANY)
 
 
+def _refuse_any_block(spec: Any, where: str) -> None:
+  """A block of an `ANY` spec names no buffer to copy it into; Pallas refuses it, and
+  passing the whole ref instead would run the body on the wrong elements."""
+  if (isinstance(spec, BlockSpec) and spec.block_shape is not None
+      and spec.memory_space is MemorySpace.ANY):
+    raise PalletError(
+        f"{where}: BlockSpec(block_shape={tuple(spec.block_shape)}, "
+        f"memory_space=ANY) is not a pipeline block: emit_pipeline copies each step's "
+        f"block into a buffer, and ANY names none (Pallas refuses it too). Leave "
+        f"memory_space out to get the block copied in and out at every step (a nested "
+        f"emit_pipeline can run over that buffer), or pass the whole ref with "
+        f"BlockSpec(memory_space=ANY) and no block_shape")
+
+
 def _ref_aval(ref: Any, where: str) -> Any:
   base, transforms = primitives.ref_and_transforms(ref)
   aval = jax.typeof(base)
@@ -181,6 +195,7 @@ def _windows(specs: tuple[Any, ...], refs: Sequence[Any], what: str, site: str):
     for j, (s, r) in enumerate(zip(spec_leaves, leaves)):
       where = f"emit_pipeline in {site}, {what} {i}" + (f" leaf {j}" if len(leaves) > 1 else "")
       aval = _ref_aval(r, where)
+      _refuse_any_block(s, where)
       if _is_windowed(s):
         if len(s.block_shape) != len(aval.shape):
           raise PalletError(f"{where}: block_shape {tuple(s.block_shape)} has rank "
@@ -289,8 +304,11 @@ def _run(body, prologue, grid, n_steps, ins, outs, scratch, bufs) -> None:
 
   def step(i, carry):
     ids = _unravel(i, grid)
-    views = [(r, w, buf) + (w.view(w.starts(ids)) if w is not None else ((), None))
-             for (r, w), buf in zip(operands, buf_of)]
+    # Index maps, like the body, see the pipeline's own grid: `pl.program_id` and
+    # `pl.num_programs` there answer for this step of the inner grid.
+    with primitives.grid_context(ids, grid, kernel_name=kernel_name):
+      views = [(r, w, buf) + (w.view(w.starts(ids)) if w is not None else ((), None))
+               for (r, w), buf in zip(operands, buf_of)]
     block_refs = []
     for r, w, buf, idx, mask in views:
       if w is None:

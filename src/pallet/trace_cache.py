@@ -4,16 +4,19 @@ Python function (and, since the description is the same object, the compiled
 executable too).
 
 Keys are the kernel's content, not object identity: a Python function by its code,
-globals, defaults and the values it closes over, and an array it closes over (a
-NumPy or concrete JAX array) by its shape, dtype and bytes. So a kernel defined
-afresh on every call, around a fresh array, still hits.
+defaults, the values it closes over and the values of the module globals its code
+reads (followed through the helper functions, classes and modules of user code it
+reaches; installed packages and pallet itself are assumed, like `jax.jit` assumes,
+not to change their globals), and an array (a NumPy or concrete JAX array) by its
+shape, dtype and bytes. So a kernel defined afresh on every call, around a fresh
+array, still hits, and one redefined around another global value does not.
 
 Correctness over hits: a key is built only from values whose equality implies
 the same trace (types are part of the key, so `1`, `1.0` and `True` differ);
 anything that cannot be frozen that way (mutable objects that define equality but
-no hash, NumPy arrays over `MAX_ARRAY_BYTES`) disables caching for that call. Like
-`jax.jit`, the cache assumes that module globals a kernel reads do not change
-between calls.
+no hash, NumPy arrays over `MAX_ARRAY_BYTES`, more than `_MAX_NODES` values)
+disables caching for that call. docs/caching.md lists every cache pallet keeps and
+why its key is complete.
 
 Bounded: this cache and every per-kernel cache made with `kernel_cache` hold at
 most `MAX_KERNELS` entries each, least recently used first out.
@@ -25,6 +28,10 @@ import dataclasses
 import enum
 import functools
 import hashlib
+import os
+import site
+import sys
+import sysconfig
 import types
 from typing import Any, Callable
 
@@ -94,21 +101,24 @@ _MAX_NODES = 10_000    # freezing a key visits at most this many values
 
 
 class _Walk:
-  """Bounds a freeze: a value budget, and the containers being frozen right now (a
-  container reached again inside itself is a cycle: not cached)."""
+  """Bounds a freeze: a value budget, and the values being frozen right now. A value
+  reached again inside itself (a recursive helper naming itself, a method naming its
+  class) is keyed by its depth on that path, which keeps the key faithful. `names` are
+  the attribute names the code being keyed may read off modules and objects."""
 
   def __init__(self):
     self.budget = _MAX_NODES
-    self.active: set[int] = set()
+    self.active: dict[int, int] = {}
+    self.names: frozenset[str] = frozenset()
 
   def enter(self, x: Any) -> None:
     self.budget -= 1
-    if self.budget < 0 or id(x) in self.active:
+    if self.budget < 0:
       raise _Unhashable
-    self.active.add(id(x))
+    self.active[id(x)] = len(self.active)
 
   def leave(self, x: Any) -> None:
-    self.active.discard(id(x))
+    self.active.pop(id(x), None)
 
 
 def freeze(x: Any, walk: _Walk | None = None) -> Any:
@@ -118,6 +128,8 @@ def freeze(x: Any, walk: _Walk | None = None) -> Any:
     return (type(x), x)
   if isinstance(x, np.generic):
     return (type(x), x.item())
+  if id(x) in walk.active:
+    return ("back to depth", walk.active[id(x)])
   walk.enter(x)
   try:
     return _freeze_container(x, walk)
@@ -128,6 +140,8 @@ def freeze(x: Any, walk: _Walk | None = None) -> Any:
 def _freeze_container(x: Any, walk: _Walk) -> Any:
   if isinstance(x, (list, tuple)):
     return (tuple, tuple(freeze(v, walk) for v in x))
+  if isinstance(x, (set, frozenset)):
+    return (frozenset, frozenset(freeze(v, walk) for v in x))
   if isinstance(x, dict):
     try:
       items = sorted(x.items())
@@ -136,10 +150,20 @@ def _freeze_container(x: Any, walk: _Walk) -> Any:
     return (dict, tuple((freeze(k, walk), freeze(v, walk)) for k, v in items))
   if isinstance(x, (functools.partial, types.FunctionType)):
     return _freeze_function(x, walk)
+  if isinstance(x, (types.MethodType, staticmethod, classmethod)):
+    self = getattr(x, "__self__", None)
+    return (type(x), freeze(x.__func__, walk), None if self is None else freeze(self, walk))
+  if isinstance(x, property):
+    return (property, freeze(x.fget, walk), freeze(x.fset, walk), freeze(x.fdel, walk))
+  if isinstance(x, types.ModuleType):
+    return _freeze_module(x, walk)
+  if isinstance(x, type):
+    return _freeze_class(x, walk)
   if isinstance(getattr(x, "aval", None), internals.AbstractRef) and not internals.is_tracer(x):
     return ("ref", _Same(x))     # a jax.new_ref array: mutable, so the same ref only
-  if dataclasses.is_dataclass(x) and not isinstance(x, type):
-    return (type(x), tuple(freeze(getattr(x, f.name), walk) for f in dataclasses.fields(x)))
+  if dataclasses.is_dataclass(x):
+    return (freeze(type(x), walk),
+            tuple(freeze(getattr(x, f.name), walk) for f in dataclasses.fields(x)))
   if isinstance(x, np.ndarray) or (hasattr(x, "__array__") and not internals.is_tracer(x)
                                    and hasattr(x, "dtype")):
     return _freeze_array(x)
@@ -149,6 +173,10 @@ def _freeze_container(x: Any, walk: _Walk) -> Any:
     hash(x)
   except TypeError:
     raise _Unhashable from None
+  if callable(getattr(x, "__wrapped__", None)):    # jax.jit(f) and other wrappers
+    return (type(x), x, freeze(x.__wrapped__, walk))
+  if not _is_library_class(type(x)):
+    return _freeze_user_object(x, walk)
   return (type(x), x)
 
 
@@ -180,27 +208,139 @@ def _freeze_array(x: Any) -> Any:
 
 
 def freeze_callable(fn: Any) -> Any:
-  """Python functions are keyed by what decides their behaviour: their code, module
-  globals, defaults and the values they close over. So the fresh lambdas and nested
-  kernels that an op builds on every call still hit; other callables by identity."""
-  if isinstance(fn, (functools.partial, types.FunctionType)):
-    return freeze(fn)
-  return ("callable", id(fn), fn)
+  """Python functions are keyed by what decides their behaviour: their code, defaults,
+  the values they close over and the values of the module globals they read. So the
+  fresh lambdas and nested kernels that an op builds on every call still hit, and a
+  kernel redefined around another global value does not."""
+  return freeze(fn)
+
+
+# ------------------------------------------------------------------ functions and globals
+# Code of installed packages (the standard library, site-packages) and of pallet itself
+# is library code: like `jax.jit`, the cache assumes its module globals stay as they
+# are, and keys them by the module. Every other function (a script, a notebook cell, a
+# test) is keyed by the values of the globals it reads, followed through the helper
+# functions, classes and user modules it reaches.
+def _library_roots() -> tuple[str, ...]:
+  roots = {os.path.dirname(os.path.abspath(__file__))}
+  for name in ("stdlib", "platstdlib", "purelib", "platlib"):
+    path = sysconfig.get_paths().get(name)
+    if path:
+      roots.add(path)
+  site_dirs = getattr(site, "getsitepackages", lambda: [])()   # absent in old virtualenvs
+  for path in (*site_dirs, site.getusersitepackages()):
+    roots.add(path)
+  return tuple(sorted({os.path.join(os.path.realpath(r), "") for r in roots}))
+
+
+_LIBRARY_ROOTS = _library_roots()
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_library_file(filename: str | None) -> bool:
+  if not filename:
+    return False
+  if filename.startswith("<"):
+    return filename.startswith("<frozen ")   # "<string>", "<stdin>", notebook cells: user
+  return os.path.realpath(filename).startswith(_LIBRARY_ROOTS)
+
+
+def _is_library_module(module: types.ModuleType) -> bool:
+  if module.__name__ == "__main__":
+    return False
+  filename = getattr(module, "__file__", None)
+  if filename:
+    return _is_library_file(filename)
+  spec = getattr(module, "__spec__", None)
+  if module.__name__ in sys.builtin_module_names or (
+      spec is not None and spec.origin in ("built-in", "frozen")):
+    return True
+  paths = list(getattr(module, "__path__", None) or ())    # a namespace package
+  if paths:
+    return all(_is_library_file(os.path.join(p, "")) for p in paths)
+  # A submodule an extension module makes (`jaxlib._jax.pytree`): its package's.
+  parent = sys.modules.get(module.__name__.rpartition(".")[0])
+  return parent is not None and parent is not module and _is_library_module(parent)
+
+
+def _is_library_class(cls: type) -> bool:
+  """Whether `cls` comes from library code: by the module it names, or, for classes of
+  extension modules that are not in `sys.modules` themselves (`jaxlib._jax.pytree`),
+  the nearest enclosing package that is."""
+  name = getattr(cls, "__module__", None) or ""
+  while name:
+    module = sys.modules.get(name)
+    if module is not None:
+      return _is_library_module(module)
+    name = name.rpartition(".")[0]
+  return False
+
+
+@functools.lru_cache(maxsize=4096)
+def _names_read(code: types.CodeType) -> frozenset[str]:
+  """The global and attribute names `code` and the functions nested in it refer to."""
+  names = set(code.co_names)
+  for const in code.co_consts:
+    if isinstance(const, types.CodeType):
+      names |= _names_read(const)
+  return frozenset(names)
 
 
 def _freeze_function(fn: Any, walk: _Walk) -> Any:
   if isinstance(fn, functools.partial):
     return (functools.partial, freeze(fn.func, walk), freeze(fn.args, walk),
             freeze(dict(fn.keywords), walk))
-  cells = []
-  for cell in fn.__closure__ or ():
-    try:
-      cells.append(freeze(cell.cell_contents, walk))
-    except ValueError:                 # a cell not yet filled
-      cells.append(("empty",))
-  return (types.FunctionType, fn.__code__, id(fn.__globals__),
-          freeze(fn.__defaults__, walk), freeze(fn.__kwdefaults__, walk), tuple(cells),
-          freeze(getattr(fn, "__dict__", {}), walk))
+  code = fn.__code__
+  outer_names, walk.names = walk.names, _names_read(code)
+  try:
+    cells = []
+    for cell in fn.__closure__ or ():
+      try:
+        cells.append(freeze(cell.cell_contents, walk))
+      except ValueError:                 # a cell not yet filled
+        cells.append(("empty",))
+    if _is_library_file(code.co_filename):
+      globals_key = ("library module", id(fn.__globals__))
+    else:
+      module_globals = fn.__globals__
+      globals_key = tuple((n, freeze(module_globals[n], walk))
+                          for n in sorted(walk.names) if n in module_globals)
+    return (types.FunctionType, code, globals_key, freeze(fn.__defaults__, walk),
+            freeze(fn.__kwdefaults__, walk), tuple(cells),
+            freeze(getattr(fn, "__dict__", {}), walk))
+  finally:
+    walk.names = outer_names
+
+
+def _freeze_module(module: types.ModuleType, walk: _Walk) -> Any:
+  """A library module by identity; a user module also by the attributes the code
+  being keyed may read from it (`config.scale`)."""
+  if _is_library_module(module):
+    return ("module", _Same(module))
+  attributes = vars(module)
+  return ("module", _Same(module), tuple((n, freeze(attributes[n], walk))
+                                         for n in sorted(walk.names) if n in attributes))
+
+
+def _freeze_class(cls: type, walk: _Walk) -> Any:
+  """A library class by identity; a user class also by everything its own body (and
+  that of its user base classes) defines: methods, class attributes."""
+  if _is_library_class(cls):
+    return ("class", _Same(cls))
+  bodies = tuple((_Same(c), tuple((k, freeze(v, walk)) for k, v in sorted(vars(c).items())))
+                 for c in cls.__mro__ if not _is_library_class(c))
+  return ("class", _Same(cls), bodies)
+
+
+def _freeze_user_object(x: Any, walk: _Walk) -> Any:
+  """An instance of a user class: by its class and, where it hashes by identity (so
+  it may change while keeping its hash), by its attributes; one without a `__dict__`
+  to read them from is not keyed."""
+  if type(x).__hash__ is not object.__hash__:
+    return ("object", freeze(type(x), walk), x)    # its own equality says what counts
+  if not hasattr(x, "__dict__"):
+    raise _Unhashable
+  return ("object", freeze(type(x), walk), freeze(vars(x), walk))
 
 
 def lookup(kernel: Callable, key: Any, build: Callable[[], Any]) -> Any:

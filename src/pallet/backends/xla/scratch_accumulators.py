@@ -22,8 +22,9 @@ reduction. What is proven, per scratch buffer `s` and output `o`:
 * `o`'s final value is `G(s_final)` (every step: the last one wins), or a
   `pl.when` writing `G(s_final)` exactly on the last step and keeping `o`
   otherwise; `G` a chain of elementwise operations with literal operands;
-* the reduction (sequential) axes come after every parallel axis, there are no
-  aliases, scalar prefetch or traced grid sizes, and `s` has `o`'s block shape.
+* the reduction axes (those along which no output block moves, none declared
+  "parallel") come after every other axis, there are no aliases, scalar prefetch
+  or traced grid sizes, and `s` has `o`'s block shape.
 Anything else leaves the kernel as it is (`why_not` says what failed).
 """
 from __future__ import annotations
@@ -69,11 +70,15 @@ def rewrite(kernel: KernelDescription) -> ScratchRewrite | str:
   from pallet.backends.xla.plan import _index_table, _varies  # the planner's tables
   grid, G = gm.grid, len(gm.grid)
   tables = [_index_table(o, grid) for o in gm.outputs]
+  # The reduction axes are those no output block moves along, whatever the declared
+  # semantics: along an "arbitrary" axis that moves an output block the scratch carries
+  # from one block to the next, which no resident output can stand for.
   sequential = [g for g in range(G) if not any(_varies(t, g) for t in tables)]
-  if gm.dimension_semantics is not None:
-    sequential = [g for g in range(G) if gm.dimension_semantics[g] != "parallel"]
   if not sequential or sequential != list(range(G - len(sequential), G)):
     return "the reduction axes are not the grid's last axes"
+  if gm.dimension_semantics is not None and any(
+      gm.dimension_semantics[g] == "parallel" for g in sequential):
+    return "a reduction axis is declared parallel (the grid analysis decides how it runs)"
   pure = internals.discharge_state(kernel.jaxpr)
   jaxpr = pure.jaxpr
   n_in = len(gm.inputs)
