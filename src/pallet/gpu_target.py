@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import ClassVar
 
 import jax
 
@@ -32,6 +33,15 @@ class CompilerParams:
   compute_capability: int | None = None
   gpu_arch: str | None = None
   dimension_semantics: Sequence[str] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TableCompilerParams(CompilerParams):
+  """CompilerParams a library chose from a per-device table (pallet.ops), not the
+  user: a `num_stages` whose pipelined buffers need more shared memory than the GPU
+  has is lowered until the kernel fits, as the backend does with its own default,
+  instead of being an error (a table entry serves a whole family of GPUs)."""
+  stages_shrink_to_fit: ClassVar[bool] = True
 
 
 class GpuVersion(enum.Enum):

@@ -32,7 +32,8 @@ import jax.numpy as jnp
 from jax import lax
 
 import pallet as pl
-from pallet.ops._common import F32, cdiv, check_block, check_float, fail, target_backend
+from pallet.ops import launch_table
+from pallet.ops._common import F32, cdiv, check_block, check_float, fail
 
 __all__ = ["ragged_dot", "grouped_matmul", "ragged_dot_reference"]
 
@@ -48,6 +49,9 @@ class _Config:
   block_k: int
   block_n: int
   out_dtype: Any
+  fwd_params: Any = None    # compiler params of the forward gmm, the dlhs gmm and the
+  dlhs_params: Any = None   # drhs tgmm (None: the backend's own)
+  drhs_params: Any = None
 
 
 # ------------------------------------------------------------------ reference
@@ -134,7 +138,8 @@ def _tgmm_kernel(block_m: int, rows_total: int):
 
 
 # ------------------------------------------------------------------ launches
-def _gmm(lhs, rhs, offsets, block_m, block_c, block_cols, out_dtype, transpose_rhs=False):
+def _gmm(lhs, rhs, offsets, block_m, block_c, block_cols, out_dtype, transpose_rhs=False,
+         params=None):
   """lhs (m, c) times rhs (G, c, cols) per group ((G, cols, c) with transpose_rhs)."""
   m, c = lhs.shape
   groups = rhs.shape[0]
@@ -151,10 +156,10 @@ def _gmm(lhs, rhs, offsets, block_m, block_c, block_cols, out_dtype, transpose_r
       in_specs=[pl.BlockSpec((groups + 1,), lambda i, j: (0,)),
                 pl.BlockSpec((block_m, c), lambda i, j: (i, 0)), rhs_spec],
       out_specs=pl.BlockSpec((block_m, block_cols), lambda i, j: (i, j)),
-      name="ragged_dot_gmm")(offsets, lhs, rhs)
+      name="ragged_dot_gmm", compiler_params=params)(offsets, lhs, rhs)
 
 
-def _tgmm(lhs, dout, offsets, block_m, block_k, block_n, out_dtype):
+def _tgmm(lhs, dout, offsets, block_m, block_k, block_n, out_dtype, params=None):
   """(G, k, n): per group, lhs[rows of g]^T @ dout[rows of g]."""
   m, k = lhs.shape
   n = dout.shape[1]
@@ -168,12 +173,13 @@ def _tgmm(lhs, dout, offsets, block_m, block_k, block_n, out_dtype):
                 pl.BlockSpec((m, block_k), lambda g, a, b: (0, a)),
                 pl.BlockSpec((m, block_n), lambda g, a, b: (0, b))],
       out_specs=pl.BlockSpec((None, block_k, block_n), lambda g, a, b: (g, a, b)),
-      name="ragged_dot_tgmm")(offsets, lhs, dout)
+      name="ragged_dot_tgmm", compiler_params=params)(offsets, lhs, dout)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _ragged_dot(lhs, rhs, offsets, c: _Config):
-  return _gmm(lhs, rhs, offsets, c.block_m, c.block_k, c.block_n, c.out_dtype)
+  return _gmm(lhs, rhs, offsets, c.block_m, c.block_k, c.block_n, c.out_dtype,
+              params=c.fwd_params)
 
 
 def _ragged_dot_fwd(lhs, rhs, offsets, c):
@@ -183,23 +189,22 @@ def _ragged_dot_fwd(lhs, rhs, offsets, c):
 def _ragged_dot_bwd(c, saved, dout):
   lhs, rhs, offsets = saved
   dlhs = _gmm(dout, rhs, offsets, c.block_m, c.block_n, c.block_k, lhs.dtype,
-              transpose_rhs=True)
-  drhs = _tgmm(lhs, dout, offsets, c.block_m, c.block_k, c.block_n, rhs.dtype)
+              transpose_rhs=True, params=c.dlhs_params)
+  drhs = _tgmm(lhs, dout, offsets, c.block_m, c.block_k, c.block_n, rhs.dtype,
+               params=c.drhs_params)
   return dlhs, drhs, None
 
 
 _ragged_dot.defvjp(_ragged_dot_fwd, _ragged_dot_bwd)
 
 
-def _defaults(k: int, n: int) -> tuple[int, int, int]:
-  """(block_m, block_k, block_n): register-sized tiles on Triton (no spills on sm_80,
-  sm_90 and gfx942); on the CPU whole k and n and row tiles of 256: smaller tiles
-  waste less work at group boundaries (about groups * block_m extra rows) but pay
-  more per step (measured at m 4096, k = n = 1024, 8 groups: 128 rows 1.15x and 512
-  rows 1.13x the time of 256)."""
-  if target_backend() != "xla":
-    return 64, 32, 64
-  return 256, k, n
+def _defaults(launch: launch_table.Launch, k: int, n: int) -> tuple[int, int, int]:
+  """(block_m, block_k, block_n): on Triton the GPU's launch table's; on the CPU whole
+  k and n and row tiles of 256: smaller tiles waste less work at group boundaries
+  (about groups * block_m extra rows) but pay more per step (measured at m 4096,
+  k = n = 1024, 8 groups: 128 rows 1.15x and 512 rows 1.13x the time of 256)."""
+  return (launch.get("fwd", "block_m", 256), launch.get("fwd", "block_k", k),
+          launch.get("fwd", "block_n", n))
 
 
 def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
@@ -210,8 +215,8 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
   lhs (m, k); rhs (num_groups, k, n); group_sizes (num_groups,) non-negative ints, in
   row order (rows past their sum give 0). Output (m, n) of `preferred_element_type`
   (default: the promoted input dtype), accumulated in float32. `block_m` rows per
-  tile, `block_k`/`block_n` the k and n tiles (defaults: 64/32/64 on Triton, 256 and
-  whole k and n on the CPU). Differentiable in lhs and rhs; the backward pass runs
+  tile, `block_k`/`block_n` the k and n tiles (defaults: 256 and whole k and n on the
+  CPU; on Triton the GPU's launch table's, pallet.ops.launch_table). Differentiable in lhs and rhs; the backward pass runs
   as kernels too.
   """
   op = "ragged_dot"
@@ -235,7 +240,9 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                                                                 jnp.floating):
     raise fail(op, f"preferred_element_type must be a floating-point dtype, got "
                    f"{preferred_element_type!r}")
-  dm, dk, dn = _defaults(k, n)
+  launch = launch_table.lookup(op, k=k, n=n, itemsize=jnp.dtype(lhs.dtype).itemsize)
+  explicit = any(b is not None for b in (block_m, block_k, block_n))
+  dm, dk, dn = _defaults(launch, k, n)
   block_m, block_k, block_n = block_m or dm, block_k or dk, block_n or dn
   for name, value in (("block_m", block_m), ("block_k", block_k), ("block_n", block_n)):
     check_block(op, name, value)
@@ -246,7 +253,9 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
   ends = jnp.clip(jnp.cumsum(group_sizes.astype(jnp.int32)), 0, m)
   offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
   c = _Config(block_m=min(block_m, m), block_k=min(block_k, k), block_n=min(block_n, n),
-              out_dtype=out_dtype)
+              out_dtype=out_dtype,
+              **{f"{s}_params": launch.compiler_params(s, explicit=explicit)
+                 for s in ("fwd", "dlhs", "drhs")})
   return _ragged_dot(lhs.astype(dtype), rhs.astype(dtype), offsets, c)
 
 
