@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -239,7 +240,8 @@ def _specs(n_axis: int, v_axis: int, block_n: int, block_v: int, hidden: int):
 
 
 def _forward(h, w, labels, plan):
-  block_n, block_v, block_h = plan.block_n, plan.block_v, plan.block_h
+  t = plan.fwd
+  block_n, block_v, block_h = t.block_n, t.block_v, t.block_h
   n, hidden = h.shape
   vocab = w.shape[1]
   rows, slab, vector = _specs(0, 1, block_n, block_v, hidden)
@@ -248,7 +250,7 @@ def _forward(h, w, labels, plan):
       _forward_kernel(vocab, block_v, block_h), out_shape=[stat] * 3,
       grid=(cdiv(n, block_n), cdiv(vocab, block_v)), in_specs=[rows, slab, vector],
       out_specs=[vector] * 3, name="linear_cross_entropy_fwd",
-      compiler_params=plan.params("fwd", ("parallel", "arbitrary")),
+      compiler_params=t.params,
   )(h, w, labels)
   lse = m + jnp.log(l)
   return jnp.where(labels >= 0, lse - t, 0.0), lse
@@ -257,7 +259,7 @@ def _forward(h, w, labels, plan):
 def _by_rows(h, w, labels, g, plan):
   """(losses, dh, dW) in float32 from whole vocabulary rows, for a cotangent of g per
   row (None: one): the CPU backend's gradient kernel."""
-  block_n, block_h = plan.block_n, plan.block_h
+  block_n, block_h = plan.fwd.block_n, plan.fwd.block_h
   n, hidden = h.shape
   vocab = w.shape[1]
   block_n = min(block_n, _ROWS_OF_LOGITS // vocab) or 1
@@ -288,7 +290,6 @@ def _loss_fwd(h, w, labels, plan):
 
 
 def _loss_bwd(plan, saved, g):
-  block_n, block_v, block_h = plan.block_n, plan.block_v, plan.block_h
   h, w, labels, lse = saved
   n, hidden = h.shape
   vocab = w.shape[1]
@@ -296,23 +297,24 @@ def _loss_bwd(plan, saved, g):
   if lse is None:
     _, dh, dw = _by_rows(h, w, labels, g, plan)
     return dh.astype(h.dtype), dw.astype(w.dtype), None
-  nb, vb = cdiv(n, block_n), cdiv(vocab, block_v)
-  rows, slab, vector = _specs(0, 1, block_n, block_v, hidden)
+  t = plan.dh
+  rows, slab, vector = _specs(0, 1, t.block_n, t.block_v, hidden)
   dh = pl.pallas_call(
-      _dh_kernel(vocab, block_v, block_h), out_shape=jax.ShapeDtypeStruct((n, hidden), F32),
-      grid=(nb, vb), in_specs=[rows, slab, vector, vector, vector], out_specs=rows,
-      name="linear_cross_entropy_dh",
-      compiler_params=plan.params("dh", ("parallel", "arbitrary")),
+      _dh_kernel(vocab, t.block_v, t.block_h),
+      out_shape=jax.ShapeDtypeStruct((n, hidden), F32),
+      grid=(cdiv(n, t.block_n), cdiv(vocab, t.block_v)),
+      in_specs=[rows, slab, vector, vector, vector], out_specs=rows,
+      name="linear_cross_entropy_dh", compiler_params=t.params,
   )(h, w, labels, lse, g)
-  dw_block_v = _gpu_dw_block(hidden, block_v, plan.dw_slab)
-  rows, slab, vector = _specs(1, 0, block_n, dw_block_v, hidden)
+  t = plan.dw
+  dw_block_v = _gpu_dw_block(hidden, t.block_v, plan.dw_slab)
+  rows, slab, vector = _specs(1, 0, t.block_n, dw_block_v, hidden)
   dw = pl.pallas_call(
-      _dw_kernel(n, block_n, dw_block_v, block_h),
+      _dw_kernel(n, t.block_n, dw_block_v, t.block_h),
       out_shape=jax.ShapeDtypeStruct((hidden, vocab), F32),
-      grid=(cdiv(vocab, dw_block_v), nb), in_specs=[rows, slab, vector, vector, vector],
-      out_specs=slab,
-      name="linear_cross_entropy_dw",
-      compiler_params=plan.params("dw", ("parallel", "arbitrary")),
+      grid=(cdiv(vocab, dw_block_v), cdiv(n, t.block_n)),
+      in_specs=[rows, slab, vector, vector, vector], out_specs=slab,
+      name="linear_cross_entropy_dw", compiler_params=t.params,
   )(h, w, labels, lse, g)
   return dh.astype(h.dtype), dw.astype(w.dtype), None
 
@@ -356,35 +358,41 @@ def _gpu_dw_block(hidden: int, block_v: int, slab: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
-  """Blocks and launch parameters of one call (hashable: a custom_vjp argument)."""
+class _Tiles:
+  """The blocks and compiler params of one kernel (its launch-table section)."""
   block_n: int
   block_v: int
   block_h: int
-  gpu: bool
-  dw_slab: int
-  compiler_params: tuple   # ((section, params), ...)
+  params: Any
 
-  def params(self, section: str, semantics: tuple[str, ...]):
-    return dict(self.compiler_params)[section] if self.gpu else \
-        pl.CompilerParams(dimension_semantics=semantics)
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """Blocks and launch parameters of one call, per kernel (hashable: a custom_vjp
+  argument). On the CPU every kernel takes the same blocks."""
+  gpu: bool
+  fwd: _Tiles
+  dh: _Tiles
+  dw: _Tiles       # block_v: before halving to fit dw_slab
+  dw_slab: int
 
 
 def _plan(launch: launch_table.Launch, hidden: int, block_n, block_v, block_h) -> _Plan:
-  gpu = launch.on_gpu
   explicit = any(b is not None for b in (block_n, block_v, block_h))
-  block_n = block_n or launch.get("fwd", "block_n", 128)
-  block_v = block_v or launch.get("fwd", "block_v", 512)
-  block_h = block_h or launch.get("fwd", "block_h", hidden)
-  for name, value in (("block_n", block_n), ("block_v", block_v), ("block_h", block_h)):
-    check_block("linear_cross_entropy", name, value)
-  if hidden % block_h:
-    block_h = hidden
-  # dW's slab is the table's whatever blocks the caller chose: so are its warps.
-  params = tuple((s, launch.compiler_params(s, explicit=explicit and s != "dw",
-                                            dimension_semantics=("parallel", "arbitrary")))
-                 for s in ("fwd", "dh", "dw")) if gpu else ()
-  return _Plan(block_n, block_v, block_h, gpu, launch.get("dw", "max_slab", 0), params)
+
+  def tiles(section: str) -> _Tiles:
+    bn = block_n or launch.get(section, "block_n", 128)
+    bv = block_v or launch.get(section, "block_v", 512)
+    bh = block_h or launch.get(section, "block_h", hidden)
+    for name, value in (("block_n", bn), ("block_v", bv), ("block_h", bh)):
+      check_block("linear_cross_entropy", name, value)
+    # dW's slab is the table's whatever blocks the caller chose: so are its warps.
+    params = launch.compiler_params(section, explicit=explicit and section != "dw",
+                                    dimension_semantics=("parallel", "arbitrary"))
+    return _Tiles(bn, bv, hidden if hidden % bh else bh, params)
+
+  return _Plan(launch.on_gpu, tiles("fwd"), tiles("dh"), tiles("dw"),
+               launch.get("dw", "max_slab", 0))
 
 
 def linear_cross_entropy(h: jax.Array, w: jax.Array, labels: jax.Array, *,

@@ -363,9 +363,23 @@ def store(op: str, device: str, features: Mapping[str, Any],
     rows = [r for r in data["ops"].get(op, []) if r.get("when", {}) != entry.when]
     data["ops"][op] = [entry.as_json()] + rows
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    tmp.write_text(dumps(data))
     os.replace(tmp, path)
   return path
+
+
+def dumps(data: Mapping[str, Any]) -> str:
+  """A table as JSON with one line per `when` and section (what the shipped files look
+  like, so that an entry reads at a glance)."""
+  ops = []
+  for op, rows in data["ops"].items():
+    entries = []
+    for row in rows:
+      lines = [f"{json.dumps(k)}: {json.dumps(v)}" for k, v in row.items()]
+      entries.append("   {" + ",\n    ".join(lines) + "}")
+    ops.append(f"  {json.dumps(op)}: [\n" + ",\n".join(entries) + "\n  ]")
+  head = [f" {json.dumps(k)}: {json.dumps(v)}" for k, v in data.items() if k != "ops"]
+  return "{\n" + ",\n".join(head + [' "ops": {\n' + ",\n".join(ops) + "\n }"]) + "\n}\n"
 
 
 def tuned_source(device_kind: str) -> str:

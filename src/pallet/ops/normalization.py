@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 import pallet as pl
 from pallet.ops import launch_table
-from pallet.ops._common import F32, as_rows, cdiv, check_block, check_float, check_shape
+from pallet.ops._common import F32, as_rows, cdiv, check_float, check_shape
 from pallet.ops._common import fail, row_mask, row_plan
 
 __all__ = ["layer_norm", "rms_norm", "layer_norm_reference", "rms_norm_reference"]
