@@ -1,8 +1,9 @@
 """Compile statistics of every pallet.ops kernel, without a GPU.
 
-    python -m benchmarks.gpu_compile_stats                       # print the table
-    python -m benchmarks.gpu_compile_stats --write docs/performance.md
-    python -m benchmarks.gpu_compile_stats --check docs/performance.md   # CI: fail if stale
+    python -m benchmarks.gpu_compile_stats            # print the table
+    python -m benchmarks.gpu_compile_stats --write    # into docs/performance.md and
+                                                      # docs/ops/gpu_defaults.md
+    python -m benchmarks.gpu_compile_stats --check    # CI: exit 1 if either is stale
 
 For each op program of `benchmarks.gpu_op_cases` at the issue's shapes (bf16), traced
 with the launch table of each target (`pallet.ops.launch_table.using_device`), every
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import math
 import os
 import re
@@ -31,6 +33,11 @@ import jax
 
 BEGIN = "<!-- gpu-compile-stats: begin (python -m benchmarks.gpu_compile_stats --write) -->"
 END = "<!-- gpu-compile-stats: end -->"
+TABLES_BEGIN = "<!-- launch-tables: begin (python -m benchmarks.gpu_compile_stats --write) -->"
+TABLES_END = "<!-- launch-tables: end -->"
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+STATS_PAGE = "performance.md"
+TABLES_PAGE = "ops/gpu_defaults.md"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,26 +241,58 @@ def table(rows: list[Row]) -> str:
   return "\n".join(lines)
 
 
+def launch_tables_markdown() -> str:
+  """Every entry of the shipped launch tables, per GPU: where it applies, its sections'
+  parameters, its source and note."""
+  from pallet.ops import launch_table
+  out = []
+  for device in launch_table.DEVICES:
+    data = json.loads((launch_table.SHIPPED_DIR / f"{device}.json").read_text())
+    out += [f"### {device}", "", data.get("about", ""), "",
+            "| op | when | parameters per section | source | note |", "|---|---|---|---|---|"]
+    for op, entries in launch_table.shipped(device).items():
+      for e in entries:
+        when = ", ".join(f"{k} {_range(v)}" for k, v in e.when.items()) or "always"
+        params = "<br>".join(
+            f"**{sec}**: " + (", ".join(f"{k} {v}" for k, v in p.items() if v is not None)
+                              or "the backend's own")
+            for sec, p in e.sections.items())
+        out.append(f"| {op} | {when} | {params} | {e.source} | {e.note} |")
+    out.append("")
+  return "\n".join(out).rstrip()
+
+
+def _range(value: Any) -> str:
+  if isinstance(value, list):
+    low, high = value
+    return (f">= {low}" if high is None else f"<= {high}" if low is None
+            else f"{low}..{high}")
+  return f"= {str(value).lower() if isinstance(value, bool) else value}"
+
+
 def missing_reasons(rows: list[Row]) -> list[Row]:
   return [r for r in rows if r.needs_reason and not r.note]
 
 
-def splice(text: str, block: str) -> str:
-  """`text` with the part between BEGIN and END replaced by `block`."""
-  if BEGIN not in text or END not in text:
-    raise ValueError(f"the page has no {BEGIN!r} ... {END!r} markers")
-  head, rest = text.split(BEGIN, 1)
-  _, tail = rest.split(END, 1)
-  return f"{head}{BEGIN}\n{block}\n{END}{tail}"
+def splice(text: str, block: str, begin: str = BEGIN, end: str = END) -> str:
+  """`text` with the part between the `begin` and `end` markers replaced by `block`."""
+  if begin not in text or end not in text:
+    raise ValueError(f"the page has no {begin!r} ... {end!r} markers")
+  head, rest = text.split(begin, 1)
+  _, tail = rest.split(end, 1)
+  return f"{head}{begin}\n{block}\n{end}{tail}"
 
 
 def main(argv: list[str] | None = None) -> int:
   p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_compile_stats",
                               description=__doc__.splitlines()[0])
-  p.add_argument("--write", type=Path, metavar="PAGE",
-                 help="replace the table between the markers in PAGE")
-  p.add_argument("--check", type=Path, metavar="PAGE",
-                 help="exit 1 if PAGE's table differs from a fresh one (CI)")
+  p.add_argument("--write", action="store_true",
+                 help=f"replace the tables between the markers in {STATS_PAGE} and "
+                      f"{TABLES_PAGE}")
+  p.add_argument("--check", action="store_true",
+                 help="exit 1 if either page's table differs from a fresh one (CI)")
+  p.add_argument("--docs", type=Path, default=DOCS, metavar="DIR",
+                 help="the docs directory (default: the repository's)")
   p.add_argument("--device", action="append", choices=sorted(DEVICES), default=[],
                  help="only these targets (default: sm_90, sm_80, gfx942)")
   p.add_argument("--only", action="append", default=[], metavar="NAME",
@@ -270,14 +309,21 @@ def main(argv: list[str] | None = None) -> int:
           f"{'spills' if r.spilled else f'{r.ctas} CTA(s) per SM'} and its launch-table "
           f"entry has no note saying why", file=sys.stderr)
     code = 1
-  if args.write:
-    args.write.write_text(splice(args.write.read_text(), block))
-    print(f"wrote {args.write}", file=sys.stderr)
-  if args.check:
-    text = args.check.read_text()
-    if splice(text, block) != text:
-      print(f"{args.check}: the compile statistics are stale; regenerate with "
-            f"python -m benchmarks.gpu_compile_stats --write {args.check}", file=sys.stderr)
+  pages = [(args.docs / STATS_PAGE, block, BEGIN, END),
+           (args.docs / TABLES_PAGE, launch_tables_markdown(), TABLES_BEGIN, TABLES_END)]
+  if args.only or args.device:
+    if args.write or args.check:
+      p.error("--write and --check need every program on every GPU (no --only, --device)")
+    return code
+  for page, text, begin, end in pages:
+    old = page.read_text()
+    new = splice(old, text, begin, end)
+    if args.write and new != old:
+      page.write_text(new)
+      print(f"wrote {page}", file=sys.stderr)
+    elif args.check and new != old:
+      print(f"{page}: stale; regenerate with python -m benchmarks.gpu_compile_stats "
+            f"--write", file=sys.stderr)
       code = 1
   return code
 

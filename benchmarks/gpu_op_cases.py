@@ -24,13 +24,25 @@ BF16, F32 = jnp.bfloat16, jnp.float32
 SIZES = ("full", "medium", "small", "tiny")   # full: the issue's shapes; tiny: CPU smoke
 
 
+def _same(*args):
+  return args
+
+
+def _unchanged(out):
+  return out
+
+
 @dataclasses.dataclass(frozen=True)
 class Baseline:
-  """What a user would call instead; `prepare` (untimed) puts the inputs in its layout."""
+  """What a user would call instead. `prepare` (untimed) puts the inputs in its layout,
+  `finish` (untimed) its output in the reference's, for the check; `checked=False`:
+  another computation of the same size (a dense matmul beside ragged_dot), timed only."""
   name: str
   run: Callable[..., Any]
-  prepare: Callable[..., tuple] = lambda *args: args
+  prepare: Callable[..., tuple] = _same
+  finish: Callable[[Any], Any] = _unchanged
   gpu_only: bool = False   # cuDNN: no CPU implementation
+  checked: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,11 +91,14 @@ _ATTN = {"full": (4, 16, 4096, 128), "medium": (4, 16, 1024, 128), "small": (2, 
          "tiny": (1, 2, 64, 32)}
 
 
-def _bthd(q, k, v, *rest):
-  """pallet's (batch, heads, seq, d) -> jax.nn.dot_product_attention's (batch, seq,
-  heads, d)."""
-  return (*(jnp.swapaxes(x, 1, 2) for x in (q, k, v)),
-          *(jnp.swapaxes(r, 1, 2) for r in rest))
+def _bthd(*arrays):
+  """pallet's (batch, heads, seq, d) <-> jax.nn.dot_product_attention's (batch, seq,
+  heads, d), for every array of a pytree."""
+  return jax.tree.map(lambda x: jnp.swapaxes(x, 1, 2), arrays)
+
+
+def _bthd_out(out):
+  return jax.tree.map(lambda x: jnp.swapaxes(x, 1, 2), out)
 
 
 def _sdpa(implementation: str, causal: bool, backward: bool) -> Callable[..., Any]:
@@ -117,8 +132,8 @@ def attention_cases(size: str) -> list[OpCase]:
 
     out.append(OpCase(
         f"flash_attention fwd{tag}", "flash_attention", shape, inputs, pallet_fwd, reference,
-        (Baseline("cuDNN", _sdpa("cudnn", causal, False), _bthd, gpu_only=True),
-         Baseline("XLA", _sdpa("xla", causal, False), _bthd)),
+        (Baseline("cuDNN", _sdpa("cudnn", causal, False), _bthd, _bthd_out, gpu_only=True),
+         Baseline("XLA", _sdpa("xla", causal, False), _bthd, _bthd_out)),
         fwd_flops, io, "TFLOP/s",
         kernels=(("flash_attention_fwd", "fwd", fwd_flops),)))
     # fwd+bwd counted as 3.5x the forward (2.5x for the backward: its four products
@@ -127,8 +142,8 @@ def attention_cases(size: str) -> list[OpCase]:
     out.append(OpCase(
         f"flash_attention fwd+bwd{tag}", "flash_attention", shape,
         lambda key: inputs(key, True), _fwd_bwd(pallet_fwd, 3), _fwd_bwd(reference, 3),
-        (Baseline("cuDNN", _sdpa("cudnn", causal, True), _bthd, gpu_only=True),
-         Baseline("XLA", _sdpa("xla", causal, True), _bthd)),
+        (Baseline("cuDNN", _sdpa("cudnn", causal, True), _bthd, _bthd_out, gpu_only=True),
+         Baseline("XLA", _sdpa("xla", causal, True), _bthd, _bthd_out)),
         3.5 * fwd_flops, 2 * io + _nbytes(*[((b, h, t, d), BF16)] * 3), "TFLOP/s",
         tolerance=5e-2,
         kernels=(("flash_attention_fwd", "fwd", fwd_flops),
@@ -259,7 +274,8 @@ def ragged_cases(size: str) -> list[OpCase]:
   return [
       OpCase("ragged_dot", "ragged_dot", shape, inputs, ops.ragged_dot,
              ops.ragged_dot_reference,
-             (Baseline("lax.ragged_dot", xla_ragged), Baseline("dense cuBLAS", dense)),
+             (Baseline("lax.ragged_dot", xla_ragged),
+              Baseline("dense cuBLAS", dense, checked=False)),
              flops, io, "TFLOP/s", kernels=(("ragged_dot_gmm", "fwd", flops),)),
       OpCase("ragged_dot fwd+bwd", "ragged_dot", shape, lambda key: inputs(key, True),
              _fwd_bwd_ragged(ops.ragged_dot), _fwd_bwd_ragged(ops.ragged_dot_reference),

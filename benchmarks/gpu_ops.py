@@ -16,13 +16,13 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from benchmarks.gpu_op_cases import OpCase
+from benchmarks.gpu_op_cases import Baseline, OpCase
 
 SAMPLE_S = 0.02
 
@@ -82,12 +82,11 @@ def max_relative_error(actual: Any, expected: Any) -> float:
   return worst
 
 
-def _variants(case: OpCase, on_gpu: bool) -> list[tuple[str, Callable[..., Any] | None,
-                                                         Callable[..., tuple], str]]:
-  out = [("pallet", case.pallet, lambda *a: a, "")]
+def _variants(case: OpCase, on_gpu: bool) -> list[Baseline]:
+  """pallet's program first, then the baselines (run None: not available here)."""
+  out = [Baseline("pallet", case.pallet)]
   for b in case.baselines:
-    why = "needs a GPU" if b.gpu_only and not on_gpu else ""
-    out.append((b.name, None if why else b.run, b.prepare, why))
+    out.append(dataclasses.replace(b, run=None) if b.gpu_only and not on_gpu else b)
   return out
 
 
@@ -97,14 +96,16 @@ def run_case(case: OpCase, size: str, *, reps: int, on_gpu: bool, key: jax.Array
   expected = jax.jit(case.reference)(*inputs)
   timed: list[Timed] = []
   runnable: list[tuple[int, Any, tuple]] = []
-  for name, fn, prepare, why in _variants(case, on_gpu):
-    if fn is None:
-      timed.append(Timed(name, "n/a", message=why))
+  for variant in _variants(case, on_gpu):
+    name = variant.name
+    if variant.run is None:
+      timed.append(Timed(name, "n/a", message="needs a GPU"))
       continue
     try:
-      args = jax.block_until_ready(jax.jit(prepare)(*inputs))
-      compiled = jax.jit(fn).lower(*args).compile()
+      args = jax.block_until_ready(jax.jit(variant.prepare)(*inputs))
+      compiled = jax.jit(variant.run).lower(*args).compile()
       out = jax.block_until_ready(compiled(*args))
+      out = jax.jit(variant.finish)(out) if variant.checked else expected
     except Exception as e:  # noqa: BLE001 - one failing variant must not stop the run
       timed.append(Timed(name, "error", message=f"{type(e).__name__}: {_first_line(e)}"))
       continue
@@ -149,7 +150,7 @@ def _first_line(e: BaseException) -> str:
 def _rate(value: float | None, unit: str) -> str:
   if value is None:
     return "-"
-  return f"{value:.0f}" if unit == "GB/s" or value >= 10 else f"{value:.2f}"
+  return f"{value:.0f}" if value >= 100 else f"{value:.3g}"
 
 
 def _share(value: float | None, unit: str, peak: tuple[float, float] | None) -> str:

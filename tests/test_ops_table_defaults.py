@@ -3,9 +3,11 @@
 backend (Triton's interpreter without a GPU). Shapes the tables' blocks do not divide."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import pytest
 
+import pallet as pl
 from helpers import current_test_backend, random_array
 from ops_testing import check_op
 from pallet import ops
@@ -66,9 +68,23 @@ CASES = {
 }
 
 
+def _sections(spec, device):
+  """The launch sections the op reads on `device` for this call (traced, not run)."""
+  kwargs = {k: v for k, v in spec.items() if k not in ("op", "reference", "args", "argnums",
+                                                       "grad")}
+  with pl.default_backend("triton"), launch_table.using_device(device), \
+      launch_table.recording() as seen:
+    jax.eval_shape(lambda *a: spec["op"](*a, **kwargs), *spec["args"])
+  return seen[-1].sections
+
+
 @pytest.mark.parametrize("device", launch_table.DEVICES)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_op_defaults_match_the_reference(case, device):
   spec = CASES[case]()
+  earlier = launch_table.DEVICES[:launch_table.DEVICES.index(device)]
+  same = [d for d in earlier if _sections(spec, d) == _sections(spec, device)]
+  if same:
+    pytest.skip(f"{device}'s table gives this call {same[0]}'s launch configuration")
   with launch_table.using_device(device):
     check_op(spec.pop("op"), spec.pop("reference"), spec.pop("args"), **spec)

@@ -387,8 +387,10 @@ def _plan(launch: launch_table.Launch, hidden: int, block_n, block_v, block_h) -
     for name, value in (("block_n", bn), ("block_v", bv), ("block_h", bh)):
       check_block("linear_cross_entropy", name, value)
     # dW's slab is the table's whatever blocks the caller chose: so are its warps.
-    params = launch.compiler_params(section, explicit=explicit and section != "dw",
-                                    dimension_semantics=("parallel", "arbitrary"))
+    semantics = ("parallel", "arbitrary")
+    params = (launch.compiler_params(section, explicit=explicit and section != "dw",
+                                     dimension_semantics=semantics) if launch.on_gpu
+              else pl.CompilerParams(dimension_semantics=semantics))
     return _Tiles(bn, bv, hidden if hidden % bh else bh, params)
 
   return _Plan(launch.on_gpu, tiles("fwd"), tiles("dh"), tiles("dw"),

@@ -275,15 +275,12 @@ class Launch:
 
   def compiler_params(self, section: str, *, explicit: bool = False,
                       dimension_semantics: tuple[str, ...] | None = None) -> Any:
-    """The compiler params of a section's pallas_call: its num_warps and num_stages on
-    a GPU (left to the backend where `explicit`: the caller chose the blocks, so the
-    table's warps for other blocks do not apply), whose num_stages shrinks to fit
-    the GPU's shared memory, as the backend's own default does."""
+    """The compiler params of a section's pallas_call on a GPU (None elsewhere): its
+    num_warps and num_stages (left to the backend where `explicit`: the caller chose
+    the blocks, so the table's warps for other blocks do not apply), whose num_stages
+    shrinks to fit the GPU's shared memory, as the backend's own default does."""
     if not self.on_gpu:
-      if dimension_semantics is None:
-        return None
-      from pallet.specs import CompilerParams
-      return CompilerParams(dimension_semantics=dimension_semantics)
+      return None
     from pallet.gpu_target import TableCompilerParams
     warps = None if explicit else self.get(section, "num_warps")
     stages = None if explicit else self.get(section, "num_stages")
