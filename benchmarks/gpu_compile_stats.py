@@ -228,6 +228,7 @@ def collect(devices: list[str], only: list[str]) -> list[Row]:
 # ------------------------------------------------------------------ the table
 HEAD = ("program", "kernel", "GPU", "tiles", "warps", "stages", "regs", "spill B",
         "smem KiB", "CTAs/SM", "warps/SM", "limited by", "programs", "GFLOP", "MB", "why")
+# "why": the launch-table entry's note, on rows that spill or fit one CTA per SM
 
 
 def table(rows: list[Row]) -> str:
@@ -236,7 +237,8 @@ def table(rows: list[Row]) -> str:
     gflop = f"{r.gflop:.1f}" if r.gflop else "-"
     cells = (r.case, f"`{r.kernel}`", r.device, r.params, r.warps, r.stages, r.registers,
              r.spilled, f"{r.shared / 1024:.1f}", r.ctas, r.ctas * r.warps, r.limit,
-             r.programs, gflop, f"{r.mbytes:.0f}", r.note)
+             r.programs, gflop, f"{r.mbytes:.0f}",
+             r.note if r.spilled or r.ctas < 2 else "")
     lines.append("| " + " | ".join(str(c) for c in cells) + " |")
   return "\n".join(lines)
 
