@@ -1,17 +1,30 @@
-"""GPU benchmarks: pallet's Triton backend vs jax.numpy vs `jax.experimental.pallas` on Triton.
+"""GPU benchmarks, in one go: `python -m benchmarks.gpu`.
 
-Run `python -m benchmarks.gpu [--only NAME] [--reps N] [--out DIR]` on a machine with
-a CUDA GPU; without one it prints a note and exits 0. It reuses the CPU suite's
-kernels whose grid steps are independent. Kernels that reduce over a grid axis
-(matmul's k axis, colsumsq's row axis) rely on grid steps running in order, which
-Triton does not promise, so here they are replaced by forms that loop over the
-reduction inside the kernel.
+By default it times every pallet.ops program of issue 24 (`benchmarks.gpu_op_cases`:
+flash attention forward and forward+backward, causal and not; linear cross-entropy;
+decode and paged attention; ragged_dot; a user's k-loop matmul; the row-wise ops) at
+the issue's shapes and two smaller ones against cuDNN, XLA and cuBLAS, results
+checked against jax.numpy first, and prints TFLOP/s or GB/s, the time ratio and each
+side's share of the device's peak (`benchmarks.gpu_ops`). JAX's GPU memory
+preallocation is turned off ($XLA_PYTHON_CLIENT_PREALLOCATE=false) so the baselines'
+temporaries and pallet's compete for nothing reserved up front. `--size tiny` runs
+the same programs at toy sizes, also on the CPU (a smoke run); other sizes without a
+GPU print a note and exit 0.
+
+`--suite` runs the older kernel suite instead: pallet's Triton backend vs jax.numpy
+vs `jax.experimental.pallas` on Triton, reusing the CPU suite's kernels whose grid
+steps are independent. Kernels that reduce over a grid axis (matmul's k axis,
+colsumsq's row axis) rely on grid steps running in order, which Triton does not
+promise, so there they are replaced by forms that loop over the reduction inside the
+kernel.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import functools
+import json
+import os
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -21,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from benchmarks import catalog, jax_op_cases, matmul, reduction, report
+from benchmarks import catalog, gpu_op_cases, gpu_ops, jax_op_cases, matmul, reduction, report
 from benchmarks.case import Benchmark, Size
 from benchmarks.runner import PeerPolicy
 from benchmarks.suite import exit_code, positive_int, run_suite
@@ -139,23 +152,69 @@ def gpu_device() -> jax.Device | None:
   return devices[0] if devices else None
 
 
+OP_SIZES = ("full", "medium", "small")
+
+
 def main(argv: list[str] | None = None) -> int:
-  """Run the GPU suite; 0 if all ran and matched (or there is no GPU), 1 otherwise."""
+  """Run the op benchmark (or the kernel suite, --suite); 0 if every variant ran and
+  matched (or there is no GPU), 1 otherwise."""
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   p = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__.split("\n")[0])
+  p.add_argument("--size", action="append", choices=gpu_op_cases.SIZES, default=[],
+                 help="op benchmark sizes (repeatable; default: full, medium and small; "
+                      "tiny also runs on the CPU)")
   p.add_argument("--only", action="append", default=[], metavar="NAME",
-                 help="run only this benchmark or family (repeatable)")
-  p.add_argument("--reps", type=positive_int, default=21, metavar="N",
-                 help="timed rounds per benchmark (default 21)")
+                 help="run only programs (op benchmark) or benchmarks/families (--suite) "
+                      "whose name contains / equals NAME (repeatable)")
+  p.add_argument("--reps", type=positive_int, default=None, metavar="N",
+                 help="timed rounds per program (default 11; --suite: 21)")
   p.add_argument("--out", type=Path, default=SCRATCH_DIR, metavar="DIR",
-                 help="where perf_gpu.json goes (default: bench_out/ in the repository)")
-  p.add_argument("--matmul-precision", default="highest", choices=("highest", "default"),
-                 help="jax_default_matmul_precision for every variant (default highest: "
-                 "float32 dots in full precision everywhere, so results compare at float32 "
-                 "tolerances; 'default' times TF32, XLA's and pallet's GPU default)")
+                 help="where the JSON results go (default: bench_out/ in the repository)")
+  p.add_argument("--suite", action="store_true",
+                 help="run the kernel suite (pallet vs jax.numpy vs Pallas on Triton) instead")
+  p.add_argument("--matmul-precision", default=None, choices=("highest", "default"),
+                 help="jax_default_matmul_precision (--suite: default highest, float32 dots "
+                 "in full precision so results compare at float32 tolerances; 'default' "
+                 "times TF32). The op benchmark runs bf16 at the default precision.")
   args = p.parse_args(argv)
-  jax.config.update("jax_default_matmul_precision", args.matmul_precision)
+  if args.suite:
+    return _suite(p, args)
+  sizes = args.size or list(OP_SIZES)
+  device = gpu_device()
+  if device is None and sizes != ["tiny"]:
+    print("benchmarks.gpu: no GPU visible to JAX; skipping the GPU benchmarks "
+          "(--size tiny runs them on the CPU as a smoke test).")
+    return 0
+  if args.matmul_precision:
+    jax.config.update("jax_default_matmul_precision", args.matmul_precision)
+  chosen = [(size, [c for c in gpu_op_cases.all_cases(size)
+                    if not args.only or any(o in c.name for o in args.only)])
+            for size in sizes]
+  if not any(cases for _, cases in chosen):
+    p.error(f"--only {args.only}: no program matches; the programs are "
+            f"{[c.name for c in gpu_op_cases.all_cases('tiny')]}")
+  kind = device.device_kind if device is not None else jax.devices()[0].device_kind
+  results = gpu_ops.run(chosen, reps=args.reps or 11, on_gpu=device is not None)
+  print()
+  print(f"{kind}, jax {jax.__version__}, {args.reps or 11} interleaved rounds, median:")
+  print(gpu_ops.table(results, kind))
+  bad = gpu_ops.problems(results)
+  for line in bad:
+    print(line)
+  args.out.mkdir(parents=True, exist_ok=True)
+  path = args.out / "perf_gpu_ops.json"
+  path.write_text(json.dumps({"device": kind, "jax": jax.__version__, "reps": args.reps or 11,
+                              "results": gpu_ops.numbers(results)}, indent=1))
+  print(f"\nwrote {path}")
+  return 1 if bad else 0
+
+
+def _suite(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+  """The kernel suite: pallet's Triton backend vs jax.numpy vs Pallas on Triton."""
+  precision = args.matmul_precision or "highest"
+  jax.config.update("jax_default_matmul_precision", precision)
   benches = gpu_benchmarks()
-  if args.matmul_precision == "default":
+  if precision == "default":
     # TF32 keeps 10 mantissa bits of each float32 input: kernels with dots agree with
     # jax.numpy (itself TF32) only to about 1e-2, whoever rounds first.
     benches = [dataclasses.replace(b, rtol=max(b.rtol, TF32_TOLERANCE),
@@ -168,8 +227,8 @@ def main(argv: list[str] | None = None) -> int:
   if device is None:
     print("benchmarks.gpu: no GPU visible to JAX; skipping the GPU benchmarks.")
     return 0
-
-  results = run_suite(selected, GPU_VARIANTS, reps=args.reps, peer=PeerPolicy(), seed=0,
+  reps = args.reps or 21
+  results = run_suite(selected, GPU_VARIANTS, reps=reps, peer=PeerPolicy(), seed=0,
                       device=device)
   print()
   print(report.format_table(results, GPU_COLUMNS))
@@ -181,8 +240,8 @@ def main(argv: list[str] | None = None) -> int:
   args.out.mkdir(parents=True, exist_ok=True)
   report.write_json(args.out / "perf_gpu.json", results, {"device": str(device),
                                                             "jax": jax.__version__,
-                                                            "reps": args.reps,
-                                                            "matmul_precision": args.matmul_precision},
+                                                            "reps": reps,
+                                                            "matmul_precision": precision},
                      GPU_COLUMNS)
   print(f"\nwrote {args.out / 'perf_gpu.json'}")
   return exit_code(results)

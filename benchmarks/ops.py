@@ -7,6 +7,7 @@ interpret peer runs the very same op source with its module's `pl` bound to
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import math
@@ -18,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.case import Benchmark, Size
+from pallet.ops import launch_table
 
 FAMILY = "ops"
 
@@ -36,7 +38,25 @@ def _peer_module(module: str) -> types.ModuleType:
   shim.pallas_call = functools.partial(jpl.pallas_call, interpret=True)
   shim.CompilerParams = _peer_compiler_params(jpl)
   copy.pl = shim
+  if hasattr(copy, "launch_table"):
+    copy.launch_table = _PeerLaunchTable
   return copy
+
+
+class _PeerLaunch(launch_table.Launch):
+  """pallet's per-GPU blocks, without pallet's compiler-params type (JAX's pallas_call
+  takes its own): the peer leaves warps and stages to its backend."""
+
+  def compiler_params(self, *args: Any, **kwargs: Any) -> None:
+    return None
+
+
+class _PeerLaunchTable:
+  @staticmethod
+  def lookup(op: str, **features: Any) -> _PeerLaunch:
+    found = launch_table.lookup(op, **features)
+    return _PeerLaunch(**{f.name: getattr(found, f.name)
+                          for f in dataclasses.fields(found)})
 
 
 def _peer_compiler_params(jpl: Any) -> Callable[..., Any]:
@@ -119,8 +139,9 @@ _NORM = {"full": (4096, 1024), "small": (512, 256), "tiny": (64, 512)}
 
 def _normalization(size: Size) -> list[Benchmark]:
   from pallet.ops import normalization as m
+  from pallet.ops._common import rows_per_block
   n, d = _NORM[size]
-  br = m.rows_per_block(d, n)
+  br = rows_per_block(d, n)
   grid = (math.ceil(n / br),)
   shapes = f"{n}x{d} f32, {br}-row blocks"
   return (

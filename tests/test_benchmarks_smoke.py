@@ -67,6 +67,61 @@ def test_gpu_script_skips_cleanly_without_a_gpu(capsys):
   assert "no GPU" in capsys.readouterr().out
 
 
+_SMOKE_PROGRAMS = ("flash_attention fwd causal", "decode_attention", "ragged_dot")
+
+
+def _op_benchmark(tmp_path, capsys, *only):
+  from benchmarks import gpu_op_cases
+  if gpu_device() is not None:
+    pytest.skip("a GPU is present: python -m benchmarks.gpu times the real sizes")
+  argv = ["--size", "tiny", "--reps", "1", "--out", str(tmp_path)]
+  for name in only:
+    argv += ["--only", name]
+  assert gpu_main(argv) == 0
+  out = capsys.readouterr().out
+  data = json.loads((tmp_path / "perf_gpu_ops.json").read_text())
+  expected = [c.name for c in gpu_op_cases.all_cases("tiny")
+              if not only or any(o in c.name for o in only)]
+  assert [r["program"] for r in data["results"]] == expected
+  for row in data["results"]:
+    assert row["variants"]["pallet"]["status"] == "ok" and row["variants"]["pallet"]["ms"] > 0
+  return out, data
+
+
+def test_gpu_op_benchmark_runs_on_the_cpu_in_tiny_mode(tmp_path, capsys):
+  out, data = _op_benchmark(tmp_path, capsys, *_SMOKE_PROGRAMS)
+  assert "| flash_attention fwd causal | B1 H2 T64 D32 bf16 | TFLOP/s |" in out
+  attention = next(r for r in data["results"] if r["program"] == "flash_attention fwd causal")
+  assert attention["variants"]["cuDNN"]["status"] == "n/a"     # needs a GPU
+  assert attention["variants"]["XLA"]["status"] == "ok"        # checked in its own layout
+  ragged = next(r for r in data["results"] if r["program"] == "ragged_dot")
+  assert ragged["variants"]["lax.ragged_dot"]["status"] == "ok"
+
+
+@pytest.mark.slow
+def test_gpu_op_benchmark_runs_every_program_on_the_cpu_in_tiny_mode(tmp_path, capsys):
+  _op_benchmark(tmp_path, capsys)
+
+
+def test_gpu_op_benchmark_reports_a_wrong_result_and_does_not_time_it():
+  from benchmarks import gpu_op_cases, gpu_ops
+  case = next(c for c in gpu_op_cases.all_cases("tiny") if c.name == "softmax")
+  wrong = dataclasses.replace(case, pallet=lambda x, w: case.pallet(x, w) * 1.1)
+  result = gpu_ops.run_case(wrong, "tiny", reps=1, on_gpu=False, key=jax.random.key(0))
+  pallet, xla = result.variants
+  assert pallet.status == "mismatch" and pallet.seconds is None
+  assert "max error" in pallet.message and xla.status == "ok" and xla.seconds > 0
+  assert gpu_ops.problems([result]) == [f"softmax [tiny] pallet: mismatch: {pallet.message}"]
+
+
+def test_gpu_op_benchmark_peaks_and_table():
+  from benchmarks import gpu_ops
+  assert gpu_ops.peak_of("NVIDIA H100 80GB HBM3") == (989.0, 3.35)
+  assert gpu_ops.peak_of("NVIDIA H100 PCIe") == (756.0, 2.0)
+  assert gpu_ops.peak_of("NVIDIA A100-SXM4-40GB") == (312.0, 1.555)
+  assert gpu_ops.peak_of("cpu") is None
+
+
 def test_every_family_has_a_tiny_benchmark_with_several_grid_steps():
   names = {b.name for b in TINY}
   assert names == {b.name for b in catalog.all_benchmarks("full")}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import ClassVar
 
 import jax
 
@@ -42,6 +43,15 @@ class CompilerParams:
     # (a list would make the params unhashable, and kernels are cached by them)
     if isinstance(self.grid_bounds, list):
       object.__setattr__(self, "grid_bounds", tuple(self.grid_bounds))
+
+
+@dataclasses.dataclass(frozen=True)
+class TableCompilerParams(CompilerParams):
+  """CompilerParams a library chose from a per-device table (pallet.ops), not the
+  user: a `num_stages` whose pipelined buffers need more shared memory than the GPU
+  has is lowered until the kernel fits, as the backend does with its own default,
+  instead of being an error (a table entry serves a whole family of GPUs)."""
+  stages_shrink_to_fit: ClassVar[bool] = True
 
 
 class GpuVersion(enum.Enum):

@@ -6,7 +6,10 @@ kernels whose block sizes are builder keywords (bench/<name>: the suite's blocks
 the default, the others are them scaled by 1/4 to 4). Each case calls autotuned code on
 example inputs; every choice made meanwhile is reported: the table of configs tried,
 and the default (first fitting) config's time beside the chosen one's, timed again
-in rounds of their own with `--confirm N`.
+in rounds of their own with `--confirm N`. On a GPU, a pallet.ops launch
+configuration chosen over the default (`launch` configs, see pallet.ops.tuned) is also
+written into the user's launch table for that GPU (pallet.ops.launch_table), which the
+plain ops read.
 """
 from __future__ import annotations
 
@@ -150,13 +153,17 @@ def run(*, only: Sequence[str] = (), list_only: bool = False, size: str = "full"
     rows, failures = [], 0
     for i, case in enumerate(selected):
       print(f"[{i + 1}/{len(selected)}] {case.name}", flush=True)
-      with autotuning.recording(force=force, reps=reps) as session:
+      with autotuning.recording(force=force, reps=reps) as session, \
+          _launch_tables().recording() as launches:
         try:
           jax.block_until_ready(case.run())
         except Exception as e:  # noqa: BLE001 - report, go on with the next case
           print(f"    failed: {type(e).__name__}: {e}")
           failures += 1
           continue
+      if backends.generated_code_on_gpu():
+        for path, op in store_launch_choices(session.choices, launches, env["device"]):
+          print(f"    {op}: launch-table entry written to {path}")
       for record in _distinct(session.choices):
         choice = record.choice
         if choice.source == "tuned":
@@ -172,6 +179,44 @@ def run(*, only: Sequence[str] = (), list_only: bool = False, size: str = "full"
   print()
   print(summary(rows))
   return 1 if failures else 0
+
+
+def _launch_tables() -> Any:
+  """pallet.ops.launch_table, or a stand-in that records nothing where pallet.ops is
+  not importable."""
+  try:
+    return importlib.import_module("pallet.ops.launch_table")
+  except ModuleNotFoundError:
+    return _NoLaunchTables()
+
+
+class _NoLaunchTables:
+  @staticmethod
+  @contextlib.contextmanager
+  def recording():
+    yield []
+
+
+def store_launch_choices(records: Sequence, launches: Sequence, device_kind: str) -> list:
+  """For each tuned choice of a `launch` config (pallet.ops.tuned), a user launch-table
+  entry for the op on the GPU its lookups named, applying to the features of the
+  tuned call; returns [(path, op)]. Choices of the default, of block keywords or from
+  the cache write nothing."""
+  tables = _launch_tables()
+  written = []
+  for record in _distinct(list(records)):
+    choice = record.choice
+    launch = choice.config.get("launch") if choice.source == "tuned" else None
+    op = getattr(getattr(record.fn, "fn", None), "launch_op", None)
+    if not launch or op is None:
+      continue
+    seen = [l for l in launches if l.op == op and l.device is not None]
+    if not seen:
+      continue
+    path = tables.store(op, seen[-1].device, seen[-1].features, launch,
+                        tables.tuned_source(device_kind))
+    written.append((path, op))
+  return written
 
 
 def _distinct(records: list) -> list:

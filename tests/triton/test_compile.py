@@ -15,6 +15,7 @@ from compiled import TARGETS, compile_for, kernels_of, spill_bytes
 from helpers import random_array, sds
 import pallet.tpu as pltpu
 from pallet.backends.triton import TritonLoweringError
+from pallet.ops import launch_table
 
 
 def _kernel(name):
@@ -124,8 +125,9 @@ def _benchmark_kernels():
   from benchmarks.gpu import gpu_benchmarks
   out = []
   for bench in gpu_benchmarks("full"):
-    # As on a GPU, where code that picks block sizes per backend (pallet.ops) sees Triton.
-    with pl.default_backend("triton"):
+    # As on an sm_80 GPU, where code that picks block sizes per backend and GPU
+    # (pallet.ops) sees Triton and sm_80's launch table.
+    with pl.default_backend("triton"), launch_table.using_device("sm_80"):
       program = bench.build_pallas(pl, backend="triton")
       inputs = bench.make_inputs(jax.random.key(0))
       kernels = kernels_of(program, *inputs)
@@ -303,6 +305,19 @@ def test_default_pipeline_depth_shrinks_to_fit_shared_memory(target):
   compiled = compile_for(_k_loop_matmul(128), target)
   arch = TARGETS[target][1]
   assert 0 < compiled.metadata.shared <= compiler.SHARED_MEMORY_LIMITS[("cuda", arch)]
+
+
+@pytest.mark.parametrize("target", ["sm80", "sm90"])
+def test_a_tables_num_stages_shrinks_to_fit_shared_memory(target):
+  # pallet.ops' launch tables serve a family of GPUs with less shared memory than its
+  # reference part: their num_stages is an upper bound, not an error
+  from pallet.backends.triton import compiler
+  from pallet.gpu_target import TableCompilerParams
+  kd = _k_loop_matmul(128, compiler_params=TableCompilerParams(num_stages=3))
+  compiled = compile_for(kd, target)
+  arch = TARGETS[target][1]
+  assert 0 < compiled.metadata.shared <= compiler.SHARED_MEMORY_LIMITS[("cuda", arch)]
+  assert compiled.metadata.num_stages < 3
 
 
 def test_num_stages_the_user_chose_that_does_not_fit_is_a_clear_error():

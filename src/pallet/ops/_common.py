@@ -51,6 +51,19 @@ def rows_per_block(width: int, total_rows: int | None = None, budget: int = 4096
   return rows
 
 
+def row_plan(op: str, launch: Any, width: int, total_rows: int,
+             block_rows: int | None) -> tuple[int, Any, Any]:
+  """(block_rows, forward compiler params, backward compiler params) of a row-wise op
+  from its launch table entry ("fwd": elements per step, num_warps, num_stages; "bwd":
+  num_warps, num_stages), or from `block_rows` the caller chose."""
+  explicit = block_rows is not None
+  if block_rows is None:
+    block_rows = rows_per_block(width, total_rows, budget=launch.get("fwd", "elements", 4096))
+  check_block(op, "block_rows", block_rows)
+  return (block_rows, launch.compiler_params("fwd", explicit=explicit),
+          launch.compiler_params("bwd", explicit=explicit))
+
+
 def as_rows(x: jax.Array) -> jax.Array:
   """x viewed as (rows, last dimension)."""
   return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])

@@ -26,8 +26,9 @@ import jax.numpy as jnp
 from jax import lax
 
 import pallet as pl
+from pallet.ops import launch_table
 from pallet.ops._common import (F32, cdiv, check_block, check_float, fail,
-                                online_softmax_start, online_softmax_step, target_backend)
+                                online_softmax_start, online_softmax_step)
 
 __all__ = ["flash_attention", "attention_reference"]
 
@@ -36,8 +37,17 @@ _TN = (((0,), (0,)), ((), ()))   # a^T @ b
 
 
 @dataclasses.dataclass(frozen=True)
+class _Pass:
+  """The tiles and launch parameters of one kernel (forward, dq or dk/dv)."""
+  block_q: int
+  block_k: int
+  params: object = None   # the pallas_call's compiler params (None: the backend's own)
+
+
+@dataclasses.dataclass(frozen=True)
 class _Config:
-  """Static facts of one call (hashable: a custom_vjp non-differentiable argument)."""
+  """Static facts of one call (hashable: a custom_vjp non-differentiable argument).
+  block_q/block_k are those of the kernel being built: `for_pass` switches them."""
   scale: float
   causal: bool
   window: int | None
@@ -48,6 +58,12 @@ class _Config:
   block_q: int
   block_k: int
   segments: bool
+  fwd: _Pass
+  dq: _Pass
+  dkv: _Pass
+
+  def for_pass(self, p: _Pass) -> "_Config":
+    return dataclasses.replace(self, block_q=p.block_q, block_k=p.block_k)
 
 
 # ------------------------------------------------------------------ reference
@@ -165,6 +181,7 @@ def _segment_args(c, q_seg, kv_seg, q_spec, kv_spec):
 
 
 def _forward(q, k, v, q_seg, kv_seg, c: _Config):
+  c = c.for_pass(c.fwd)
   b, h, t, d = q.shape
   s = k.shape[2]
   q_spec = pl.BlockSpec((None, None, c.block_q, d), lambda bi, hi, i: (bi, hi, i, 0))
@@ -177,7 +194,8 @@ def _forward(q, k, v, q_seg, kv_seg, c: _Config):
       _forward_kernel(c),
       out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, t), F32)],
       grid=(b, h, t // c.block_q), in_specs=[q_spec, kv_spec, kv_spec, *seg_specs],
-      out_specs=[q_spec, lse_spec], name="flash_attention_fwd")(q, k, v, *seg_args)
+      out_specs=[q_spec, lse_spec], name="flash_attention_fwd",
+      compiler_params=c.fwd.params)(q, k, v, *seg_args)
 
 
 # ------------------------------------------------------------------ backward
@@ -250,10 +268,11 @@ def _dkv_kernel(c: _Config):
   return kernel
 
 
-def _backward(q, k, v, o, lse, do, q_seg, kv_seg, c: _Config):
+def _backward(q, k, v, o, lse, do, q_seg, kv_seg, config: _Config):
   b, h, t, d = q.shape
   hkv, s = k.shape[1], k.shape[2]
-  g = c.groups
+  g = config.groups
+  c = config.for_pass(config.dq)
   # dq: one program per (batch, head, query block), looping over key blocks.
   q_spec = pl.BlockSpec((None, None, c.block_q, d), lambda bi, hi, i: (bi, hi, i, 0))
   kv_spec = pl.BlockSpec((None, None, s, d), lambda bi, hi, i: (bi, hi // g, 0, 0))
@@ -264,9 +283,11 @@ def _backward(q, k, v, o, lse, do, q_seg, kv_seg, c: _Config):
   dq = pl.pallas_call(
       _dq_kernel(c), out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), grid=(b, h, t // c.block_q),
       in_specs=[q_spec, kv_spec, kv_spec, q_spec, q_spec, lse_spec, *seg_specs],
-      out_specs=q_spec, name="flash_attention_dq")(q, k, v, o, do, lse, *seg_args)
+      out_specs=q_spec, name="flash_attention_dq",
+      compiler_params=c.dq.params)(q, k, v, o, do, lse, *seg_args)
   # dk, dv: one program per (batch, kv head, key block), looping over the group's
   # query heads and query blocks.
+  c = config.for_pass(config.dkv)
   group_spec = pl.BlockSpec((None, g, t, d), lambda bi, hi, j: (bi, hi, 0, 0))
   group_lse = pl.BlockSpec((None, g, t), lambda bi, hi, j: (bi, hi, 0))
   kv_block = pl.BlockSpec((None, None, c.block_k, d), lambda bi, hi, j: (bi, hi, j, 0))
@@ -278,7 +299,8 @@ def _backward(q, k, v, o, lse, do, q_seg, kv_seg, c: _Config):
                                  jax.ShapeDtypeStruct(v.shape, v.dtype)],
       grid=(b, hkv, s // c.block_k),
       in_specs=[group_spec, kv_block, kv_block, group_spec, group_spec, group_lse, *seg_specs],
-      out_specs=[kv_block, kv_block], name="flash_attention_dkv")(q, k, v, o, do, lse, *seg_args)
+      out_specs=[kv_block, kv_block], name="flash_attention_dkv",
+      compiler_params=c.dkv.params)(q, k, v, o, do, lse, *seg_args)
   return dq, dk, dv
 
 
@@ -299,6 +321,16 @@ def _attention_bwd(c, saved, do):
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+# The CPU backend's blocks (the Triton backend's come from pallet.ops.launch_table).
+_CPU_BLOCK = 128
+
+
+def _padded(length: int, blocks: list[int]) -> int:
+  """`length` rounded up to a multiple of every block."""
+  step = functools.reduce(math.lcm, blocks)
+  return cdiv(length, step) * step
 
 
 def _pad(x, axis, size, value=0):
@@ -322,8 +354,9 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
   `kv_segment_ids` (batch, kv_len): a query sees only keys of its segment.
   `window`: a query at position i sees keys at i - window < j (and j <= i if causal).
   `softcap`: scores become softcap * tanh(s / softcap). Default scale 1/sqrt(d).
-  `block_q`/`block_k`: query/key rows per tile; defaults 32/32 on Triton (no
-  register spills up to head_dim 128 on sm_80, sm_90 and gfx942), 128/128 on the CPU.
+  `block_q`/`block_k`: query/key rows per tile of every pass (forward, dq, dk/dv);
+  by default 128/128 on the CPU and, on Triton, per pass from the GPU's launch table
+  (pallet.ops.launch_table, docs/ops/gpu_defaults.md) with its num_warps/num_stages.
   Differentiable in q, k and v.
   """
   op = "flash_attention"
@@ -348,15 +381,25 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
     raise fail(op, f"window must be a positive int or None, got {window!r}")
   if softcap is not None and not softcap > 0:
     raise fail(op, f"softcap must be positive or None, got {softcap!r}")
-  default = 32 if target_backend() != "xla" else 128
-  block_q, block_k = block_q or default, block_k or default
-  check_block(op, "block_q", block_q)
-  check_block(op, "block_k", block_k)
-  t_pad, s_pad = cdiv(t, block_q) * block_q, cdiv(s, block_k) * block_k
+  for name, value in (("block_q", block_q), ("block_k", block_k)):
+    if value is not None:
+      check_block(op, name, value)
+  launch = launch_table.lookup(op, causal=bool(causal or window is not None), head_dim=d,
+                               itemsize=jnp.dtype(q.dtype).itemsize)
+  explicit = block_q is not None or block_k is not None
+  passes = {}
+  for section in ("fwd", "dq", "dkv"):
+    passes[section] = _Pass(block_q or launch.get(section, "block_q", _CPU_BLOCK),
+                            block_k or launch.get(section, "block_k", _CPU_BLOCK),
+                            launch.compiler_params(section, explicit=explicit))
+  # Padded to whole blocks of every pass (powers of two divide the largest).
+  t_pad = _padded(t, [p.block_q for p in passes.values()])
+  s_pad = _padded(s, [p.block_k for p in passes.values()])
+  fwd = passes["fwd"]
   c = _Config(scale=float(1.0 / math.sqrt(d) if scale is None else scale), causal=bool(causal),
               window=window, softcap=None if softcap is None else float(softcap), q_len=t,
-              kv_len=s, groups=h // k.shape[1], block_q=block_q, block_k=block_k,
-              segments=q_segment_ids is not None)
+              kv_len=s, groups=h // k.shape[1], block_q=fwd.block_q, block_k=fwd.block_k,
+              segments=q_segment_ids is not None, **passes)
   segs = (None, None)
   if c.segments:
     segs = (_pad(q_segment_ids.astype(jnp.int32), 1, t_pad),

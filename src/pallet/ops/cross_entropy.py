@@ -26,15 +26,17 @@ Labels < 0 are ignored (loss 0, no gradient), as with ignore_index=-100 elsewher
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 import pallet as pl
+from pallet.ops import launch_table
 from pallet.ops._common import F32, cdiv, check_block, check_float, check_shape, fail
-from pallet.ops._common import target_backend
 
 __all__ = ["linear_cross_entropy", "linear_cross_entropy_reference"]
 
@@ -237,7 +239,9 @@ def _specs(n_axis: int, v_axis: int, block_n: int, block_v: int, hidden: int):
   return rows, slab, vector
 
 
-def _forward(h, w, labels, block_n, block_v, block_h):
+def _forward(h, w, labels, plan):
+  t = plan.fwd
+  block_n, block_v, block_h = t.block_n, t.block_v, t.block_h
   n, hidden = h.shape
   vocab = w.shape[1]
   rows, slab, vector = _specs(0, 1, block_n, block_v, hidden)
@@ -246,15 +250,16 @@ def _forward(h, w, labels, block_n, block_v, block_h):
       _forward_kernel(vocab, block_v, block_h), out_shape=[stat] * 3,
       grid=(cdiv(n, block_n), cdiv(vocab, block_v)), in_specs=[rows, slab, vector],
       out_specs=[vector] * 3, name="linear_cross_entropy_fwd",
-      compiler_params=pl.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+      compiler_params=t.params,
   )(h, w, labels)
   lse = m + jnp.log(l)
   return jnp.where(labels >= 0, lse - t, 0.0), lse
 
 
-def _by_rows(h, w, labels, g, block_n, block_h):
+def _by_rows(h, w, labels, g, plan):
   """(losses, dh, dW) in float32 from whole vocabulary rows, for a cotangent of g per
-  row (None: one)."""
+  row (None: one): the CPU backend's gradient kernel."""
+  block_n, block_h = plan.fwd.block_n, plan.fwd.block_h
   n, hidden = h.shape
   vocab = w.shape[1]
   block_n = min(block_n, _ROWS_OF_LOGITS // vocab) or 1
@@ -272,44 +277,44 @@ def _by_rows(h, w, labels, g, block_n, block_h):
   )(h, w, labels, *([g] if weighted else []))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _loss(h, w, labels, block_n, block_v, block_h):
-  return _forward(h, w, labels, block_n, block_v, block_h)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _loss(h, w, labels, plan):
+  return _forward(h, w, labels, plan)[0]
 
 
-def _loss_fwd(h, w, labels, block_n, block_v, block_h):
-  loss, lse = _forward(h, w, labels, block_n, block_v, block_h)
+def _loss_fwd(h, w, labels, plan):
+  loss, lse = _forward(h, w, labels, plan)
   # The CPU backward recomputes the log-sum-exp along with the logits: saving only the
   # inputs lets XLA drop this forward kernel where only the gradients are used.
-  return loss, (h, w, labels, lse if target_backend() != "xla" else None)
+  return loss, (h, w, labels, lse if plan.gpu else None)
 
 
-def _loss_bwd(block_n, block_v, block_h, saved, g):
+def _loss_bwd(plan, saved, g):
   h, w, labels, lse = saved
   n, hidden = h.shape
   vocab = w.shape[1]
   g = jnp.where(labels >= 0, g.astype(F32), 0.0)
   if lse is None:
-    _, dh, dw = _by_rows(h, w, labels, g, block_n, block_h)
+    _, dh, dw = _by_rows(h, w, labels, g, plan)
     return dh.astype(h.dtype), dw.astype(w.dtype), None
-  nb, vb = cdiv(n, block_n), cdiv(vocab, block_v)
-  rows, slab, vector = _specs(0, 1, block_n, block_v, hidden)
+  t = plan.dh
+  rows, slab, vector = _specs(0, 1, t.block_n, t.block_v, hidden)
   dh = pl.pallas_call(
-      _dh_kernel(vocab, block_v, block_h), out_shape=jax.ShapeDtypeStruct((n, hidden), F32),
-      grid=(nb, vb), in_specs=[rows, slab, vector, vector, vector], out_specs=rows,
-      name="linear_cross_entropy_dh",
-      compiler_params=pl.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+      _dh_kernel(vocab, t.block_v, t.block_h),
+      out_shape=jax.ShapeDtypeStruct((n, hidden), F32),
+      grid=(cdiv(n, t.block_n), cdiv(vocab, t.block_v)),
+      in_specs=[rows, slab, vector, vector, vector], out_specs=rows,
+      name="linear_cross_entropy_dh", compiler_params=t.params,
   )(h, w, labels, lse, g)
-  dw_block_v = _gpu_dw_block(hidden, block_v)
-  rows, slab, vector = _specs(1, 0, block_n, dw_block_v, hidden)
+  t = plan.dw
+  dw_block_v = _gpu_dw_block(hidden, t.block_v, plan.dw_slab)
+  rows, slab, vector = _specs(1, 0, t.block_n, dw_block_v, hidden)
   dw = pl.pallas_call(
-      _dw_kernel(n, block_n, dw_block_v, block_h),
+      _dw_kernel(n, t.block_n, dw_block_v, t.block_h),
       out_shape=jax.ShapeDtypeStruct((hidden, vocab), F32),
-      grid=(cdiv(vocab, dw_block_v), nb), in_specs=[rows, slab, vector, vector, vector],
-      out_specs=slab,
-      name="linear_cross_entropy_dw",  # 8 warps: a (block_h, block_v) f32 update per step
-      compiler_params=pl.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
-                                        num_warps=8),
+      grid=(cdiv(vocab, dw_block_v), cdiv(n, t.block_n)),
+      in_specs=[rows, slab, vector, vector, vector], out_specs=slab,
+      name="linear_cross_entropy_dw", compiler_params=t.params,
   )(h, w, labels, lse, g)
   return dh.astype(h.dtype), dw.astype(w.dtype), None
 
@@ -317,22 +322,21 @@ def _loss_bwd(block_n, block_v, block_h, saved, g):
 _loss.defvjp(_loss_fwd, _loss_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _reduced(h, w, labels, reduction, block_n, block_v, block_h):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _reduced(h, w, labels, reduction, plan):
   """A summed or averaged loss (CPU): its gradient is that of a cotangent of one
   (or 1/count) per row, so the forward under differentiation computes it already,
   from logits it holds for `block_n` rows at a time: three products in all."""
-  return _reduce(_forward(h, w, labels, block_n, block_v, block_h)[0], labels, reduction)
+  return _reduce(_forward(h, w, labels, plan)[0], labels, reduction)
 
 
-def _reduced_fwd(h, w, labels, reduction, block_n, block_v, block_h):
-  del block_v  # whole vocabulary rows per step
-  losses, dh, dw = _by_rows(h, w, labels, None, block_n, block_h)
+def _reduced_fwd(h, w, labels, reduction, plan):
+  losses, dh, dw = _by_rows(h, w, labels, None, plan)   # whole vocabulary rows per step
   scale = jnp.ones((), F32) if reduction == "sum" else 1.0 / _counted(labels)
   return _reduce(losses, labels, reduction), (dh.astype(h.dtype), dw.astype(w.dtype), scale)
 
 
-def _reduced_bwd(reduction, block_n, block_v, block_h, saved, g):
+def _reduced_bwd(reduction, plan, saved, g):
   dh, dw, scale = saved
   g = g.astype(F32) * scale
   return (g * dh).astype(dh.dtype), (g * dw).astype(dw.dtype), None
@@ -344,16 +348,53 @@ _reduced.defvjp(_reduced_fwd, _reduced_bwd)
 # block shrinks to fit a large vocabulary.
 _ROWS_OF_LOGITS = 1 << 20
 
-# A GPU program holds its (hidden, block_v) float32 slab of dW in registers: at most this
-# many elements (32 per thread at 8 warps; hidden 512 with 128 columns spilled on sm_80).
-_GPU_DW_SLAB = 8192
 
-
-def _gpu_dw_block(hidden: int, block_v: int) -> int:
-  """The vocabulary block of the dW kernel on a GPU: block_v, halved until the slab fits."""
-  while block_v > 16 and hidden * block_v > _GPU_DW_SLAB:
+def _gpu_dw_block(hidden: int, block_v: int, slab: int) -> int:
+  """The vocabulary block of the dW kernel on a GPU: block_v, halved until its
+  (hidden, block_v) float32 slab of dW, held in registers, has at most `slab` elements."""
+  while block_v > 16 and hidden * block_v > slab:
     block_v //= 2
   return block_v
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tiles:
+  """The blocks and compiler params of one kernel (its launch-table section)."""
+  block_n: int
+  block_v: int
+  block_h: int
+  params: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """Blocks and launch parameters of one call, per kernel (hashable: a custom_vjp
+  argument). On the CPU every kernel takes the same blocks."""
+  gpu: bool
+  fwd: _Tiles
+  dh: _Tiles
+  dw: _Tiles       # block_v: before halving to fit dw_slab
+  dw_slab: int
+
+
+def _plan(launch: launch_table.Launch, hidden: int, block_n, block_v, block_h) -> _Plan:
+  explicit = any(b is not None for b in (block_n, block_v, block_h))
+
+  def tiles(section: str) -> _Tiles:
+    bn = block_n or launch.get(section, "block_n", 128)
+    bv = block_v or launch.get(section, "block_v", 512)
+    bh = block_h or launch.get(section, "block_h", hidden)
+    for name, value in (("block_n", bn), ("block_v", bv), ("block_h", bh)):
+      check_block("linear_cross_entropy", name, value)
+    # dW's slab is the table's whatever blocks the caller chose: so are its warps.
+    semantics = ("parallel", "arbitrary")
+    params = (launch.compiler_params(section, explicit=explicit and section != "dw",
+                                     dimension_semantics=semantics) if launch.on_gpu
+              else pl.CompilerParams(dimension_semantics=semantics))
+    return _Tiles(bn, bv, hidden if hidden % bh else bh, params)
+
+  return _Plan(launch.on_gpu, tiles("fwd"), tiles("dh"), tiles("dw"),
+               launch.get("dw", "max_slab", 0))
 
 
 def linear_cross_entropy(h: jax.Array, w: jax.Array, labels: jax.Array, *,
@@ -369,8 +410,9 @@ def linear_cross_entropy(h: jax.Array, w: jax.Array, labels: jax.Array, *,
   "none" needs where the loss is used.
   `block_n` rows and `block_v` vocabulary entries per grid step; products over the
   hidden axis go `block_h` units at a time (must divide hidden; the whole axis at
-  once if not). Defaults: (16, 128, 64) on Triton, (128, 512, hidden) on the CPU,
-  where the gradient kernel takes `block_n` rows (fewer for a vocabulary over 8K)
+  once if not). Defaults: (128, 512, hidden) on the CPU; on Triton from the GPU's launch
+  table (pallet.ops.launch_table, with each kernel's num_warps/num_stages). On the CPU
+  the gradient kernel takes `block_n` rows (fewer for a vocabulary over 8K)
   over the whole vocabulary per step. Differentiable in h and w (the backward pass
   recomputes the logits: once on the CPU, once per gradient on a GPU).
   """
@@ -389,15 +431,10 @@ def linear_cross_entropy(h: jax.Array, w: jax.Array, labels: jax.Array, *,
     raise fail(op, f"labels must be integers, got {labels.dtype}")
   check_shape(op, "labels", labels, (h.shape[0],))
   hidden = h.shape[1]
-  gpu = target_backend() != "xla"
-  block_n = block_n or (16 if gpu else 128)
-  block_v = block_v or (128 if gpu else 512)
-  block_h = block_h or (64 if gpu else hidden)
-  for name, value in (("block_n", block_n), ("block_v", block_v), ("block_h", block_h)):
-    check_block(op, name, value)
-  if hidden % block_h:
-    block_h = hidden
+  launch = launch_table.lookup(op, hidden=hidden, vocab=w.shape[1],
+                               itemsize=jnp.dtype(h.dtype).itemsize)
+  plan = _plan(launch, hidden, block_n, block_v, block_h)
   labels = labels.astype(jnp.int32)
-  if reduction != "none" and not gpu:
-    return _reduced(h, w, labels, reduction, block_n, block_v, block_h)
-  return _reduce(_loss(h, w, labels, block_n, block_v, block_h), labels, reduction)
+  if reduction != "none" and not plan.gpu:
+    return _reduced(h, w, labels, reduction, plan)
+  return _reduce(_loss(h, w, labels, plan), labels, reduction)

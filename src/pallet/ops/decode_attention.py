@@ -16,8 +16,9 @@ import jax.numpy as jnp
 from jax import lax
 
 import pallet as pl
+from pallet.ops import launch_table
 from pallet.ops._common import (F32, cdiv, check_block, check_float, fail,
-                                online_softmax_start, online_softmax_step, target_backend)
+                                online_softmax_start, online_softmax_step)
 
 __all__ = ["decode_attention", "decode_attention_reference"]
 
@@ -64,9 +65,9 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
   """Attention of one query per sequence over its first `lengths[b]` cached keys.
 
   q (batch, heads, d); k, v (batch, kv_heads, max_len, d), heads a multiple of
-  kv_heads; lengths (batch,) ints. `block_k` keys per loop step (default 16 on
-  Triton, spill-free at head_dim 128 on sm_80/sm_90/gfx942; 256 on the CPU). Default
-  scale 1/sqrt(d).
+  kv_heads; lengths (batch,) ints. `block_k` keys per loop step (default 256 on the
+  CPU; on Triton from the GPU's launch table, pallet.ops.launch_table). Default scale
+  1/sqrt(d).
   """
   op = "decode_attention"
   for name, x in (("q", q), ("k", k), ("v", v)):
@@ -80,10 +81,13 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
                    f"and heads must be a multiple of kv_heads")
   if lengths.shape != (b,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
     raise fail(op, f"lengths must be ({b},) ints, got {lengths.shape} {lengths.dtype}")
-  block_k = block_k or (16 if target_backend() != "xla" else 256)
-  check_block(op, "block_k", block_k)
   hkv, max_len = k.shape[1], k.shape[2]
   groups = h // hkv
+  launch = launch_table.lookup(op, head_dim=d, groups=groups,
+                               itemsize=jnp.dtype(q.dtype).itemsize)
+  params = launch.compiler_params("fwd", explicit=block_k is not None)
+  block_k = block_k or launch.get("fwd", "block_k", 256)
+  check_block(op, "block_k", block_k)
   padded = cdiv(max_len, block_k) * block_k
   if padded != max_len:
     widths = ((0, 0), (0, 0), (0, padded - max_len), (0, 0))
@@ -95,5 +99,6 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
       _kernel(float(1.0 / math.sqrt(d) if scale is None else scale), block_k, max_len),
       out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype), grid=(b, hkv),
       in_specs=[pl.BlockSpec((1,), lambda bi, hi: (bi,)), q_spec, kv_spec, kv_spec],
-      out_specs=q_spec, name="decode_attention")(lengths.astype(jnp.int32), qg, k, v)
+      out_specs=q_spec, name="decode_attention",
+      compiler_params=params)(lengths.astype(jnp.int32), qg, k, v)
   return out.reshape(b, h, d)

@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 
 import pallet as pl
+from pallet.ops import launch_table
 from pallet.ops._common import F32, as_rows, cdiv, check_block, check_float, check_shape, fail
-from pallet.ops._common import target_backend
 from pallet.helpers import next_power_of_2
 
 __all__ = ["glu", "swiglu", "glu_reference", "swiglu_reference", "ACTIVATIONS"]
@@ -72,28 +72,31 @@ def _backward_kernel(activation):
   return kernel
 
 
-def _launch(kernel, name, blocks, arrays, outputs):
+def _launch(kernel, name, blocks, params, arrays, outputs):
   n, f = arrays[0].shape
   spec = pl.BlockSpec(blocks, lambda i, j: (i, j))
   shapes = [jax.ShapeDtypeStruct((n, f), a.dtype) for a in arrays[:outputs]]
   out = pl.pallas_call(kernel, out_shape=shapes, grid=(cdiv(n, blocks[0]), cdiv(f, blocks[1])),
                        in_specs=[spec] * len(arrays), out_specs=[spec] * outputs,
-                       name=name)(*arrays)
+                       name=name, compiler_params=params)(*arrays)
   return out
 
 
+# plan: ((block_rows, block_cols), forward compiler params, backward compiler params)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _glu(a, b, activation, blocks):
-  return _launch(_forward_kernel(activation), f"glu_{activation}_fwd", blocks, (a, b), 1)[0]
+def _glu(a, b, activation, plan):
+  return _launch(_forward_kernel(activation), f"glu_{activation}_fwd", plan[0], plan[1],
+                 (a, b), 1)[0]
 
 
-def _glu_fwd(a, b, activation, blocks):
-  return _glu(a, b, activation, blocks), (a, b)
+def _glu_fwd(a, b, activation, plan):
+  return _glu(a, b, activation, plan), (a, b)
 
 
-def _glu_bwd(activation, blocks, saved, dy):
+def _glu_bwd(activation, plan, saved, dy):
   a, b = saved
-  da, db = _launch(_backward_kernel(activation), f"glu_{activation}_bwd", blocks, (a, b, dy), 2)
+  da, db = _launch(_backward_kernel(activation), f"glu_{activation}_bwd", plan[0], plan[2],
+                   (a, b, dy), 2)
   return da, db
 
 
@@ -107,7 +110,8 @@ def glu(a: jax.Array, b: jax.Array, *, activation: str = "silu", block_rows: int
 
   `activation`: "silu" (SwiGLU), "gelu" (GeGLU, tanh approximation) or "sigmoid".
   Tiles of (`block_rows`, `block_cols`) over (rows, last axis); defaults: the whole
-  array on the CPU, up to 1024 columns and ~4K elements per tile on a GPU.
+  array on the CPU; on a GPU up to the launch table's `max_cols` columns and
+  `elements` per tile (pallet.ops.launch_table).
   Differentiable in a and b.
   """
   op = "glu"
@@ -121,15 +125,19 @@ def glu(a: jax.Array, b: jax.Array, *, activation: str = "silu", block_rows: int
   if a.ndim < 1 or a.size == 0:
     raise fail(op, f"a must be a non-empty array, got shape {a.shape}")
   rows, f = as_rows(a).shape
-  if target_backend() == "xla":
+  launch = launch_table.lookup(op, width=f, itemsize=jnp.dtype(a.dtype).itemsize)
+  explicit = block_rows is not None or block_cols is not None
+  if not launch.on_gpu:
     # One block: XLA fuses the whole elementwise pass; smaller blocks only add a
     # vectorized (blocks, rows, cols) layout whose temporaries get buffers of their own.
     block_cols, block_rows = block_cols or f, block_rows or rows
-  block_cols = block_cols or min(1024, next_power_of_2(f))
-  block_rows = block_rows or max(1, 4096 // block_cols)
+  block_cols = block_cols or min(launch.get("fwd", "max_cols"), next_power_of_2(f))
+  block_rows = block_rows or max(1, launch.get("fwd", "elements") // block_cols)
   check_block(op, "block_rows", block_rows)
   check_block(op, "block_cols", block_cols)
-  return _glu(as_rows(a), as_rows(b), activation, (block_rows, block_cols)).reshape(a.shape)
+  plan = ((block_rows, block_cols), launch.compiler_params("fwd", explicit=explicit),
+          launch.compiler_params("bwd", explicit=explicit))
+  return _glu(as_rows(a), as_rows(b), activation, plan).reshape(a.shape)
 
 
 def swiglu(a: jax.Array, b: jax.Array, **blocks: int | None) -> jax.Array:

@@ -19,8 +19,9 @@ import jax
 import jax.numpy as jnp
 
 import pallet as pl
-from pallet.ops._common import F32, as_rows, cdiv, check_block, check_float, check_shape
-from pallet.ops._common import fail, row_mask, rows_per_block
+from pallet.ops import launch_table
+from pallet.ops._common import F32, as_rows, cdiv, check_float, check_shape
+from pallet.ops._common import fail, row_mask, row_plan
 
 __all__ = ["layer_norm", "rms_norm", "layer_norm_reference", "rms_norm_reference"]
 
@@ -141,7 +142,8 @@ def _row_specs(block_rows: int, width: int):
   return rows, stat, vector, partial
 
 
-def _forward(x, w, b, r, rms, eps, block_rows):
+def _forward(x, w, b, r, rms, eps, plan):
+  block_rows, params = plan[0], plan[1]
   n, d = x.shape
   rows, stat, vector, _ = _row_specs(block_rows, d)
   has_residual = r is not None
@@ -158,14 +160,15 @@ def _forward(x, w, b, r, rms, eps, block_rows):
   outs = pl.pallas_call(_forward_kernel(rms, eps, has_residual), out_shape=out_shape,
                         grid=(cdiv(n, block_rows),), in_specs=in_specs,
                         out_specs=out_specs, name="rms_norm_fwd" if rms else "layer_norm_fwd",
-                        )(*inputs)
+                        compiler_params=params)(*inputs)
   y, rest = outs[0], list(outs[1:])
   h = rest.pop(0) if has_residual else x
   mean = None if rms else rest.pop(0)
   return y, h, mean, rest.pop(0)
 
 
-def _backward(dy, h, w, mean, rstd, dh_out, rms, block_rows):
+def _backward(dy, h, w, mean, rstd, dh_out, rms, plan):
+  block_rows, params = plan[0], plan[2]
   n, d = h.shape
   rows, stat, vector, partial = _row_specs(block_rows, d)
   has_residual = dh_out is not None
@@ -184,7 +187,8 @@ def _backward(dy, h, w, mean, rstd, dh_out, rms, block_rows):
   outs = pl.pallas_call(_backward_kernel(rms, n, block_rows, has_residual),
                         out_shape=out_shape, grid=(blocks,), in_specs=in_specs,
                         out_specs=out_specs,
-                        name="rms_norm_bwd" if rms else "layer_norm_bwd")(*inputs)
+                        name="rms_norm_bwd" if rms else "layer_norm_bwd",
+                        compiler_params=params)(*inputs)
   outs = list(outs)
   dx = outs.pop(0)
   dr = outs.pop(0) if has_residual else None
@@ -193,23 +197,24 @@ def _backward(dy, h, w, mean, rstd, dh_out, rms, block_rows):
   return dx, dr, dw, db
 
 
+# plan: (block_rows, forward compiler params, backward compiler params)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _norm(x, w, b, r, rms, eps, block_rows):
-  y, h, _, _ = _forward(x, w, b, r, rms, eps, block_rows)
+def _norm(x, w, b, r, rms, eps, plan):
+  y, h, _, _ = _forward(x, w, b, r, rms, eps, plan)
   return y if r is None else (y, h)
 
 
-def _norm_fwd(x, w, b, r, rms, eps, block_rows):
-  y, h, mean, rstd = _forward(x, w, b, r, rms, eps, block_rows)
+def _norm_fwd(x, w, b, r, rms, eps, plan):
+  y, h, mean, rstd = _forward(x, w, b, r, rms, eps, plan)
   out = y if r is None else (y, h)
   return out, (h, w, b, mean, rstd)
 
 
-def _norm_bwd(rms, eps, block_rows, saved, cotangent):
+def _norm_bwd(rms, eps, plan, saved, cotangent):
   del eps
   h, w, b, mean, rstd = saved
   dy, dh_out = cotangent if isinstance(cotangent, tuple) else (cotangent, None)
-  dx, dr, dw, db = _backward(dy, h, w, mean, rstd, dh_out, rms, block_rows)
+  dx, dr, dw, db = _backward(dy, h, w, mean, rstd, dh_out, rms, plan)
   db = None if b is None else db.astype(b.dtype)
   return dx, dw.astype(w.dtype), db, dr
 
@@ -231,13 +236,12 @@ def _normalize(op: str, x, weight, bias, residual, rms, eps, block_rows):
     check_shape(op, "residual", residual, x.shape)
     if residual.dtype != x.dtype:
       raise fail(op, f"residual has dtype {residual.dtype}, expected x's dtype {x.dtype}")
-  if block_rows is None:
-    block_rows = rows_per_block(d, x.size // d)
-  check_block(op, "block_rows", block_rows)
+  launch = launch_table.lookup(op, width=d, itemsize=jnp.dtype(x.dtype).itemsize)
+  plan = row_plan(op, launch, d, x.size // d, block_rows)
   w = jnp.ones((d,), x.dtype) if weight is None else weight
   b = None if rms else (jnp.zeros((d,), x.dtype) if bias is None else bias)
   out = _norm(as_rows(x), w, b, None if residual is None else as_rows(residual), rms,
-              float(eps), block_rows)
+              float(eps), plan)
   if residual is None:
     return out.reshape(x.shape)
   return out[0].reshape(x.shape), out[1].reshape(x.shape)
@@ -249,7 +253,8 @@ def layer_norm(x: jax.Array, weight: jax.Array | None = None, bias: jax.Array | 
   """Layer norm of x over its last axis, times `weight`, plus `bias` (both optional).
 
   With `residual` (x's shape), normalizes h = x + residual and returns (y, h).
-  `block_rows`: rows per grid step (default: a power of two fitting ~4K elements, dividing the rows if it can).
+  `block_rows`: rows per grid step (default: a power of two fitting the launch table's
+  `elements` per step, ~4K, dividing the rows if it can).
   Differentiable in every array argument; the backward pass runs as kernels too.
   """
   return _normalize("layer_norm", x, weight, bias, residual, False, eps, block_rows)
@@ -261,6 +266,7 @@ def rms_norm(x: jax.Array, weight: jax.Array | None = None,
   """RMS norm of x over its last axis, times `weight` (optional).
 
   With `residual` (x's shape), normalizes h = x + residual and returns (y, h).
-  `block_rows`: rows per grid step (default: a power of two fitting ~4K elements, dividing the rows if it can).
+  `block_rows`: rows per grid step (default: a power of two fitting the launch table's
+  `elements` per step, ~4K, dividing the rows if it can).
   """
   return _normalize("rms_norm", x, weight, None, residual, True, eps, block_rows)

@@ -19,8 +19,9 @@ import jax.numpy as jnp
 from jax import lax
 
 import pallet as pl
+from pallet.ops import launch_table
 from pallet.ops._common import (F32, cdiv, check_block, check_float, fail,
-                                online_softmax_start, online_softmax_step, target_backend)
+                                online_softmax_start, online_softmax_step)
 
 __all__ = ["paged_attention", "paged_attention_reference"]
 
@@ -112,11 +113,11 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, length
   ints, entries past a sequence's length ignored (any value). A sequence whose used
   entries name no page (< 0 or >= total_pages) gets NaN. `softcap`: scores become
   softcap * tanh(s / softcap). Default scale 1/sqrt(d). `pages_per_compute_block`:
-  pages per loop step (default: 16 tokens' worth on Triton, spill-free at head_dim 128
-  on sm_80/sm_90/gfx942; 128 tokens' worth on the CPU). `k_splits`: programs that
+  pages per loop step (default: 128 tokens' worth on the CPU; on Triton the launch
+  table's `block_tokens`, see pallet.ops.launch_table). `k_splits`: programs that
   share one sequence's blocks, their partial softmaxes combined after the kernel, so a
-  GPU has enough programs at small batch (default: about 256 programs in all on
-  Triton, 1 on the CPU).
+  GPU has enough programs at small batch (default: 1 on the CPU; on Triton enough
+  for the launch table's `programs` in all).
   """
   op = "paged_attention"
   for name, x in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
@@ -138,14 +139,17 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, length
                    f"{page_indices.shape} {page_indices.dtype}")
   if softcap is not None and not softcap > 0:
     raise fail(op, f"softcap must be positive or None, got {softcap!r}")
+  launch = launch_table.lookup(op, head_dim=d, groups=h // hkv, page_size=page_size,
+                               itemsize=jnp.dtype(q.dtype).itemsize)
+  params = launch.compiler_params("fwd", explicit=pages_per_compute_block is not None)
   if pages_per_compute_block is None:
-    pages_per_compute_block = max(1, (16 if target_backend() != "xla" else 128) // page_size)
+    pages_per_compute_block = max(1, launch.get("fwd", "block_tokens", 128) // page_size)
   check_block(op, "pages_per_compute_block", pages_per_compute_block)
   pages = page_indices.shape[1]
   pages_per_block = min(pages, pages_per_compute_block)
   blocks = cdiv(pages, pages_per_block)
   if k_splits is None:
-    k_splits = 1 if target_backend() == "xla" else cdiv(256, b * hkv)
+    k_splits = cdiv(launch.get("fwd", "programs", 1), b * hkv)
   check_block(op, "k_splits", k_splits)
   per_split = cdiv(blocks, min(k_splits, blocks))
   splits = cdiv(blocks, per_split)
@@ -173,7 +177,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, length
       out_specs=[pl.BlockSpec((None, None, None, groups, d), lambda *i: part(*i) + (0,)),
                  pl.BlockSpec((None, None, None, groups), part),
                  pl.BlockSpec((None, None, None, groups), part)],
-      name="paged_attention",
+      name="paged_attention", compiler_params=params,
   )(lengths, table, q.reshape(b, hkv, groups, d), k_pages.reshape(hkv, -1, d),
     v_pages.reshape(hkv, -1, d))
   out = _combine(acc, m, l).reshape(b, h, d)

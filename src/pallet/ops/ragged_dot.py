@@ -32,7 +32,8 @@ import jax.numpy as jnp
 from jax import lax
 
 import pallet as pl
-from pallet.ops._common import F32, cdiv, check_block, check_float, fail, target_backend
+from pallet.ops import launch_table
+from pallet.ops._common import F32, cdiv, check_block, check_float, fail
 
 __all__ = ["ragged_dot", "grouped_matmul", "ragged_dot_reference"]
 
@@ -42,12 +43,23 @@ _TN = (((0,), (0,)), ((), ()))   # a^T @ b
 
 
 @dataclasses.dataclass(frozen=True)
-class _Config:
-  """Static facts of one call (hashable: a custom_vjp non-differentiable argument)."""
+class _Tiles:
+  """The tiles of one pass in the forward's terms: block_m rows, block_k of k, block_n of
+  n (the dlhs gmm contracts over n in block_n pieces into block_k columns), and the
+  pass's compiler params (None: the backend's own)."""
   block_m: int
   block_k: int
   block_n: int
+  params: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+  """Static facts of one call (hashable: a custom_vjp non-differentiable argument)."""
   out_dtype: Any
+  fwd: _Tiles
+  dlhs: _Tiles
+  drhs: _Tiles
 
 
 # ------------------------------------------------------------------ reference
@@ -134,7 +146,8 @@ def _tgmm_kernel(block_m: int, rows_total: int):
 
 
 # ------------------------------------------------------------------ launches
-def _gmm(lhs, rhs, offsets, block_m, block_c, block_cols, out_dtype, transpose_rhs=False):
+def _gmm(lhs, rhs, offsets, block_m, block_c, block_cols, out_dtype, transpose_rhs=False,
+         params=None):
   """lhs (m, c) times rhs (G, c, cols) per group ((G, cols, c) with transpose_rhs)."""
   m, c = lhs.shape
   groups = rhs.shape[0]
@@ -151,10 +164,10 @@ def _gmm(lhs, rhs, offsets, block_m, block_c, block_cols, out_dtype, transpose_r
       in_specs=[pl.BlockSpec((groups + 1,), lambda i, j: (0,)),
                 pl.BlockSpec((block_m, c), lambda i, j: (i, 0)), rhs_spec],
       out_specs=pl.BlockSpec((block_m, block_cols), lambda i, j: (i, j)),
-      name="ragged_dot_gmm")(offsets, lhs, rhs)
+      name="ragged_dot_gmm", compiler_params=params)(offsets, lhs, rhs)
 
 
-def _tgmm(lhs, dout, offsets, block_m, block_k, block_n, out_dtype):
+def _tgmm(lhs, dout, offsets, block_m, block_k, block_n, out_dtype, params=None):
   """(G, k, n): per group, lhs[rows of g]^T @ dout[rows of g]."""
   m, k = lhs.shape
   n = dout.shape[1]
@@ -168,12 +181,14 @@ def _tgmm(lhs, dout, offsets, block_m, block_k, block_n, out_dtype):
                 pl.BlockSpec((m, block_k), lambda g, a, b: (0, a)),
                 pl.BlockSpec((m, block_n), lambda g, a, b: (0, b))],
       out_specs=pl.BlockSpec((None, block_k, block_n), lambda g, a, b: (g, a, b)),
-      name="ragged_dot_tgmm")(offsets, lhs, dout)
+      name="ragged_dot_tgmm", compiler_params=params)(offsets, lhs, dout)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _ragged_dot(lhs, rhs, offsets, c: _Config):
-  return _gmm(lhs, rhs, offsets, c.block_m, c.block_k, c.block_n, c.out_dtype)
+  t = c.fwd
+  return _gmm(lhs, rhs, offsets, t.block_m, t.block_k, t.block_n, c.out_dtype,
+              params=t.params)
 
 
 def _ragged_dot_fwd(lhs, rhs, offsets, c):
@@ -182,24 +197,31 @@ def _ragged_dot_fwd(lhs, rhs, offsets, c):
 
 def _ragged_dot_bwd(c, saved, dout):
   lhs, rhs, offsets = saved
-  dlhs = _gmm(dout, rhs, offsets, c.block_m, c.block_n, c.block_k, lhs.dtype,
-              transpose_rhs=True)
-  drhs = _tgmm(lhs, dout, offsets, c.block_m, c.block_k, c.block_n, rhs.dtype)
+  t = c.dlhs
+  dlhs = _gmm(dout, rhs, offsets, t.block_m, t.block_n, t.block_k, lhs.dtype,
+              transpose_rhs=True, params=t.params)
+  t = c.drhs
+  drhs = _tgmm(lhs, dout, offsets, t.block_m, t.block_k, t.block_n, rhs.dtype,
+               params=t.params)
   return dlhs, drhs, None
 
 
 _ragged_dot.defvjp(_ragged_dot_fwd, _ragged_dot_bwd)
 
 
-def _defaults(k: int, n: int) -> tuple[int, int, int]:
-  """(block_m, block_k, block_n): register-sized tiles on Triton (no spills on sm_80,
-  sm_90 and gfx942); on the CPU whole k and n and row tiles of 256: smaller tiles
-  waste less work at group boundaries (about groups * block_m extra rows) but pay
-  more per step (measured at m 4096, k = n = 1024, 8 groups: 128 rows 1.15x and 512
-  rows 1.13x the time of 256)."""
-  if target_backend() != "xla":
-    return 64, 32, 64
-  return 256, k, n
+def _tiles(launch: launch_table.Launch, section: str, m: int, k: int, n: int,
+           given: tuple[int | None, int | None, int | None]) -> _Tiles:
+  """A pass's tiles: the caller's, else on Triton the GPU's launch table's, else (CPU)
+  whole k and n and row tiles of 256: smaller tiles waste less work at group
+  boundaries (about groups * block_m extra rows) but pay more per step (measured at
+  m 4096, k = n = 1024, 8 groups: 128 rows 1.15x and 512 rows 1.13x the time of 256)."""
+  defaults = (launch.get(section, "block_m", 256), launch.get(section, "block_k", k),
+              launch.get(section, "block_n", n))
+  block_m, block_k, block_n = (g or d for g, d in zip(given, defaults))
+  for name, value in (("block_m", block_m), ("block_k", block_k), ("block_n", block_n)):
+    check_block("ragged_dot", name, value)
+  return _Tiles(min(block_m, m), min(block_k, k), min(block_n, n),
+                launch.compiler_params(section, explicit=any(g is not None for g in given)))
 
 
 def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
@@ -210,9 +232,10 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
   lhs (m, k); rhs (num_groups, k, n); group_sizes (num_groups,) non-negative ints, in
   row order (rows past their sum give 0). Output (m, n) of `preferred_element_type`
   (default: the promoted input dtype), accumulated in float32. `block_m` rows per
-  tile, `block_k`/`block_n` the k and n tiles (defaults: 64/32/64 on Triton, 256 and
-  whole k and n on the CPU). Differentiable in lhs and rhs; the backward pass runs
-  as kernels too.
+  tile, `block_k`/`block_n` the k and n tiles of every pass (defaults: 256 and whole k
+  and n on the CPU; on Triton per pass from the GPU's launch table,
+  pallet.ops.launch_table). Differentiable in lhs and rhs; the backward pass runs as
+  kernels too.
   """
   op = "ragged_dot"
   check_float(op, "lhs", lhs)
@@ -235,18 +258,16 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                                                                 jnp.floating):
     raise fail(op, f"preferred_element_type must be a floating-point dtype, got "
                    f"{preferred_element_type!r}")
-  dm, dk, dn = _defaults(k, n)
-  block_m, block_k, block_n = block_m or dm, block_k or dk, block_n or dn
-  for name, value in (("block_m", block_m), ("block_k", block_k), ("block_n", block_n)):
-    check_block(op, name, value)
+  launch = launch_table.lookup(op, k=k, n=n, itemsize=jnp.dtype(lhs.dtype).itemsize)
+  tiles = {s: _tiles(launch, s, m, k, n, (block_m, block_k, block_n))
+           for s in ("fwd", "dlhs", "drhs")}
   dtype = jnp.result_type(lhs, rhs)
   out_dtype = jnp.dtype(preferred_element_type or dtype)
   if m == 0 or k == 0 or n == 0 or groups == 0:
     return jnp.zeros((m, n), out_dtype)
   ends = jnp.clip(jnp.cumsum(group_sizes.astype(jnp.int32)), 0, m)
   offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
-  c = _Config(block_m=min(block_m, m), block_k=min(block_k, k), block_n=min(block_n, n),
-              out_dtype=out_dtype)
+  c = _Config(out_dtype, **tiles)
   return _ragged_dot(lhs.astype(dtype), rhs.astype(dtype), offsets, c)
 
 

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 
 import pallet as pl
-from pallet.ops._common import F32, cdiv, check_block, check_float, fail, target_backend
+from pallet.ops import launch_table
+from pallet.ops._common import F32, cdiv, check_block, check_float, fail
 from pallet.helpers import next_power_of_2
 
 __all__ = ["rotary_embedding", "rotary_embedding_reference"]
@@ -64,29 +65,32 @@ def _kernel(sign: float, one_store: bool):
   return kernel
 
 
-def _rotate(x, positions, freqs, sign, block_seq):
+def _rotate(x, positions, freqs, sign, plan):
+  block_seq, params, one_store = plan
   batch, seq, heads, d = x.shape
   spec = pl.BlockSpec((None, block_seq, heads, d), lambda b, s: (b, s, 0, 0))
   return pl.pallas_call(
-      _kernel(sign, target_backend() == "xla"), out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+      _kernel(sign, one_store), out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
       grid=(batch, cdiv(seq, block_seq)),
       in_specs=[pl.BlockSpec((None, block_seq), lambda b, s: (b, s)),
                 pl.BlockSpec((d // 2,), lambda b, s: (0,)), spec],
-      out_specs=spec, name="rope_fwd" if sign > 0 else "rope_bwd")(positions, freqs, x)
+      out_specs=spec, name="rope_fwd" if sign > 0 else "rope_bwd",
+      compiler_params=params)(positions, freqs, x)
 
 
+# plan: (block_seq, compiler params, one_store: the CPU's form of the kernel)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _rope(x, positions, freqs, block_seq):
-  return _rotate(x, positions, freqs, 1.0, block_seq)
+def _rope(x, positions, freqs, plan):
+  return _rotate(x, positions, freqs, 1.0, plan)
 
 
-def _rope_fwd(x, positions, freqs, block_seq):
-  return _rotate(x, positions, freqs, 1.0, block_seq), (positions, freqs)
+def _rope_fwd(x, positions, freqs, plan):
+  return _rotate(x, positions, freqs, 1.0, plan), (positions, freqs)
 
 
-def _rope_bwd(block_seq, saved, dy):
+def _rope_bwd(plan, saved, dy):
   positions, freqs = saved
-  return _rotate(dy, positions, freqs, -1.0, block_seq), None, None
+  return _rotate(dy, positions, freqs, -1.0, plan), None, None
 
 
 _rope.defvjp(_rope_fwd, _rope_bwd)
@@ -98,7 +102,7 @@ def rotary_embedding(x: jax.Array, positions: jax.Array | None = None, *,
 
   `positions`: int (batch, seq) or (seq,), default 0..seq-1. `block_seq` sequence
   positions per grid step (default: the whole sequence on the CPU; on a GPU a power of
-  two fitting ~4K elements with all heads).
+  two fitting the launch table's `elements` (~4K) with all heads).
   Differentiable in x.
   """
   op = "rotary_embedding"
@@ -113,10 +117,12 @@ def rotary_embedding(x: jax.Array, positions: jax.Array | None = None, *,
     if positions.shape not in ((seq,), (batch, seq)):
       raise fail(op, f"positions has shape {positions.shape}, expected ({seq},) or "
                      f"({batch}, {seq})")
-  if block_seq is None and target_backend() == "xla":
+  launch = launch_table.lookup(op, width=heads * d, itemsize=jnp.dtype(x.dtype).itemsize)
+  params = launch.compiler_params("fwd", explicit=block_seq is not None)
+  if block_seq is None and not launch.on_gpu:
     block_seq = seq  # XLA fuses the whole pass; smaller blocks only add layout temporaries
   if block_seq is None:
-    block_seq = max(1, min(64, 4096 // next_power_of_2(heads * d)))
+    block_seq = max(1, min(64, launch.get("fwd", "elements") // next_power_of_2(heads * d)))
   check_block(op, "block_seq", block_seq)
   pos = _positions(positions, batch, seq).astype(jnp.int32)
-  return _rope(x, pos, _inverse_frequencies(d, theta), block_seq)
+  return _rope(x, pos, _inverse_frequencies(d, theta), (block_seq, params, not launch.on_gpu))

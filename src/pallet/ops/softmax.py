@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 
 import pallet as pl
-from pallet.ops._common import F32, as_rows, cdiv, check_block, check_float, fail
-from pallet.ops._common import rows_per_block
+from pallet.ops import launch_table
+from pallet.ops._common import F32, as_rows, cdiv, check_float, fail, row_plan
 
 __all__ = ["softmax", "softmax_reference"]
 
@@ -34,26 +34,27 @@ def _backward_kernel(y_ref, dy_ref, dx_ref):
   dx_ref[...] = (y * (dy - jnp.sum(dy * y, axis=1, keepdims=True))).astype(dx_ref.dtype)
 
 
-def _rowwise(kernel, name, block_rows, *arrays):
+def _rowwise(kernel, name, block_rows, params, *arrays):
   n, d = arrays[0].shape
   spec = pl.BlockSpec((block_rows, d), lambda i: (i, 0))
   return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((n, d), arrays[0].dtype),
                         grid=(cdiv(n, block_rows),), in_specs=[spec] * len(arrays),
-                        out_specs=spec, name=name)(*arrays)
+                        out_specs=spec, name=name, compiler_params=params)(*arrays)
 
 
+# plan: (block_rows, forward compiler params, backward compiler params)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _softmax(x, block_rows):
-  return _rowwise(_forward_kernel, "softmax_fwd", block_rows, x)
+def _softmax(x, plan):
+  return _rowwise(_forward_kernel, "softmax_fwd", plan[0], plan[1], x)
 
 
-def _softmax_fwd(x, block_rows):
-  y = _softmax(x, block_rows)
+def _softmax_fwd(x, plan):
+  y = _softmax(x, plan)
   return y, y
 
 
-def _softmax_bwd(block_rows, y, dy):
-  return (_rowwise(_backward_kernel, "softmax_bwd", block_rows, y, dy),)
+def _softmax_bwd(plan, y, dy):
+  return (_rowwise(_backward_kernel, "softmax_bwd", plan[0], plan[2], y, dy),)
 
 
 _softmax.defvjp(_softmax_fwd, _softmax_bwd)
@@ -62,14 +63,14 @@ _softmax.defvjp(_softmax_fwd, _softmax_bwd)
 def softmax(x: jax.Array, *, block_rows: int | None = None) -> jax.Array:
   """Softmax of x over its last axis (float32 math, x's dtype out).
 
-  `block_rows`: rows per grid step (default: a power of two fitting ~4K elements).
+  `block_rows`: rows per grid step (default: a power of two fitting the launch table's
+  `elements` per step, ~4K).
   Each step holds whole rows, so very wide rows (beyond ~16K) cost registers on GPUs.
   """
   check_float("softmax", "x", x)
   if x.ndim < 1 or x.shape[-1] == 0:
     raise fail("softmax", f"x needs a non-empty last axis, got shape {x.shape}")
   d = x.shape[-1]
-  if block_rows is None:
-    block_rows = rows_per_block(d, x.size // d)
-  check_block("softmax", "block_rows", block_rows)
-  return _softmax(as_rows(x), block_rows).reshape(x.shape)
+  launch = launch_table.lookup("softmax", width=d, itemsize=jnp.dtype(x.dtype).itemsize)
+  plan = row_plan("softmax", launch, d, x.size // d, block_rows)
+  return _softmax(as_rows(x), plan).reshape(x.shape)

@@ -88,7 +88,8 @@ def compile_kernel(generated: GeneratedKernel, target: Any, num_warps: int | Non
   Triton pipelines loads inside loops over `num_stages` buffers. Where the user did not
   choose `num_stages` and the default asks for more shared memory than the target has
   (a 128x128 float32 tile pair over 3 stages is 384 KiB), fewer stages are used, as
-  Triton's autotuner would prune that config; a choice the user made is an error."""
+  Triton's autotuner would prune that config, and likewise for a `TableCompilerParams`
+  num_stages (a per-device table's default); a choice the user made is an error."""
   kernel = generated.kernel
   check_target(generated.cuda_requirement, target, f"kernel '{kernel.name}' ({kernel.source})")
   warps, stages = options_of(kernel.compiler_params, generated.default_num_warps)
@@ -101,7 +102,7 @@ def compile_kernel(generated: GeneratedKernel, target: Any, num_warps: int | Non
     used = getattr(compiled.metadata, "shared", 0) or 0
     if limit is None or used <= limit:
       return compiled
-    if chosen:
+    if chosen and not getattr(kernel.compiler_params, "stages_shrink_to_fit", False):
       break
   from pallet.backends.triton.values import TritonLoweringError
   raise TritonLoweringError(
