@@ -465,15 +465,28 @@ def _bad_body_call():
   return jax.jit(f)(X)   # BAD BODY
 
 
-@pytest.mark.parametrize("call, marker", [(_bad_spec_call, "# BAD SPEC"),
-                                          (_bad_body_call, "# BAD BODY")])
-def test_a_traceback_ends_at_the_users_line(call, marker):
+def _failing_check_call():
+  def sum_rows_kernel(x_ref, o_ref):
+    o_ref[...] += jnp.sum(x_ref[...], axis=0)   # o_ref is never zeroed
+  f = pl.pallas_call(sum_rows_kernel, out_shape=jax.ShapeDtypeStruct((4,), f32), grid=(2,),
+                     in_specs=[pl.BlockSpec((4, 4), lambda i: (i, 0))],
+                     out_specs=pl.BlockSpec((4,), lambda i: (0,)),
+                     interpret=pl.InterpretParams(uninitialized_memory="nan"))
+  return f(X)   # FAILING CHECK
+
+
+@pytest.mark.parametrize("call, marker, error", [
+    (_bad_spec_call, "# BAD SPEC", pl.PalletError),
+    (_bad_body_call, "# BAD BODY", pl.PalletError),
+    (_failing_check_call, "# FAILING CHECK", pl.KernelCheckError)])
+def test_a_traceback_ends_at_the_users_line(call, marker, error):
   """pallet's frames are hidden as JAX hides its own (JAX_TRACEBACK_FILTERING, on by
   default): what is left is the user's code, ending at the call."""
-  with pytest.raises(pl.PalletError) as info:
+  with pytest.raises(error) as info:
     call()
   frames = traceback.extract_tb(info.value.__traceback__)
-  assert not [f for f in frames if f.filename.startswith((_PALLET_SRC, _JAX_SRC))], frames
+  hidden = (_PALLET_SRC, _JAX_SRC, os.path.dirname(os.path.abspath(os.__file__)))
+  assert not [f for f in frames if f.filename.startswith(hidden)], frames
   assert (frames[-1].filename, frames[-1].lineno) == (__file__, _call_line(call, marker))
 
 

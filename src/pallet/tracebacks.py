@@ -27,6 +27,8 @@ _STDLIB_DIR = os.path.dirname(os.path.abspath(contextlib.__file__))
 _JAX_KERNELS_DIR = os.path.join(_JAX_DIR, "experimental", "pallas", "ops")
 
 internals.hide_from_tracebacks(PALLET_DIR)
+# pallet's context managers leave a frame of contextlib's between the user's and pallet's
+internals.hide_from_tracebacks(contextlib.__file__)
 
 F = TypeVar("F", bound=Callable)
 
