@@ -28,7 +28,6 @@ import argparse
 import ast
 import contextlib
 import importlib
-import json
 import os
 import pathlib
 import re
@@ -51,7 +50,10 @@ FILES = {
     "tpu_gmm_test": "xla", "tpu_pallas_async_test": "xla", "fuser_block_spec_test": "xla",
     "fusion_test": "xla", "tpu_fusible_matmul_test": "xla",
 }
-_RESULT = "conformance-result: "
+# What a worker prints: one line per finished test, or one saying the file did not import.
+_OUTCOME = "conformance-outcome: "
+_ERROR = "conformance-error: "
+_OUTCOMES = ("pass", "fail", "skip")
 # `jax._src.pallas` modules the tests import, and pallet's module standing in for each.
 _PALLET_INTERNALS = {
     "jax._src.pallas.primitives": "pallet",
@@ -189,8 +191,9 @@ def _interpreting_pallet() -> None:
     setattr(pallet, name, forced)
 
 
-class _Counts(unittest.TestResult):
-  """Outcome per test id: a failing subtest fails its test once."""
+class _Outcomes(unittest.TestResult):
+  """Prints each test's outcome when it finishes (a failing subtest fails its test
+  once), so the counts so far survive a run that is stopped."""
 
   def __init__(self):
     super().__init__()
@@ -200,6 +203,11 @@ class _Counts(unittest.TestResult):
     if self.outcome.get(test.id()) != "fail":
       self.outcome[test.id()] = outcome
 
+  def stopTest(self, test):
+    super().stopTest(test)
+    if test.id() in self.outcome:
+      print(f"{_OUTCOME}{self.outcome[test.id()]} {test.id()}", flush=True)
+
   def addSuccess(self, test):
     self._set(test, "pass")
 
@@ -207,8 +215,9 @@ class _Counts(unittest.TestResult):
     self._set(test, "fail")
 
   def addError(self, test, err):
-    test = getattr(test, "test_case", test)   # errors in a class's setUpClass
     self._set(test, "fail")
+    if not isinstance(test, unittest.TestCase):   # a class's setUpClass: no stopTest follows
+      print(f"{_OUTCOME}fail {test.id()}", flush=True)
 
   def addSkip(self, test, reason):
     self._set(test, "skip")
@@ -224,7 +233,7 @@ class _Counts(unittest.TestResult):
       self.outcome[test.id()] = "fail"
 
 
-def _run_worker(name: str, impl: str, pattern: str | None, show_failures: bool) -> dict:
+def _run_worker(name: str, impl: str, pattern: str | None) -> None:
   source = pathlib.Path(os.environ[SOURCE_ENV])
   path = source / "tests" / "pallas" / f"{name}.py"
   from absl import flags
@@ -238,7 +247,8 @@ def _run_worker(name: str, impl: str, pattern: str | None, show_failures: bool) 
   try:
     module = _exec_module(f"conformance.{name}", path, importer)
   except Exception as e:  # e.g. a JAX-internal module this jax lacks
-    return {"error": f"does not import: {type(e).__name__}: {e}"}
+    print(f"{_ERROR}does not import: {type(e).__name__}: {e}", flush=True)
+    return
   left_out = _LEFT_OUT_CLASSES.get(name, set())
   suite = unittest.TestSuite()
   loader = unittest.TestLoader()
@@ -248,17 +258,12 @@ def _run_worker(name: str, impl: str, pattern: str | None, show_failures: bool) 
       for test in _flat(loader.loadTestsFromTestCase(value)):
         if pattern is None or re.search(pattern, test.id()):
           suite.addTest(test)
-  result = _Counts()
   context = contextlib.nullcontext()
   if is_tpu_file(name) and impl == "jax":
     from jax.experimental.pallas import tpu as pltpu
     context = pltpu.force_tpu_interpret_mode()
   with context:
-    suite.run(result)
-  counts = {k: sum(v == k for v in result.outcome.values()) for k in ("pass", "fail", "skip")}
-  if show_failures:
-    counts["failed"] = sorted(t for t, v in result.outcome.items() if v == "fail")
-  return counts
+    suite.run(_Outcomes())
 
 
 def _flat(suite):
@@ -280,27 +285,35 @@ def _run_file(name: str, impl: str, backend: str, args: argparse.Namespace) -> d
   command = [sys.executable, __file__, "--worker", name, "--impl", impl]
   if args.k:
     command += ["-k", args.k]
-  if args.failures:
-    command += ["--failures"]
   start = time.perf_counter()
+  timed_out = False
   try:
-    done = subprocess.run(command, env=env, capture_output=True, text=True,
-                          timeout=args.timeout)
-  except subprocess.TimeoutExpired:
-    return {"error": f"timed out after {args.timeout} s"}
-  lines = [l for l in done.stdout.splitlines() if l.startswith(_RESULT)]
-  if not lines:
-    tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+    done = subprocess.run(command, env=env, capture_output=True, timeout=args.timeout)
+    stdout, stderr = done.stdout, done.stderr
+  except subprocess.TimeoutExpired as e:
+    timed_out, stdout, stderr = True, e.stdout or b"", e.stderr or b""
+  stdout, stderr = stdout.decode(errors="replace"), stderr.decode(errors="replace")
+  errors = [l[len(_ERROR):] for l in stdout.splitlines() if l.startswith(_ERROR)]
+  if errors:
+    return {"error": errors[-1]}
+  outcomes = dict(reversed(l[len(_OUTCOME):].split(" ", 1))
+                  for l in stdout.splitlines() if l.startswith(_OUTCOME))
+  if not outcomes and not timed_out and done.returncode != 0:
+    tail = (stderr or stdout).strip().splitlines()[-1:] or ["no output"]
     return {"error": f"exit {done.returncode}: {tail[0]}"}
-  result = json.loads(lines[-1][len(_RESULT):])
+  result = {k: sum(v == k for v in outcomes.values()) for k in _OUTCOMES}
   result["seconds"] = round(time.perf_counter() - start)
+  result["failed"] = sorted(t for t, v in outcomes.items() if v == "fail")
+  if timed_out:
+    result["note"] = f"timed out after {args.timeout:.0f} s: counts so far"
   return result
 
 
 def _cell(result: dict) -> str:
   if "error" in result:
     return result["error"]
-  return f"{result['pass']:>5} {result['fail']:>5} {result['skip']:>5} {result['seconds']:>6}s"
+  cell = f"{result['pass']:>5} {result['fail']:>5} {result['skip']:>5} {result['seconds']:>6}s"
+  return cell + " (timed out: so far)" if "note" in result else cell
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -323,8 +336,7 @@ def main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
 
   if args.worker:
-    result = _run_worker(args.worker, args.impl, args.k, args.failures)
-    print(_RESULT + json.dumps(result), flush=True)
+    _run_worker(args.worker, args.impl, args.k)
     return 0
 
   source = os.environ.get(SOURCE_ENV)
@@ -352,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     for impl in impls:
       result = _run_file(name, impl, backend, args)
       cells[impl] = _cell(result)
-      if result.get("failed"):
+      if args.failures and result.get("failed"):
         failed_lists[f"{name} on {impl}"] = result["failed"]
     label = f"{name}.py ({backend})"
     print(f"{label:<40} {cells.get('pallet', '-'):<30} {cells.get('jax', '-'):<30}",
