@@ -14,7 +14,8 @@ file runs twice, each time in its own process:
 - **jax**: the file as written, on JAX's own Pallas in interpret mode.
 
 Files named `tpu_*` (and the TPU fuser test) are TPU tests: their kernels run with
-`interpret=True` (JAX: `pltpu.force_tpu_interpret_mode()`), and JAX's TPU-generation checks
+`interpret=True` (JAX: `pltpu.force_tpu_interpret_mode()`, inside an abstract mesh whose
+device is a single-core TPU v5e, which JAX's TPU interpreter needs), and JAX's TPU-generation checks
 (`jtu.is_device_tpu_at_least`, `jtu.is_device_tpu()`) pass, so the classes written for a
 TPU run here. Test utilities that the installed jax lacks (a checkout is usually newer,
 e.g. `jax._src.hypothesis_test_util`) are loaded from the checkout.
@@ -176,6 +177,16 @@ def _pretend_tpu() -> None:
       True if version is None else real_is_tpu(version, variant))
 
 
+def _on_a_tpu_v5e() -> contextlib.AbstractContextManager:
+  """JAX's TPU interpret mode asks the device which TPU it targets; on a CPU an abstract
+  mesh names one (as JAX's error message advises): a single-core TPU v5e."""
+  import jax
+  from jax._src import mesh as mesh_lib
+  device = mesh_lib.AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
+  return jax.sharding.use_abstract_mesh(
+      jax.sharding.AbstractMesh((), (), abstract_device=device))
+
+
 def _interpreting_pallet() -> None:
   """pallet's `pallas_call` and `pl.kernel` with `interpret=True` where the test passes
   none, as JAX's `force_tpu_interpret_mode` makes of Pallas's."""
@@ -195,9 +206,15 @@ class _Outcomes(unittest.TestResult):
   """Prints each test's outcome when it finishes (a failing subtest fails its test
   once), so the counts so far survive a run that is stopped."""
 
-  def __init__(self):
+  def __init__(self, tracebacks: bool):
     super().__init__()
     self.outcome: dict[str, str] = {}
+    self.tracebacks = tracebacks
+
+  def _show(self, test, err):
+    if self.tracebacks:
+      print(f"--- {test.id()}\n{self._exc_info_to_string(err, test)}", file=sys.stderr,
+            flush=True)
 
   def _set(self, test, outcome):
     if self.outcome.get(test.id()) != "fail":
@@ -213,9 +230,11 @@ class _Outcomes(unittest.TestResult):
 
   def addFailure(self, test, err):
     self._set(test, "fail")
+    self._show(test, err)
 
   def addError(self, test, err):
     self._set(test, "fail")
+    self._show(test, err)
     if not isinstance(test, unittest.TestCase):   # a class's setUpClass: no stopTest follows
       print(f"{_OUTCOME}fail {test.id()}", flush=True)
 
@@ -231,9 +250,10 @@ class _Outcomes(unittest.TestResult):
   def addSubTest(self, test, subtest, err):
     if err is not None:
       self.outcome[test.id()] = "fail"
+      self._show(subtest, err)
 
 
-def _run_worker(name: str, impl: str, pattern: str | None) -> None:
+def _run_worker(name: str, impl: str, pattern: str | None, tracebacks: bool) -> None:
   source = pathlib.Path(os.environ[SOURCE_ENV])
   path = source / "tests" / "pallas" / f"{name}.py"
   from absl import flags
@@ -261,9 +281,11 @@ def _run_worker(name: str, impl: str, pattern: str | None) -> None:
   context = contextlib.nullcontext()
   if is_tpu_file(name) and impl == "jax":
     from jax.experimental.pallas import tpu as pltpu
-    context = pltpu.force_tpu_interpret_mode()
+    context = contextlib.ExitStack()
+    context.enter_context(pltpu.force_tpu_interpret_mode())
+    context.enter_context(_on_a_tpu_v5e())
   with context:
-    suite.run(_Outcomes())
+    suite.run(_Outcomes(tracebacks))
 
 
 def _flat(suite):
@@ -285,14 +307,18 @@ def _run_file(name: str, impl: str, backend: str, args: argparse.Namespace) -> d
   command = [sys.executable, __file__, "--worker", name, "--impl", impl]
   if args.k:
     command += ["-k", args.k]
+  if args.tracebacks:
+    command += ["--tracebacks"]
   start = time.perf_counter()
   timed_out = False
-  try:
-    done = subprocess.run(command, env=env, capture_output=True, timeout=args.timeout)
+  try:   # with --tracebacks the worker's stderr (the tracebacks) goes straight to ours
+    done = subprocess.run(command, env=env, stdout=subprocess.PIPE,
+                          stderr=None if args.tracebacks else subprocess.PIPE,
+                          timeout=args.timeout)
     stdout, stderr = done.stdout, done.stderr
   except subprocess.TimeoutExpired as e:
     timed_out, stdout, stderr = True, e.stdout or b"", e.stderr or b""
-  stdout, stderr = stdout.decode(errors="replace"), stderr.decode(errors="replace")
+  stdout, stderr = stdout.decode(errors="replace"), (stderr or b"").decode(errors="replace")
   errors = [l[len(_ERROR):] for l in stdout.splitlines() if l.startswith(_ERROR)]
   if errors:
     return {"error": errors[-1]}
@@ -331,12 +357,14 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("-k", help="run only the tests whose id matches this regex")
   parser.add_argument("--timeout", type=float, default=3600, help="seconds per file and column")
   parser.add_argument("--failures", action="store_true", help="list the failing test ids")
+  parser.add_argument("--tracebacks", action="store_true",
+                      help="print each failure's traceback as it happens")
   parser.add_argument("--worker", help=argparse.SUPPRESS)
   parser.add_argument("--impl", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
 
   if args.worker:
-    _run_worker(args.worker, args.impl, args.k)
+    _run_worker(args.worker, args.impl, args.k, args.tracebacks)
     return 0
 
   source = os.environ.get(SOURCE_ENV)
