@@ -1,9 +1,21 @@
-"""pytest wiring: markers and the backend the kernel tests run on."""
+"""pytest wiring: a private cache directory, markers and the backend the kernel tests
+run on."""
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
+
+# Hermetic: what pallet (autotune choices, compiled Triton kernels), matplotlib (its
+# font cache) and Triton (its compile cache) would keep under the user's home goes
+# to one temporary directory for the session, for every process the tests start too
+# (tests/test_hermetic.py checks it). Set before any of them is imported.
+SESSION_CACHE = tempfile.mkdtemp(prefix="pallet-tests-")
+for _variable, _folder in (("PALLET_CACHE_DIR", "pallet"), ("MPLCONFIGDIR", "matplotlib"),
+                           ("TRITON_HOME", "triton"), ("XDG_CACHE_HOME", "xdg-cache")):
+  os.environ[_variable] = os.path.join(SESSION_CACHE, _folder)
 
 # Triton backend: on a GPU the generated kernels run on the hardware; elsewhere under
 # Triton's interpreter, which must be switched on before triton is first imported.
@@ -17,6 +29,10 @@ if os.environ.get("PALLET_TEST_BACKEND", "").strip().lower() == "triton":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from helpers import current_test_backend  # noqa: E402
+
+
+def pytest_unconfigure(config):
+  shutil.rmtree(SESSION_CACHE, ignore_errors=True)
 
 
 def pytest_configure(config):

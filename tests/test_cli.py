@@ -99,13 +99,19 @@ def test_demo_reports_a_kernel_that_differs(tiny_gallery, capsys, monkeypatch):
 
 
 @pytest.mark.skipif(not demo._triton_installed(), reason="triton not installed")
-def test_demo_on_the_triton_backend_in_its_own_process():
+@pytest.mark.parametrize("interpret_env", ["1", None])
+def test_demo_on_the_triton_backend_in_its_own_process(interpret_env):
+  """Without a GPU, `--backend triton` runs Triton's interpreter whether or not
+  TRITON_INTERPRET is set, as --help says."""
   code = ("import sys, jax.numpy as jnp; from pallet import cli, demo\n"
           "x = jnp.arange(1024.0)\n"
           "demo._gallery = lambda s: [('vector add', '1024', lambda x, y: "
           "demo.vector_add(x, y, block=256), lambda x, y: x + y, (x, x), 1e-6)]\n"
           "sys.exit(cli.main(['demo', '--backend', 'triton', '--reps', '1']))")
-  env = {**os.environ, "TRITON_INTERPRET": "1", "JAX_PLATFORMS": "cpu"}
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  env.pop("TRITON_INTERPRET", None)
+  if interpret_env is not None:
+    env["TRITON_INTERPRET"] = interpret_env
   done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                         text=True, timeout=600)
   assert done.returncode == 0, done.stdout + done.stderr

@@ -3,10 +3,14 @@ what was expected."""
 from __future__ import annotations
 
 import inspect
+import os
+import pickle
 import re
+import traceback
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import pallet as pl
@@ -422,3 +426,130 @@ def test_pallet_info_lists_only_backends_that_run(monkeypatch, capsys):
   out = capsys.readouterr().out
   assert "backends: ['xla']" in out
   assert 'triton: not available' in out and 'pip install "pallet[triton]"' in out
+
+
+# ------------------------------------------------ where errors and warnings point
+_PALLET_SRC = os.path.dirname(os.path.abspath(pl.__file__))
+_JAX_SRC = os.path.dirname(os.path.abspath(jax.__file__))
+
+
+def _call_line(fn, marker: str) -> int:
+  """The line of `fn`'s source holding `marker`."""
+  lines, first = inspect.getsourcelines(fn)
+  return first + next(i for i, line in enumerate(lines) if marker in line)
+
+
+@pytest.mark.parametrize("cls, printed", [
+    (pl.PalletError, "pallet.PalletError"),
+    (pl.GridOrderWarning, "pallet.GridOrderWarning"),
+    (pl.KernelCheckError, "pallet.KernelCheckError"),
+    (pltpu.LoweringException, "pallet.tpu.LoweringException"),
+])
+def test_errors_print_under_the_name_users_reach_them_by(cls, printed):
+  assert traceback.format_exception_only(cls, cls("message"))[0] == f"{printed}: message\n"
+  assert pickle.loads(pickle.dumps(cls("message"))).args == ("message",)
+
+
+def _bad_spec_call():
+  f = pl.pallas_call(copy_kernel, out_shape=sds(X), grid=(2,),
+                     in_specs=[pl.BlockSpec((4,), lambda i: (i,))])
+  return f(X)   # BAD SPEC
+
+
+def _bad_body_call():
+  def short_store_kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[:2]
+  spec = pl.BlockSpec((4, 4), lambda i: (i, 0))
+  f = pl.pallas_call(short_store_kernel, out_shape=sds(X), grid=(2,), in_specs=[spec],
+                     out_specs=spec)
+  return jax.jit(f)(X)   # BAD BODY
+
+
+def _failing_check_call():
+  def sum_rows_kernel(x_ref, o_ref):
+    o_ref[...] += jnp.sum(x_ref[...], axis=0)   # o_ref is never zeroed
+  f = pl.pallas_call(sum_rows_kernel, out_shape=jax.ShapeDtypeStruct((4,), f32), grid=(2,),
+                     in_specs=[pl.BlockSpec((4, 4), lambda i: (i, 0))],
+                     out_specs=pl.BlockSpec((4,), lambda i: (0,)),
+                     interpret=pl.InterpretParams(uninitialized_memory="nan"))
+  return f(X)   # FAILING CHECK
+
+
+@pytest.mark.parametrize("call, marker, error", [
+    (_bad_spec_call, "# BAD SPEC", pl.PalletError),
+    (_bad_body_call, "# BAD BODY", pl.PalletError),
+    (_failing_check_call, "# FAILING CHECK", pl.KernelCheckError)])
+def test_a_traceback_ends_at_the_users_line(call, marker, error):
+  """pallet's frames are hidden as JAX hides its own (JAX_TRACEBACK_FILTERING, on by
+  default): what is left is the user's code, ending at the call."""
+  with pytest.raises(error) as info:
+    call()
+  frames = traceback.extract_tb(info.value.__traceback__)
+  hidden = (_PALLET_SRC, _JAX_SRC, os.path.dirname(os.path.abspath(os.__file__)))
+  assert not [f for f in frames if f.filename.startswith(hidden)], frames
+  assert (frames[-1].filename, frames[-1].lineno) == (__file__, _call_line(call, marker))
+
+
+def test_traceback_filtering_off_keeps_pallets_frames():
+  previous = jax.config.jax_traceback_filtering
+  jax.config.update("jax_traceback_filtering", "off")
+  try:
+    with pytest.raises(pl.PalletError) as info:
+      _bad_spec_call()
+  finally:
+    jax.config.update("jax_traceback_filtering", previous)
+  frames = traceback.extract_tb(info.value.__traceback__)
+  assert any(f.filename.startswith(_PALLET_SRC) for f in frames)
+
+
+def test_grid_order_warning_points_at_the_users_call():
+  def accumulate_kernel(x_ref, o_ref):
+    @pl.when(pl.program_id(0) == 0)
+    def _():
+      o_ref[...] = jnp.zeros_like(o_ref)
+    o_ref[...] += x_ref[...]
+
+  x = random_array((8, 4))
+  f = pl.pallas_call(
+      accumulate_kernel, out_shape=jax.ShapeDtypeStruct((4, 4), f32), grid=(2,),
+      in_specs=[pl.BlockSpec((4, 4), lambda i: (i, 0))],
+      out_specs=pl.BlockSpec((4, 4), lambda i: (0, 0)),
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)))
+  with pytest.warns(pl.GridOrderWarning, match="accumulate_kernel") as record:
+    out = f(x)
+  assert_close(out, x[:4] + x[4:])
+  warning = [w for w in record if issubclass(w.category, pl.GridOrderWarning)][0]
+  assert (warning.filename, warning.lineno) == (
+      __file__, _call_line(test_grid_order_warning_points_at_the_users_call, "out = f(x)"))
+
+
+def test_index_map_message_shows_traced_values_readably():
+  with pytest.raises(pl.PalletError) as info:
+    _bad_index_map_call()
+  message = str(info.value)
+  assert "Tracer" not in message
+  assert "index_map returned 1 indices (<traced int32[]>,) but the array has rank 2" in message
+  assert f"index_map defined at {__file__}:{_call_line(_bad_index_map_call, '# MAP')}" in message
+
+
+def _bad_index_map_call():
+  spec = pl.BlockSpec((4, 4),
+                      lambda i: i)   # MAP
+  return pl.pallas_call(copy_kernel, out_shape=sds(X), grid=(2,), in_specs=[spec])(X)
+
+
+@pytest.mark.parametrize("x64", [False, True])
+def test_float64_inputs_follow_jax_x64_setting(x64):
+  """With x64 off, JAX computes float64 inputs in float32; so does a kernel (not an MLIR
+  verifier error naming no kernel). With x64 on, the kernel computes in float64."""
+  def add_one_kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] + 1
+
+  x = np.random.default_rng(0).standard_normal((8, 4))   # NumPy float64
+  spec = pl.BlockSpec((4, 4), lambda i: (i, 0))
+  with jax.enable_x64(x64):
+    out = pallas_call(add_one_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                      grid=(2,), in_specs=[spec], out_specs=spec)(x)
+    want = jnp.asarray(x) + 1
+  assert out.dtype == want.dtype == (jnp.float64 if x64 else jnp.float32)
+  assert_close(out, want)

@@ -14,6 +14,7 @@ import jax
 from jax._src import core as _core
 from jax._src import debugging as _debugging
 from jax._src import dispatch as _dispatch
+from jax._src import traceback_util as _traceback_util
 from jax._src.state import discharge as _discharge
 from jax._src.state import indexing as _indexing
 from jax._src.state import types as _state_types
@@ -30,6 +31,10 @@ WriteEffect = _state_types.WriteEffect
 debug_effect = _debugging.debug_effect
 # a ref made inside a jaxpr (as `jax.new_ref` makes one): its effects stay inside
 internal_ref_effect = _core.internal_mutable_array_effect
+
+# --- tracebacks: pallet's frames hidden as JAX hides its own ------------------------
+api_boundary = _traceback_util.api_boundary   # filters a traceback passing through it
+hide_from_tracebacks = _traceback_util.register_exclusion   # (a directory)
 
 # --- lowering with devices known (automatic partitioning, pallet/partitioning.py) ---
 def require_devices_during_lowering(primitive: Any) -> None:

@@ -138,6 +138,9 @@ class KernelCheckError(RuntimeError):
     self.ref, self.line = ref, line
 
 
+KernelCheckError.__module__ = "pallet"   # printed as users reach it: pallet.KernelCheckError
+
+
 @dataclasses.dataclass(frozen=True)
 class CheckInfo:
   """What a checking-mode check reports besides its message; static."""

@@ -82,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
   if args.command != "bench" and rest:
     parser.error(f"unrecognized arguments: {' '.join(rest)}")
 
+  if args.command in ("demo", "tune"):
+    _triton_interpreter_without_gpu(args.backend)
   if args.command == "demo":
     from pallet import demo as demo_lib
     return demo_lib.run(scale=args.scale, reps=args.reps, backend=args.backend)
@@ -103,6 +105,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name}: not available: {reason}")
     return 0
   return 2
+
+
+def _triton_interpreter_without_gpu(backend: str | None) -> None:
+  """`--backend triton` without a GPU runs Triton's interpreter, as --help says; Triton
+  reads TRITON_INTERPRET once, when first imported, which has not happened yet here."""
+  from pallet import backends
+  if (backend is not None and backends.canonical(backend) == "triton"
+      and not backends.triton_interpreter_on() and not backends.gpu_present()):
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 def _bench(rest: list[str]) -> int:

@@ -38,7 +38,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import warnings
 from typing import Any, Callable, Sequence
 
 import jax
@@ -47,7 +46,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Literal
 
 from pallet import _internals as internals
-from pallet import grid_eval, trace_cache
+from pallet import grid_eval, trace_cache, tracebacks
 from pallet.dma import uses_dmas
 from pallet.grid_mapping import BlockMapping
 from pallet.tracing import KernelDescription
@@ -64,6 +63,9 @@ STATE_KINDS = ("scratch", "prefetch", "output")
 
 class GridOrderWarning(UserWarning):
   """A grid axis declared "parallel" carries state from one program to another."""
+
+
+GridOrderWarning.__module__ = "pallet"   # printed as users reach it: pallet.GridOrderWarning
 
 
 @dataclasses.dataclass(frozen=True)
@@ -483,11 +485,11 @@ def analyse(kernel: KernelDescription) -> GridFacts:
   for a in facts.axes:
     r = a.overridden
     if r is not None:
-      warnings.warn(
+      tracebacks.warn(
           f"kernel '{kernel.name}' ({kernel.source}): grid axis {a.axis} is declared "
           f"\"parallel\", but {r}. pallet runs axis {a.axis} in order (as Pallas runs a "
           f"parallel axis on one TPU core); declare it \"arbitrary\" to silence this, or "
-          f"make its programs independent", GridOrderWarning, stacklevel=2)
+          f"make its programs independent", GridOrderWarning)
   return facts
 
 

@@ -25,6 +25,24 @@ class PalletError(ValueError):
   """A kernel was launched with inputs or specs that do not fit together."""
 
 
+PalletError.__module__ = "pallet"   # where users reach it: tracebacks print pallet.PalletError
+
+
+def shown(value: Any) -> str:
+  """`value` for an error message: traced values as their type (a tracer's repr names
+  JAX's tracing machinery, not what the user wrote), the rest as `repr`."""
+  if is_tracer(value):
+    aval = jax.typeof(value)
+    return f"<traced {aval.dtype}{list(aval.shape)}>"
+  if isinstance(value, Slice):
+    return f"pl.ds({shown(value.start)}, {shown(value.size)})"
+  if isinstance(value, tuple):
+    return "(" + ", ".join(map(shown, value)) + ("," if len(value) == 1 else "") + ")"
+  if isinstance(value, list):
+    return "[" + ", ".join(map(shown, value)) + "]"
+  return repr(value)
+
+
 class PalletSignatureError(PalletError, TypeError):
   """A kernel or index map takes another number of arguments than pallas_call passes
   it: a TypeError too, as calling it with them is in Pallas."""
@@ -108,7 +126,7 @@ def normalize_grid(grid: Any, kernel_name: str) -> tuple[tuple[int | None, ...],
     grid = tuple(grid)
   except TypeError:
     raise PalletError(f"pallas_call of kernel '{kernel_name}': grid must be an int or a "
-                      f"tuple of ints, got {grid!r}") from None
+                      f"tuple of ints, got {shown(grid)}") from None
   static, dynamic = [], []
   for g in grid:
     if is_tracer(g) and g.shape == () and jnp.issubdtype(g.dtype, jnp.integer):
@@ -119,10 +137,10 @@ def normalize_grid(grid: Any, kernel_name: str) -> tuple[tuple[int | None, ...],
       g = int(g)
     if not isinstance(g, (numbers.Integral, np.integer)) or isinstance(g, bool):
       raise PalletError(f"pallas_call of kernel '{kernel_name}': grid entries must be "
-                        f"integers or traced integer scalars, got {grid!r}")
+                        f"integers or traced integer scalars, got {shown(grid)}")
     if g < 0:
       raise PalletError(f"pallas_call of kernel '{kernel_name}': grid sizes must be >= 0, "
-                        f"got {grid!r}")
+                        f"got {shown(grid)}")
     static.append(int(g))
   return tuple(static), tuple(dynamic)
 
@@ -251,6 +269,9 @@ def trace_index_map(index_map: Callable | None, grid: tuple[int | None, ...],
                                  f"the grid {grid} has {len(grid)} axes{extra}; it must take "
                                  f"{n_args}")
 
+  source = function_source(index_map)
+  defined = f" (index_map defined at {source})" if source else ""
+
   def flat_index_map(*args):
     ids, refs = args[:len(grid)], args[len(grid):]
     # pl.program_id / pl.num_programs answer inside index maps too, as in Pallas
@@ -259,14 +280,14 @@ def trace_index_map(index_map: Callable | None, grid: tuple[int | None, ...],
     if not isinstance(out, (tuple, list)):
       out = (out,)
     if len(out) != ndim:
-      raise PalletError(f"{where}: index_map returned {len(out)} indices {tuple(out)!r} "
-                        f"but the array has rank {ndim}")
+      raise PalletError(f"{where}: index_map returned {len(out)} indices {shown(tuple(out))} "
+                        f"but the array has rank {ndim}{defined}")
     result, slice_sizes = [], []
     for i, o in enumerate(out):
       if (i in slice_bounds) != isinstance(o, Slice):
-        raise PalletError(f"{where}: index_map result {i} is {o!r}; a pl.BoundedSlice "
+        raise PalletError(f"{where}: index_map result {i} is {shown(o)}; a pl.BoundedSlice "
                           f"dimension takes pl.ds(start, size) and only such a dimension "
-                          f"does")
+                          f"does{defined}")
       if isinstance(o, Slice):
         if is_tracer(o.size):
           slice_sizes.append((i, jnp.asarray(o.size).astype(jnp.int32)))
@@ -276,7 +297,7 @@ def trace_index_map(index_map: Callable | None, grid: tuple[int | None, ...],
       o = jnp.asarray(o)
       if o.shape != () or not jnp.issubdtype(o.dtype, jnp.integer):
         raise PalletError(f"{where}: index_map result {i} must be an integer scalar, got "
-                          f"{o.dtype}{list(o.shape)}")
+                          f"{o.dtype}{list(o.shape)}{defined}")
       result.append(o.astype(jnp.int32))
     if traced_size_dims is None:
       return tuple(result)

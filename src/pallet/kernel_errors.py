@@ -9,22 +9,14 @@ what was expected and where.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import types
 from typing import Any, Sequence
 
-import jax
-
 from pallet import _internals as internals
+from pallet import tracebacks
 from pallet.grid_mapping import PalletError
-
-_PALLET_DIR = os.path.dirname(os.path.abspath(__file__))
-_JAX_DIR = os.path.dirname(os.path.abspath(jax.__file__))
-_STDLIB_DIR = os.path.dirname(os.path.abspath(contextlib.__file__))
-# JAX's kernel library is user code for pallet (benchmarks/jax_ops runs it).
-_JAX_KERNELS_DIR = os.path.join(_JAX_DIR, "experimental", "pallas", "ops")
 
 _DTYPE = re.compile(r"Invalid dtype for `(?P<op>\w+)`\. Ref dtype: (?P<ref>[^.\s]+)\. "
                     r"Value dtype: (?P<value>[^.\s]+)\.")
@@ -34,17 +26,6 @@ _SHAPE = re.compile(r"Invalid shape for `(?P<op>\w+)`\. Ref shape: (?P<ref>\([^)
 _SLICE = re.compile(r"Out of bound slice: start=(?P<start>-?\d+)(?:, size=(?P<size>\d+), "
                     r"stride=(?P<stride>-?\d+))?, dim=(?P<dim>\d+)")
 _INDEX = re.compile(r"Out of bound indexer: idx=(?P<idx>-?\d+), dim=(?P<dim>\d+)")
-
-
-def _is_user_file(path: str) -> bool:
-  """Whether `path` is the user's code: outside pallet, JAX (but for JAX's kernel
-  library) and the standard library."""
-  if path.startswith("<"):          # generated code (dataclass methods, exec)
-    return False
-  path = os.path.abspath(path)
-  if path.startswith(_PALLET_DIR) or path.startswith(_STDLIB_DIR):
-    return False
-  return not path.startswith(_JAX_DIR) or path.startswith(_JAX_KERNELS_DIR)
 
 
 def _frames(tb: types.TracebackType | None) -> list[tuple[types.FrameType, int]]:
@@ -58,7 +39,7 @@ def _frames(tb: types.TracebackType | None) -> list[tuple[types.FrameType, int]]
 
 def _user_line(frames) -> str | None:
   for frame, line in frames:
-    if _is_user_file(frame.f_code.co_filename):
+    if tracebacks.is_user_file(frame.f_code.co_filename):
       return f"{os.path.abspath(frame.f_code.co_filename)}:{line}"
   return None
 

@@ -8,3 +8,6 @@ from __future__ import annotations
 
 class LoweringException(Exception):
   """A kernel uses something the backend compiling it cannot express."""
+
+
+LoweringException.__module__ = "pallet.tpu"   # printed as users reach it

@@ -32,6 +32,7 @@ from pallet import specs as specs_lib
 from pallet import spec_trees
 from pallet import static_bounds
 from pallet import trace_cache
+from pallet import tracebacks
 from pallet import tracing
 from pallet.grid_mapping import BlockDimension, GridMapping, PalletError
 
@@ -41,6 +42,7 @@ _DIMENSION_SEMANTICS = ("parallel", "arbitrary", "sequential", "core_parallel",
 _PARALLEL_SEMANTICS = ("parallel", "core_parallel", "subcore_parallel")
 
 
+@tracebacks.api_boundary
 def pallas_call(kernel: Callable[..., None], out_shape: Any, *,
                 grid_spec: specs_lib.GridSpec | None = None, grid: Any = (),
                 in_specs: Any = specs_lib.no_block_spec,
@@ -75,6 +77,7 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *,
   aliases = tuple(sorted((int(k), int(v)) for k, v in (input_output_aliases or {}).items()))
   dimension_semantics = _dimension_semantics(compiler_params, grid, name)
 
+  @tracebacks.api_boundary
   @functools.wraps(kernel)
   def launch(*args):
     # Resolved per call: a `pallet.default_backend(...)` block around the call counts.
@@ -128,12 +131,15 @@ def _as_aval(x: Any, what: str, name: str, backend: str) -> jax.core.ShapedArray
                         f"cannot hold: pass jax.random.key_data(key) and seed with it in "
                         f"the kernel (pltpu.prng_seed), or run on the default XLA backend")
     return jax.core.ShapedArray(tuple(x.shape), x.dtype)
-  return jax.core.ShapedArray(tuple(x.shape), jnp.dtype(x.dtype))
+  # float64 is float32 (int64 int32, ...) unless jax_enable_x64 is on, as for JAX's arrays
+  return jax.core.ShapedArray(tuple(x.shape), jax.dtypes.canonicalize_dtype(x.dtype))
 
 
 def _as_operand(x: Any) -> Any:
-  """Python and NumPy scalars become (weakly typed) 0-d arrays, as in Pallas."""
-  if isinstance(x, (bool, int, float, complex, np.generic)):
+  """Python and NumPy scalars become (weakly typed) 0-d arrays, as in Pallas, and NumPy
+  arrays JAX arrays: both of JAX's dtype for them (float32 for float64 unless
+  jax_enable_x64 is on)."""
+  if isinstance(x, (bool, int, float, complex, np.generic, np.ndarray)):
     return jnp.asarray(x)
   return x
 

@@ -174,4 +174,5 @@ def _check_errors(eager: bool) -> Iterator[None]:
     error = checks.pop_failure(e) if eager else None
     if error is None:
       raise
-    raise error from None
+    # Raised in a host callback, it carries JAX's callback frames: the user's frame first.
+    raise error.with_traceback(None) from None
