@@ -71,9 +71,9 @@ def _ref_label(frames, refs: Sequence[Any], labels: Sequence[str]) -> tuple[str 
   named by its label; another ref (an emit_pipeline block, a run_scoped buffer) by the
   name the user's code gives it."""
   by_id = {id(r): label for r, label in zip(refs, labels)}
-  user = next((frame for frame, _ in frames if _is_user_file(frame.f_code.co_filename)), None)
+  user = next((frame for frame, _ in frames if tracebacks.is_user_file(frame.f_code.co_filename)), None)
   for frame, _ in frames:
-    if _is_user_file(frame.f_code.co_filename):
+    if tracebacks.is_user_file(frame.f_code.co_filename):
       break
     held = [v for v in frame.f_locals.values() if _is_ref(v)]
     if not held:
