@@ -150,6 +150,9 @@ class CheckInfo:
 
   def error(self, message: str, grid_index: tuple[int, ...] | None,
             detail: int | None = None) -> KernelCheckError:
+    if not self.kind:    # one of pallet's own sanity checks: its message says it all
+      return KernelCheckError(message, kernel=self.kernel, grid_index=grid_index,
+                              line=self.line)
     text = (f"{self.kind} in kernel '{self.kernel}' at grid index {grid_index}"
             + (f", ref '{self.ref}'" if self.ref else "") + f", {self.line}: {message}")
     if self.detail and detail is not None and detail != -2**31:   # -2**31: not known

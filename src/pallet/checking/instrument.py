@@ -34,7 +34,7 @@ from jax.extend.core import Literal
 from pallet import _internals as internals
 from pallet import checks
 from pallet import primitives
-from pallet.checking import bounds, padding
+from pallet.checking import bounds, padding, report
 from pallet.checking.options import CheckOptions
 from pallet.grid_mapping import BlockDimension, BlockMapping
 from pallet.tracing import KernelDescription
@@ -55,6 +55,9 @@ class Layout:
   given: int                          # shadow value "given by the caller" (2P + 1)
   shared: int                         # shadow value "atomically updated by several"
   output_names: tuple[str, ...]
+  catalog: report.Catalog = ()        # the kernel's checks, numbered as the record holds them
+  record: bool = False                # the last output is the failure record
+  record_has_ids: bool = False        # ... one row with the grid indices (dynamic grids)
 
 
 @dataclasses.dataclass
@@ -217,6 +220,9 @@ class _Instrumenter:
     self.extents: dict[int, list] = {}                        # id(input ref) -> extents
     self.quiet = 0      # > 0 inside while-loop conditions (no effects allowed there)
     self.call_line: str | None = None
+    self.catalog: list[tuple[str, checks.CheckInfo]] = []
+    self.record: Any = None           # this step's row of the failure record
+    self.record_has_ids = False       # one row for the whole grid (sizes known at run time)
 
   # -- helpers ------------------------------------------------------------------
   def line(self, eqn: Any) -> str:
@@ -234,8 +240,21 @@ class _Instrumenter:
       return
     info = checks.CheckInfo(kind=kind, kernel=self.kernel.name, ref=ref, line=self.line(eqn),
                             grid=tuple(self.grid), detail=detail_label)
-    detail = jnp.int32(-2**31) if detail is None else jnp.asarray(detail, jnp.int32)
-    checks.check(ok, message, info, (*self.ids, detail))
+    self.fail_where(~jnp.all(ok), message, info, detail)
+
+  def fail_where(self, failed: Any, message: str, info: checks.CheckInfo,
+                 detail: Any = None) -> None:
+    """Records check number k (its message and info go to the catalog) in this grid
+    step's row of the record, unless an earlier check of the step failed already."""
+    self.catalog.append((message, info))
+    code = jnp.int32(len(self.catalog))
+    detail = jnp.int32(report.NO_DETAIL) if detail is None else jnp.asarray(detail, jnp.int32)
+    entry = [code, jnp.reshape(detail, ())]
+    if self.record_has_ids:
+      entry += [jnp.asarray(i, jnp.int32) for i in self.ids]
+    row = self.record[...]
+    fire = jnp.asarray(failed, jnp.bool_) & (row[0] == 0)
+    self.record[...] = jnp.where(fire, jnp.stack(entry), row)
 
   def info(self, ref: Any) -> _Ref | None:
     return self.refs.get(id(ref))
@@ -243,13 +262,21 @@ class _Instrumenter:
   # -- the kernel -------------------------------------------------------------------
   def body(self, layout_counts: tuple[int, ...], *args: Any) -> list:
     gm = self.kernel.grid_mapping
-    n_ids, n_pre, n_in, n_shadow, n_out, n_scratch, n_sscratch = layout_counts
+    (n_ids, n_pre, n_in, n_shadow, n_record_in, n_out, n_record, n_scratch,
+     n_sscratch) = layout_counts
     it = iter(args)
     take = lambda n: [next(it) for _ in range(n)]
-    ids, pre, ins, _, outs, out_shadows, scratch, scratch_shadows = (
-        take(n_ids), take(n_pre), take(n_in), take(n_shadow), take(n_out), take(n_shadow),
-        take(n_scratch), take(n_sscratch))
+    ids, pre, ins, _, _, outs, out_shadows, records, scratch, scratch_shadows = (
+        take(n_ids), take(n_pre), take(n_in), take(n_shadow), take(n_record_in), take(n_out),
+        take(n_shadow), take(n_record), take(n_scratch), take(n_sscratch))
     self.ids = ids[:len(gm.grid)]
+    if records:
+      self.record = records[0]
+      self.record_has_ids = None in gm.grid
+      if not self.record_has_ids:   # each step starts its own row
+        self.record[...] = jnp.zeros((report.RECORD_WIDTH,), jnp.int32)
+    else:   # a trial trace: are there checks at all?
+      self.record = jax.new_ref(jnp.zeros((report.RECORD_WIDTH,), jnp.int32))
     self.stamp, self.atomic_stamp = self._stamps()
     refs = pre + ins + outs + scratch
     for r, name in zip(refs, self.names):
@@ -615,9 +642,12 @@ class _Instrumenter:
 
   # -- pl.debug_check ---------------------------------------------------------------
   def _pallet_check(self, eqn, ins, producers):
-    if not self.opts.debug_checks or eqn.params.get("info") is not None:
+    """`pl.debug_check`s and pallet's own sanity checks report like the others."""
+    if eqn.params.get("info") is not None:
       return self.bind(eqn, ins)
-    self.check(eqn, "debug_check", ins[0], eqn.params["message"], None)
+    message = eqn.params["message"]
+    kind = "debug_check" if message.startswith("pl.debug_check failed") else ""
+    self.check(eqn, kind, ins[0], message, None)
     return []
 
   # -- values: gathers and dynamic slices clamp silently ----------------------------
@@ -697,10 +727,44 @@ def _whole_mapping(b: BlockMapping, origin: str) -> BlockMapping:
                       index_map=index_map, memory_space=b.memory_space, whole=True)
 
 
+def _record_mapping(gm: Any) -> tuple[BlockMapping, bool]:
+  """The failure record's output: one row per grid step (each step's own block), or
+  with sizes known only at run time one row for the grid, holding the grid indices
+  too; (mapping, whether it is that one row)."""
+  n = len(gm.grid)
+  arg_avals = ([jax.core.ShapedArray((), jnp.int32)] * n
+               + [internals.AbstractRef(a) for a in gm.prefetch_avals])
+  if None in gm.grid:
+    width = report.RECORD_WIDTH + n
+    index_map = jax.make_jaxpr(lambda *_: (jnp.int32(0),))(*arg_avals)
+    return BlockMapping(origin="check record", array_shape=(width,),
+                        dtype=jnp.dtype(jnp.int32),
+                        dims=(BlockDimension("blocked", width),), index_map=index_map,
+                        memory_space=None, whole=True), True
+  index_map = jax.make_jaxpr(lambda *a: (*a[:n], jnp.int32(0)))(*arg_avals)
+  dims = (BlockDimension("squeezed", 1),) * n + (BlockDimension("blocked", report.RECORD_WIDTH),)
+  return BlockMapping(origin="check record", array_shape=(*gm.grid, report.RECORD_WIDTH),
+                      dtype=jnp.dtype(jnp.int32), dims=dims, index_map=index_map,
+                      memory_space=None, whole=False), False
+
+
 def instrument(kernel: KernelDescription, opts: CheckOptions, names: list[str],
                parallel: tuple[int, ...], shadowed_outputs: tuple[int, ...],
                shadowed_scratch: tuple[int, ...], guard: bool) -> tuple[KernelDescription, Layout]:
   """The checked kernel and where its extra operands are."""
+  checked, layout = _instrument(kernel, opts, names, parallel, shadowed_outputs,
+                                shadowed_scratch, guard, with_record=True)
+  if layout.catalog:
+    return checked, layout
+  # No check survived tracing (all known to pass): no record to carry.
+  return _instrument(kernel, opts, names, parallel, shadowed_outputs, shadowed_scratch,
+                     guard, with_record=False)
+
+
+def _instrument(kernel: KernelDescription, opts: CheckOptions, names: list[str],
+                parallel: tuple[int, ...], shadowed_outputs: tuple[int, ...],
+                shadowed_scratch: tuple[int, ...], guard: bool,
+                with_record: bool) -> tuple[KernelDescription, Layout]:
   gm = kernel.grid_mapping
   n_ids = len(gm.grid) + len(gm.dynamic_axes)
   tool = _Instrumenter(kernel, opts, names, parallel, guard)
@@ -712,9 +776,16 @@ def instrument(kernel: KernelDescription, opts: CheckOptions, names: list[str],
                          for o in shadowed_outputs)
   shadow_inputs = tuple(_whole_mapping(gm.outputs[o], f"initial shadow of output {o}")
                         for o in shadowed_outputs)
+  record_outputs, record_inputs, record_has_ids = (), (), False
+  if with_record:
+    mapping, record_has_ids = _record_mapping(gm)
+    record_outputs = (mapping,)
+    if record_has_ids:   # one row kept across the grid: starts as the caller's zeros
+      record_inputs = (mapping.replace(origin="initial check record"),)
   shadow_scratch = tuple(jax.core.ShapedArray(gm.scratch_avals[s].shape, jnp.int32)
                          for s in shadowed_scratch)
-  new_gm = gm.replace(inputs=gm.inputs + shadow_inputs, outputs=gm.outputs + shadow_outputs,
+  new_gm = gm.replace(inputs=gm.inputs + shadow_inputs + record_inputs,
+                      outputs=gm.outputs + shadow_outputs + record_outputs,
                       scratch_avals=gm.scratch_avals + shadow_scratch)
   ref_avals = ([internals.AbstractRef(a) for a in gm.prefetch_avals]
                + [internals.AbstractRef(b.kernel_aval) for b in new_gm.inputs]
@@ -722,15 +793,21 @@ def instrument(kernel: KernelDescription, opts: CheckOptions, names: list[str],
                + [internals.AbstractRef(a) for a in new_gm.scratch_avals])
   id_avals = [jax.core.ShapedArray((), jnp.int32)] * n_ids
   counts = (n_ids, len(gm.prefetch_avals), len(gm.inputs), len(shadowed_outputs),
-            len(gm.outputs), len(gm.scratch_avals), len(shadowed_scratch))
+            len(record_inputs), len(gm.outputs), len(record_outputs), len(gm.scratch_avals),
+            len(shadowed_scratch))
   with internals.vma_checks_off():
     jaxpr = jax.make_jaxpr(functools.partial(tool.body, counts))(*id_avals, *ref_avals)
-  n_in = len(gm.inputs)
+  n_in, n_out = len(gm.inputs), len(gm.outputs)
   aliases = kernel.input_output_aliases + tuple(
-      (n_in + k, len(gm.outputs) + k) for k in range(len(shadowed_outputs)))
+      (n_in + k, n_out + k) for k in range(len(shadowed_outputs)))
+  if record_inputs:
+    aliases += ((n_in + len(shadow_inputs), n_out + len(shadow_outputs)),)
   checked = kernel.replace(jaxpr=jaxpr, grid_mapping=new_gm, input_output_aliases=aliases)
   layout = Layout(shadowed_outputs=shadowed_outputs,
                   shadow_initial=tuple(tool.given if o in aliased else 0
                                        for o in shadowed_outputs),
-                  given=tool.given, shared=tool.shared, output_names=tuple(n_out_names[:len(gm.outputs)]))
+                  given=tool.given, shared=tool.shared,
+                  output_names=tuple(n_out_names[:len(gm.outputs)]),
+                  catalog=tuple(tool.catalog) if with_record else (),
+                  record=with_record, record_has_ids=record_has_ids)
   return checked, layout

@@ -15,6 +15,7 @@ from pallet import checks
 from pallet import grid_analysis
 from pallet import trace_cache
 from pallet.checking import index_maps, instrument as instrument_lib
+from pallet.checking import report as report_lib
 from pallet.checking.options import CheckOptions
 from pallet.tracing import KernelDescription
 
@@ -114,40 +115,52 @@ def checked_kernel(kernel: KernelDescription, opts: CheckOptions, names: tuple[s
   # Without other checks, proven accumulators keep their fast plans (which run the
   # body on merged blocks, where checks per grid step would not hold).
   checked, layout = instrumented(_initialized_before_read(kernel))
-  if not _binds_checks(checked.jaxpr.jaxpr):
+  if not layout.catalog:
     return checked, layout
   return instrumented({o for _, o in kernel.input_output_aliases})
-
-
-def _binds_checks(jaxpr: Any) -> bool:
-  from jax.extend.core import jaxprs_in_params
-  return any(e.primitive is checks.check_p
-             or any(_binds_checks(j) for j in jaxprs_in_params(e.params))
-             for e in jaxpr.eqns)
 
 
 def run(kernel: KernelDescription, opts: CheckOptions, param_names: Sequence[str] | None,
         bind: Callable[..., Sequence[Any]], sizes: Sequence[Any], prefetch: Sequence[Any],
         args: Sequence[Any], backend: str) -> list:
-  """Launches `kernel` checked; returns its outputs (the original ones)."""
+  """Launches `kernel` checked; returns its outputs (the original ones), after raising
+  the first failure (see report.py)."""
   names = tuple(instrument_lib.ref_names(kernel, param_names))
   if opts.bounds:
     index_maps.check_static(kernel, names)
   checked, layout = checked_kernel(kernel, opts, names, backend != "xla")
   eager = not any(internals.is_tracer(x) for x in (*sizes, *prefetch, *args))
   with _check_errors(eager):
+    catalog = list(layout.catalog)
+    reports = []
     if opts.bounds:
-      index_maps.check_at_run_time(kernel, names, prefetch)
-    return _launch(kernel, opts, checked, layout, bind, sizes, prefetch, args, eager)
+      reports += index_maps.check_at_run_time(kernel, names, prefetch, catalog)
+    results, kernel_reports = _launch(kernel, opts, checked, layout, bind, sizes, prefetch,
+                                      args, catalog)
+    reports += kernel_reports
+    if reports:
+      report_lib.raise_if_failed(report_lib.first(*reports), tuple(catalog))
+    if eager:
+      jax.block_until_ready(results)
+    return results
 
 
-def _launch(kernel, opts, checked, layout, bind, sizes, prefetch, args, eager) -> list:
+def _launch(kernel, opts, checked, layout, bind, sizes, prefetch, args,
+            catalog: list) -> tuple[list, list]:
+  """The outputs, and the reports of the kernel's checks and of the checks on its
+  outputs (entries of the latter are added to `catalog`)."""
   gm = kernel.grid_mapping
   initial = [jnp.full(gm.outputs[o].array_shape, v, jnp.int32)
              for o, v in zip(layout.shadowed_outputs, layout.shadow_initial)]
+  if layout.record_has_ids:
+    initial.append(report_lib.clean(len(gm.grid)))
   outs = list(bind(*sizes, *prefetch, *args, *initial, kernel=checked))
-  n_out = len(gm.outputs)
-  results, shadows = outs[:n_out], outs[n_out:]
+  n_out, n_shadow = len(gm.outputs), len(layout.shadowed_outputs)
+  results, shadows = outs[:n_out], outs[n_out:n_out + n_shadow]
+  reports = []
+  if layout.record:
+    record = outs[n_out + n_shadow]
+    reports.append(record if layout.record_has_ids else report_lib.from_rows(record, gm.grid))
   if opts.unwritten:
     for o, shadow in zip(layout.shadowed_outputs, shadows):
       written = ((shadow >= 1) & (shadow <= layout.given)) | (shadow == layout.shared)
@@ -155,17 +168,17 @@ def _launch(kernel, opts, checked, layout, bind, sizes, prefetch, args, eager) -
       info = checks.CheckInfo(kind="unwritten", kernel=kernel.name, ref=name,
                               line=kernel.source, grid=(),
                               detail="first unwritten element (flat index)")
-      checks.check(jnp.all(written), f"no program wrote some elements of output '{name}'",
-                   info, (jnp.argmin(written.reshape(-1)).astype(jnp.int32),))
-  if eager:
-    jax.block_until_ready(results + shadows)
-  return results
+      catalog.append((f"no program wrote some elements of output '{name}'", info))
+      reports.append(report_lib.single(~jnp.all(written), len(catalog),
+                                       jnp.argmin(written.reshape(-1)), (), len(gm.grid)))
+  return results, reports
 
 
 @contextlib.contextmanager
 def _check_errors(eager: bool) -> Iterator[None]:
-  """Eager calls wait for their checks and raise the KernelCheckError itself (JAX's
-  runtime wraps errors raised in host callbacks)."""
+  """Checks that still call back (pallet's own sanity checks, made while the kernel
+  runs): eager calls raise the KernelCheckError itself (JAX's runtime wraps errors
+  raised in host callbacks)."""
   try:
     yield
   except checks.KernelCheckError:
