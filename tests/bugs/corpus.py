@@ -15,7 +15,7 @@ from typing import Callable
 KINDS = ("out_of_bounds", "uninitialized", "race", "nan", "overflow", "unwritten",
          "debug_check", "index_map")
 # Kinds whose check is off unless asked for (InterpretParams fields, see docs/checking.md).
-OPT_IN_KINDS = ("nan", "overflow", "unwritten", "debug_check")
+OPT_IN_KINDS = ("nan", "overflow", "debug_check")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,7 +27,7 @@ BACKEND = current_test_backend()
 # Pallas's spelling of the checking mode, and what each opt-in kind adds to it.
 CHECKED = dict(detect_races=True, out_of_bounds_reads="raise", uninitialized_memory="nan")
 OPT_IN = {"nan": dict(detect_nans=True), "overflow": dict(detect_int_overflow=True),
-          "unwritten": dict(detect_unwritten_outputs=True), "debug_check": dict(debug_checks=True)}
+          "debug_check": dict(debug_checks=True)}
 
 # What the checks do not get right yet, as strict xfails: a case that starts passing
 # fails until it is taken off these lists. (backend, case name) -> why.
@@ -146,7 +146,7 @@ def test_checking_mode_names_are_public():
 @pytest.mark.parametrize("name, setting", [("masked_load_mask_off_by_one", "1"),
                                            ("reduction_output_never_zeroed", "1"),
                                            ("softmax_without_max_subtraction", "all"),
-                                           ("grid_rounds_down", "unwritten")])
+                                           ("grid_rounds_down", "1")])
 def test_environment_variable_turns_checks_on_without_code_changes(name, setting, monkeypatch):
   case = next(c for c in CASES if c.name == name)
   monkeypatch.setenv("PALLET_CHECKS", setting)

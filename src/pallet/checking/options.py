@@ -24,7 +24,7 @@ class CheckOptions:
   races: bool = True
   nans: bool = False
   overflow: bool = False
-  unwritten: bool = False
+  unwritten: bool = True      # output elements no program wrote
   debug_checks: bool = False
 
   @property
@@ -49,7 +49,7 @@ def from_environment(value: str | None = None) -> CheckOptions | None:
   if value in _ON:
     return CheckOptions()
   if value == "all":
-    return CheckOptions(nans=True, overflow=True, unwritten=True, debug_checks=True)
+    return CheckOptions(nans=True, overflow=True, debug_checks=True)
   fields = {f: False for f in set(_KIND_FIELDS.values())}
   for kind in value.split(","):
     kind = kind.strip()

@@ -14,7 +14,7 @@ from pallet import _internals as internals
 from pallet import checks
 from pallet import grid_analysis
 from pallet import trace_cache
-from pallet.checking import index_maps, instrument as instrument_lib
+from pallet.checking import coverage, index_maps, instrument as instrument_lib
 from pallet.checking import report as report_lib
 from pallet.checking.options import CheckOptions
 from pallet.tracing import KernelDescription
@@ -101,10 +101,17 @@ def checked_kernel(kernel: KernelDescription, opts: CheckOptions, names: tuple[s
   shadowed_scratch = tuple(s for s in range(len(gm.scratch_avals))
                            if opts.uninitialized and first_scratch + s in read)
 
+  unwritten = set()
+  if opts.unwritten:   # outputs not proven written by the kernel's structure
+    aliased = {o for _, o in kernel.input_output_aliases}
+    proven = coverage.proven_written(kernel, [None if b.whole else _block_table(b, gm.grid)
+                                              for b in gm.outputs]) if static_grid else set()
+    unwritten = set(range(len(gm.outputs))) - proven - aliased
+
   def instrumented(initialized):
     shadowed_outputs = tuple(
         o for o, b in enumerate(gm.outputs)
-        if opts.unwritten
+        if o in unwritten
         or (opts.uninitialized and first_out + o in read and o not in initialized)
         or (parallel and (not static_grid or _shared_across(b, gm.grid, parallel))))
     return instrument_lib.instrument(kernel, opts, list(names), parallel, shadowed_outputs,
@@ -162,7 +169,10 @@ def _launch(kernel, opts, checked, layout, bind, sizes, prefetch, args,
     record = outs[n_out + n_shadow]
     reports.append(record if layout.record_has_ids else report_lib.from_rows(record, gm.grid))
   if opts.unwritten:
+    aliased = {o for _, o in kernel.input_output_aliases}
     for o, shadow in zip(layout.shadowed_outputs, shadows):
+      if o in aliased:   # the caller's data where not written
+        continue
       written = ((shadow >= 1) & (shadow <= layout.given)) | (shadow == layout.shared)
       name = layout.output_names[o]
       info = checks.CheckInfo(kind="unwritten", kernel=kernel.name, ref=name,
