@@ -49,6 +49,8 @@ class InterpretParams:
   detect_int_overflow: bool = False
   detect_unwritten_outputs: bool = True   # on unless a call leaves outputs unwritten on purpose
   debug_checks: bool = False
+  detect_hangs: bool = True               # loops that never finish, waits on later programs
+  max_loop_iterations: int = 1 << 20      # a while loop running longer counts as a hang
 
   @property
   def num_cores_per_device(self) -> int:

@@ -34,7 +34,7 @@ from jax.extend.core import Literal
 from pallet import _internals as internals
 from pallet import checks
 from pallet import primitives
-from pallet.checking import bounds, padding, report
+from pallet.checking import bounds, loops, padding, report
 from pallet.checking.options import CheckOptions
 from pallet.grid_mapping import BlockDimension, BlockMapping
 from pallet.tracing import KernelDescription
@@ -206,9 +206,10 @@ class _Instrumenter:
   """Re-traces one kernel body with checks (see the module docstring)."""
 
   def __init__(self, kernel: KernelDescription, opts: CheckOptions, names: list[str],
-               parallel: tuple[int, ...], guard: bool):
+               parallel: tuple[int, ...], guard: bool, concurrent: bool = False):
     self.kernel, self.opts, self.names, self.parallel = kernel, opts, names, parallel
     self.guard = guard   # make out-of-bounds accesses skip (Triton reads raw memory)
+    self.concurrent = concurrent   # programs run at once (a GPU): others may change memory
     gm = kernel.grid_mapping
     self.grid = gm.grid
     self.num_parallel = max(1, math.prod(gm.grid[a] or 1 for a in parallel))
@@ -438,6 +439,11 @@ class _Instrumenter:
       all_ok = ok if all_ok is None else all_ok & ok
     return all_ok
 
+  def _guarded_always(self, ok: Any, run: Any) -> list:
+    """`run()` (no results) only where `ok`, on every backend."""
+    lax.cond(ok, lambda: (run(), None)[1], lambda: None)
+    return []
+
   def _guarded(self, ok: Any, run: Any, default: Any) -> Any:
     """`run()` only where `ok` (Triton: an out-of-bounds access would touch raw memory)."""
     if not self.guard or ok is None:
@@ -623,14 +629,38 @@ class _Instrumenter:
     return self._guarded(ok, lambda: self.bind(eqn, ins), lambda: [])
 
   def _dma_wait(self, eqn, ins, producers):
-    ref, ref_t, *_ = jax.tree_util.tree_unflatten(eqn.params["tree"], ins)
+    ref, ref_t, sem, sem_t = jax.tree_util.tree_unflatten(eqn.params["tree"], ins)
     ref_t = tuple(ref_t or ())
     r = self.info(ref)
     if r is not None and r.shadow is not None and bounds.only_indexers(ref_t):
       view = internals.TransformedRef(r.shadow, ref_t) if ref_t else r.shadow
       old = view[...]
       view[...] = jnp.where(old == self.in_flight, self.stamp, old)
-    return self.bind(eqn, ins)
+    size = primitives.view_aval(jax.typeof(ref), ref_t).size
+    return self._wait(eqn, ins, sem, sem_t, size, "a DMA wait")
+
+  def _semaphore_wait(self, eqn, ins, producers):
+    *flat, value = ins
+    sem, sem_t = jax.tree_util.tree_unflatten(eqn.params["tree"], flat)
+    return self._wait(eqn, ins, sem, sem_t, value, "semaphore_wait")
+
+  def _wait(self, eqn: Any, ins: list, sem: Any, sem_t: Any, amount: Any, what: str) -> Any:
+    """A wait on a semaphore that holds less than it takes: in grid order every program
+    before this one has run, so only a later one (or none) could signal it."""
+    if not self.opts.hangs or self.quiet:
+      return self.bind(eqn, ins)
+    from pallet import dma
+    flat, tree = jax.tree_util.tree_flatten((sem, sem_t))
+    held = dma.semaphore_read_p.bind(*flat, tree=tree)
+    ok = held >= jnp.asarray(amount, jnp.int32)
+    r = self.info(sem)
+    name = r.name if r else None
+    self.check(eqn, "deadlock", ok,
+               f"{what} on {repr(name) if name else 'a semaphore'} takes more than it "
+               f"holds: nothing before this program in grid order signalled it enough, so "
+               f"on a TPU it waits for a later program (or none) and deadlocks", name, held,
+               "the semaphore holds")
+    return self._guarded_always(ok, lambda: self.bind(eqn, ins))
 
   # -- buffers made inside the kernel ---------------------------------------------------
   def _new_ref(self, eqn, ins, producers):
@@ -711,7 +741,74 @@ class _Instrumenter:
     def body_fun(c):
       return self.eval(bj.jaxpr, bj.consts, [*body_consts, *c])
 
-    return list(lax.while_loop(cond_fun, body_fun, list(init)))
+    if not self.opts.hangs or self.quiet:
+      return list(lax.while_loop(cond_fun, body_fun, list(init)))
+    return self._watched_while(eqn, ins, cond_fun, body_fun, list(init))
+
+  def _watched_while(self, eqn, ins, cond_fun, body_fun, init):
+    """The loop, stopped (and reported) when an iteration changes nothing it could
+    act on next (it would repeat forever) or, unless it is counted, past
+    `opts.loop_bound` iterations."""
+    uses = loops.ref_uses(eqn)
+    watched = [ins[k] for k in sorted(uses.reads & uses.writes)]
+    progress_known = loops.snapshottable(watched)
+    bounded = not loops.counted(eqn)
+    if not progress_known and not bounded:
+      return list(lax.while_loop(cond_fun, body_fun, init))
+    bound = self.opts.loop_bound
+
+    # Programs that run one after another: one iteration that changes nothing
+    # repeats forever. Running at once (a GPU), another program may still write what
+    # this one waits for: only `bound` such iterations in a row count.
+    patience = bound if self.concurrent else 1
+    steering = loops.steering_carry(eqn)
+
+    def cond(c):
+      state, count, idle = c
+      go = cond_fun(state) & (idle < patience)
+      return (go & (count < bound)) if bounded else go
+
+    def body(c):
+      state, count, idle = c
+      before = [r[...] for r in watched] if progress_known else []
+      new = body_fun(state)
+      if not progress_known:
+        return new, count + 1, idle
+      after = [r[...] for r in watched]
+      same = loops.unchanged([*(state[k] for k in steering), *before],
+                             [*(new[k] for k in steering), *after])
+      return new, count + 1, jnp.where(same, idle + 1, 0)
+
+    state, count, idle = lax.while_loop(cond, body, (init, jnp.int32(0), jnp.int32(0)))
+    stuck = idle >= patience
+    if progress_known:
+      waited = uses.waited_on() or (uses.read_sites[0] if uses.read_sites else None)
+      if waited is not None:
+        at, k = waited
+        r = self.info(ins[k])
+        name = r.name if r else None
+        self.check(at, "deadlock", ~stuck,
+                   f"this program waits in a loop on {repr(name) if name else 'memory'} "
+                   f"and an iteration changed nothing it could act on: nothing before it "
+                   f"in grid order wrote the value it waits for, so on a TPU or GPU it "
+                   f"waits for a later program (or none) and deadlocks where that program "
+                   f"is scheduled after it", name, count, "iterations")
+      else:
+        self.check(eqn, "hang", ~stuck,
+                   "while_loop iteration changed neither its carry nor any memory it "
+                   "reads: it would loop forever", None, count, "iterations")
+    if bounded:
+      self.quiet += 1
+      try:
+        going = cond_fun(state)
+      finally:
+        self.quiet -= 1
+      self.check(eqn, "hang", ~(going & (count >= bound) & ~stuck),
+                 f"while_loop ran {bound} iterations and its condition still holds: it "
+                 f"may never finish (checking mode stops loops past {bound} iterations; "
+                 f"InterpretParams(max_loop_iterations=...) sets the bound)", None, count,
+                 "iterations")
+    return list(state)
 
 
 # ------------------------------------------------------------------ building the kernel
@@ -750,24 +847,25 @@ def _record_mapping(gm: Any) -> tuple[BlockMapping, bool]:
 
 def instrument(kernel: KernelDescription, opts: CheckOptions, names: list[str],
                parallel: tuple[int, ...], shadowed_outputs: tuple[int, ...],
-               shadowed_scratch: tuple[int, ...], guard: bool) -> tuple[KernelDescription, Layout]:
+               shadowed_scratch: tuple[int, ...], guard: bool,
+               concurrent: bool = False) -> tuple[KernelDescription, Layout]:
   """The checked kernel and where its extra operands are."""
   checked, layout = _instrument(kernel, opts, names, parallel, shadowed_outputs,
-                                shadowed_scratch, guard, with_record=True)
+                                shadowed_scratch, guard, concurrent, with_record=True)
   if layout.catalog:
     return checked, layout
   # No check survived tracing (all known to pass): no record to carry.
   return _instrument(kernel, opts, names, parallel, shadowed_outputs, shadowed_scratch,
-                     guard, with_record=False)
+                     guard, concurrent, with_record=False)
 
 
 def _instrument(kernel: KernelDescription, opts: CheckOptions, names: list[str],
                 parallel: tuple[int, ...], shadowed_outputs: tuple[int, ...],
-                shadowed_scratch: tuple[int, ...], guard: bool,
+                shadowed_scratch: tuple[int, ...], guard: bool, concurrent: bool,
                 with_record: bool) -> tuple[KernelDescription, Layout]:
   gm = kernel.grid_mapping
   n_ids = len(gm.grid) + len(gm.dynamic_axes)
-  tool = _Instrumenter(kernel, opts, names, parallel, guard)
+  tool = _Instrumenter(kernel, opts, names, parallel, guard, concurrent)
   tool.shadowed_outputs, tool.shadowed_scratch = shadowed_outputs, shadowed_scratch
   n_out_names = names[len(gm.prefetch_avals) + len(gm.inputs):]
   aliased = {o for _, o in kernel.input_output_aliases}

@@ -90,7 +90,7 @@ def _initialized_before_read(kernel: KernelDescription) -> set[int]:
 
 @trace_cache.kernel_cache
 def checked_kernel(kernel: KernelDescription, opts: CheckOptions, names: tuple[str, ...],
-                   guard: bool) -> tuple[KernelDescription, instrument_lib.Layout]:
+                   guard: bool, concurrent: bool) -> tuple[KernelDescription, instrument_lib.Layout]:
   gm = kernel.grid_mapping
   parallel = parallel_axes(kernel) if opts.races else ()
   read = instrument_lib.read_refs(kernel)
@@ -115,7 +115,7 @@ def checked_kernel(kernel: KernelDescription, opts: CheckOptions, names: tuple[s
         or (opts.uninitialized and first_out + o in read and o not in initialized)
         or (parallel and (not static_grid or _shared_across(b, gm.grid, parallel))))
     return instrument_lib.instrument(kernel, opts, list(names), parallel, shadowed_outputs,
-                                     shadowed_scratch, guard)
+                                     shadowed_scratch, guard, concurrent)
 
   if not opts.uninitialized:
     return instrumented(set())
@@ -129,13 +129,14 @@ def checked_kernel(kernel: KernelDescription, opts: CheckOptions, names: tuple[s
 
 def run(kernel: KernelDescription, opts: CheckOptions, param_names: Sequence[str] | None,
         bind: Callable[..., Sequence[Any]], sizes: Sequence[Any], prefetch: Sequence[Any],
-        args: Sequence[Any], backend: str) -> list:
+        args: Sequence[Any], backend: str, concurrent: bool = False) -> list:
   """Launches `kernel` checked; returns its outputs (the original ones), after raising
-  the first failure (see report.py)."""
+  the first failure (see report.py). `concurrent`: its programs run at the same time
+  (compiled Triton on a GPU), not one after another."""
   names = tuple(instrument_lib.ref_names(kernel, param_names))
   if opts.bounds:
     index_maps.check_static(kernel, names)
-  checked, layout = checked_kernel(kernel, opts, names, backend != "xla")
+  checked, layout = checked_kernel(kernel, opts, names, backend != "xla", concurrent)
   eager = not any(internals.is_tracer(x) for x in (*sizes, *prefetch, *args))
   with _check_errors(eager):
     catalog = list(layout.catalog)
