@@ -218,7 +218,8 @@ class _Instrumenter:
     self.shared = self.given + 2      # atomically updated by several programs
     self.refs: dict[int, _Ref] = {}
     self.taints: dict[int, tuple[Any, padding.Taint]] = {}   # id(value) -> (value, taint)
-    self.extents: dict[int, list] = {}                        # id(input ref) -> extents
+    self.extents: dict[int, list] = {}                        # id(ref) -> extents
+    self.outputs: set[int] = set()                            # id(output ref)
     self.quiet = 0      # > 0 inside while-loop conditions (no effects allowed there)
     self.call_line: str | None = None
     self.catalog: list[tuple[str, checks.CheckInfo]] = []
@@ -283,10 +284,11 @@ class _Instrumenter:
     for r, name in zip(refs, self.names):
       self.refs[id(r)] = _Ref(name)
     if self.opts.uninitialized:
-      for r, mapping in zip(ins, gm.inputs):
+      for r, mapping in zip(ins + outs, gm.inputs + gm.outputs):
         extents = padding.block_extents(mapping, self.ids, pre)
         if extents is not None:
           self.extents[id(r)] = extents
+      self.outputs = {id(r) for r in outs}
     for k, o in enumerate(self.shadowed_outputs):
       self.refs[id(outs[o])].shadow = out_shadows[k]
     for k, s in enumerate(self.shadowed_scratch):
@@ -370,23 +372,44 @@ class _Instrumenter:
     new, ok, ref = padding.propagate(eqn, ins, results, taints)
     if ok is not None:
       self.check(eqn, "uninitialized", ok,
-                 f"{eqn.primitive.name} mixes the edge-block padding of '{ref}' (lanes past "
-                 f"the end of the array, which hold no data) into lanes that hold data; mask "
-                 f"them first (jnp.where on the element positions)", ref)
+                 f"{eqn.primitive.name} mixes the block padding of '{ref}' (lanes outside "
+                 f"the array, past an edge or in a pl.Element window's padding, whose "
+                 f"contents are unspecified) into lanes that hold data; mask them first "
+                 f"(jnp.where on the element positions)", ref)
     for x, t in zip(results, new):
       if t is not None:
         self.taints[id(x)] = (x, t)
 
   def _loaded(self, ref: Any, transforms: tuple, value: Any, mask: Any = None) -> None:
     extents = self.extents.get(id(ref))
-    if extents is None or self.quiet:
+    if extents is None or self.quiet or id(ref) in self.outputs:
       return
-    taint = padding.loaded(extents, transforms, jnp.shape(value))
-    if taint is None:
+    outside = padding.loaded(extents, transforms, jnp.shape(value))
+    if outside is None:
       return
+    garbage = outside if mask is None else outside & mask
+    self.taints[id(value)] = (value, padding.Taint(garbage, outside, self.info(ref).name))
+
+  def _stored(self, eqn: Any, ref: Any, transforms: tuple, value: Any,
+              mask: Any = None) -> None:
+    """Padding stored into an output where its array holds data reaches the result."""
+    taint = self._taint(value)
+    if taint is None or self.quiet or id(ref) not in self.outputs:
+      return
+    extents = self.extents.get(id(ref))
+    outside = None if extents is None else padding.loaded(extents, transforms, jnp.shape(value))
+    if extents is not None and outside is None:
+      return
+    bad = jnp.broadcast_to(taint.garbage, jnp.shape(value))
+    if outside is not None:
+      bad = bad & ~outside
     if mask is not None:
-      taint = taint & mask
-    self.taints[id(value)] = (value, padding.Taint(taint, self.info(ref).name))
+      bad = bad & mask
+    self.check(eqn, "uninitialized", ~bad,
+               f"stores the block padding of '{taint.ref}' (lanes outside its array, past "
+               f"an edge or in a pl.Element window's padding, whose contents are "
+               f"unspecified) into '{self.info(ref).name}' where its array holds data",
+               taint.ref)
 
   # -- produced values: NaN/Inf and int32 overflow (opt-in) -----------------------
   def _produced(self, eqn: Any, ins: list, outs: Any) -> None:
@@ -541,9 +564,10 @@ class _Instrumenter:
     return value
 
   def _swap(self, eqn, ins, producers):
-    ref, _, *leaves = ins
+    ref, value, *leaves = ins
     transforms = self._transforms(eqn, leaves)
     ok = self._bounds(eqn, ref, transforms, None, "writes")
+    self._stored(eqn, ref, transforms, value)
     self._shadow_access(eqn, ref, transforms, None,
                         reads=eqn.outvars[0] in self.used, writes=True)
     out = eqn.outvars[0].aval
@@ -551,9 +575,10 @@ class _Instrumenter:
                          lambda: jnp.zeros(out.shape, out.dtype))
 
   def _addupdate(self, eqn, ins, producers):
-    ref, _, *leaves = ins
+    ref, value, *leaves = ins
     transforms = self._transforms(eqn, leaves)
     ok = self._bounds(eqn, ref, transforms, None, "updates")
+    self._stored(eqn, ref, transforms, value)
     self._shadow_access(eqn, ref, transforms, None, reads=True, writes=True)
     return self._guarded(ok, lambda: self.bind(eqn, ins), lambda: [])
 
@@ -574,6 +599,7 @@ class _Instrumenter:
     value, mask = ins[1 + tree.num_leaves:]
     transforms = self._transforms(eqn, leaves)
     self._bounds(eqn, ref, transforms, mask, "writes")
+    self._stored(eqn, ref, transforms, value, mask)
     self._shadow_access(eqn, ref, transforms, mask, reads=False, writes=True)
     return self.bind(eqn, self._safe_mask(ins, 2 + tree.num_leaves, transforms, mask))
 
