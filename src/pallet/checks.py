@@ -120,7 +120,7 @@ def failure_message(what: str, message: str) -> str:
 
 
 KINDS = ("out_of_bounds", "uninitialized", "race", "nan", "overflow", "unwritten",
-         "debug_check", "index_map", "hang", "deadlock")
+         "debug_check", "index_map", "hang", "deadlock", "aliasing")
 
 
 class KernelCheckError(RuntimeError):

@@ -13,7 +13,7 @@ import inspect
 from typing import Callable
 
 KINDS = ("out_of_bounds", "uninitialized", "race", "nan", "overflow", "unwritten",
-         "debug_check", "index_map", "hang", "deadlock")
+         "debug_check", "index_map", "hang", "deadlock", "aliasing")
 # Kinds whose check is off unless asked for (InterpretParams fields, see docs/checking.md).
 OPT_IN_KINDS = ("nan", "overflow", "debug_check")
 

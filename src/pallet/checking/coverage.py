@@ -1,16 +1,21 @@
-"""Outputs every element of which is written, proven before the kernel runs.
+"""What a kernel surely does at each grid step, proven before it runs.
 
-The `unwritten` check (output elements no program wrote) needs a shadow per output
-while the kernel runs, which costs a store per store and keeps the XLA backend off
-its fastest plans. Most kernels need none: each grid step stores its whole output
-block (`o_ref[...] = ...`), unconditionally or under `pl.when` conditions on the
-grid indices, and the blocks those steps see tile the array. This module proves
-that from the kernel's jaxpr and its index maps, evaluating the conditions at every
-grid step with NumPy; anything it does not follow (a store in a loop, a condition
-on loaded data, a scalar-prefetch index map) leaves the output to the shadow.
+The walk follows the kernel's jaxpr at top level and into `pl.when`/`lax.cond`
+branches whose condition is a function of the grid indices (evaluated at every grid
+step with NumPy), and into inlined calls. It records, per ref, the steps where the
+kernel surely reads it, surely writes part of it and surely stores its whole block.
+Accesses in loops, or under conditions on loaded data, are not "sure": the facts
+are under-approximations, so a check built on them can miss a bug but not report a
+false one.
+
+* `proven_written`: outputs every element of which some step surely stores: the
+  `unwritten` check needs no shadow for them (a shadow costs a store per store and
+  keeps the XLA backend off its fastest plans).
+* The aliasing check (aliasing.py) uses the reads and writes.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Any, Sequence
 
@@ -20,34 +25,56 @@ from jax.extend.core import Literal
 
 from pallet import _internals as internals
 from pallet import grid_eval
+from pallet import trace_cache
 from pallet.tracing import KernelDescription
 
 _CALLS = ("pjit", "jit", "closed_call", "core_call")
-_WRITES = ("swap", "addupdate")
+_READS = ("get", "masked_load", "addupdate", "atomic_rmw", "atomic_cas")
+_WRITES = ("swap", "masked_store", "addupdate", "atomic_rmw", "atomic_cas")
 
 
-def proven_written(kernel: KernelDescription, block_tables: Sequence[Any]) -> set[int]:
-  """Outputs whose every element some grid step writes for sure. `block_tables[o]`
-  is output o's index-map results over the grid (grid + (ndim,)), or None."""
+@dataclasses.dataclass
+class SureAccesses:
+  """Per ref (its position among the kernel's refs: prefetch, inputs, outputs,
+  scratch), bool arrays over the grid's steps (row-major)."""
+  reads: dict[int, np.ndarray]
+  writes: dict[int, np.ndarray]
+  whole_writes: dict[int, np.ndarray]
+  read_at: dict[int, Any]      # the first equation reading each ref
+
+
+@trace_cache.kernel_cache
+def sure_accesses(kernel: KernelDescription) -> SureAccesses | None:
+  """None where the grid's size is known only at run time."""
   gm = kernel.grid_mapping
   if None in gm.grid or gm.num_steps == 0:
-    return set()
+    return None
   jaxpr = kernel.jaxpr.jaxpr
   n_ids = len(gm.grid) + len(gm.dynamic_axes)
-  first_out = n_ids + len(gm.prefetch_avals) + len(gm.inputs)
-  outputs = {v: o for o, v in enumerate(jaxpr.invars[first_out:first_out + len(gm.outputs)])}
   n = gm.num_steps
   coords = np.indices(gm.grid, dtype=np.int32).reshape(len(gm.grid), n) if gm.grid else []
   values = {v: c for v, c in zip(jaxpr.invars, coords)}
-  written = {o: np.zeros(n, bool) for o in range(len(gm.outputs))}
-  _walk(jaxpr, kernel.jaxpr.consts, values, outputs, np.ones(n, bool), written)
+  refs = {v: k for k, v in enumerate(jaxpr.invars[n_ids:])}
+  facts = SureAccesses({}, {}, {}, {})
+  _walk(jaxpr, kernel.jaxpr.consts, values, refs, np.ones(n, bool), facts)
+  return facts
+
+
+def proven_written(kernel: KernelDescription, block_tables: Sequence[Any]) -> set[int]:
+  """Outputs whose every element some grid step surely stores. `block_tables[o]` is
+  output o's index-map results over the grid (grid + (ndim,)), or None."""
+  gm = kernel.grid_mapping
+  facts = sure_accesses(kernel)
+  if facts is None:
+    return set()
+  first_out = len(gm.prefetch_avals) + len(gm.inputs)
   proven = set()
-  for o, steps in written.items():
-    b = gm.outputs[o]
-    if b.whole:
-      if steps.any():
-        proven.add(o)
-    elif block_tables[o] is not None and _tiles(b, block_tables[o].reshape(n, -1)[steps]):
+  for o, b in enumerate(gm.outputs):
+    steps = facts.whole_writes.get(first_out + o)
+    if steps is None or not steps.any():
+      continue
+    if b.whole or (block_tables[o] is not None
+                   and _tiles(b, block_tables[o].reshape(gm.num_steps, -1)[steps])):
       proven.add(o)
   return proven
 
@@ -69,18 +96,20 @@ def _whole_block(transforms: Sequence[Any], shape: Sequence[int]) -> bool:
   for idx, size in zip(transforms[0].indices, shape):
     if not isinstance(idx, internals.Slice) or idx.stride != 1 or idx.size != size:
       return False
-    start = idx.start
-    if isinstance(start, Literal):
-      start = start.val
+    start = idx.start.val if isinstance(idx.start, Literal) else idx.start
     if internals.is_tracer(start) or not isinstance(start, (int, np.integer)) or start != 0:
       return False
   return True
 
 
-def _walk(jaxpr: Any, consts: Sequence[Any], values: dict, outputs: dict,
-          guard: np.ndarray, written: dict) -> None:
-  """Marks in `written` the steps where `guard` holds and `jaxpr` stores a whole output
-  block; `values` has the grid-only scalars known so far (arrays over the steps)."""
+def _mark(table: dict, k: int, guard: np.ndarray) -> None:
+  table[k] = table[k] | guard if k in table else guard.copy()
+
+
+def _walk(jaxpr: Any, consts: Sequence[Any], values: dict, refs: dict, guard: np.ndarray,
+          facts: SureAccesses) -> None:
+  """Records the accesses of `jaxpr` under `guard` (the steps where it surely runs);
+  `values` holds the grid-only scalars known so far (arrays over the steps)."""
   for v, c in zip(jaxpr.constvars, consts):
     if np.ndim(c) == 0:
       values[v] = np.asarray(c)
@@ -92,30 +121,36 @@ def _walk(jaxpr: Any, consts: Sequence[Any], values: dict, outputs: dict,
 
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
-    if name in _WRITES and eqn.invars[0] in outputs:
-      transforms = jax.tree_util.tree_unflatten(eqn.params["tree"], list(eqn.invars[2:]))
-      shape = eqn.invars[0].aval.shape
-      if _whole_block(tuple(transforms), shape):
-        o = outputs[eqn.invars[0]]
-        written[o] |= guard
+    target = eqn.invars[0] if eqn.invars else None
+    if name in _READS + _WRITES and not isinstance(target, Literal) and target in refs:
+      k = refs[target]
+      if name in _READS:
+        _mark(facts.reads, k, guard)
+        facts.read_at.setdefault(k, eqn)
+      if name in _WRITES:
+        _mark(facts.writes, k, guard)
+      if name == "swap":
+        transforms = jax.tree_util.tree_unflatten(eqn.params["tree"], list(eqn.invars[2:]))
+        if _whole_block(tuple(transforms), target.aval.shape):
+          _mark(facts.whole_writes, k, guard)
       continue
     if name == "cond":
       index = value(eqn.invars[0])
       if index is None:
         continue
-      for b, branch in enumerate(eqn.params["branches"]):
-        taken = guard & (np.clip(index, 0, len(eqn.params["branches"]) - 1) == b)
+      branches = eqn.params["branches"]
+      for b, branch in enumerate(branches):
+        taken = guard & (np.clip(index, 0, len(branches) - 1) == b)
         if taken.any():
-          _walk_sub(branch.jaxpr, branch.consts, eqn.invars[1:], values, outputs, taken,
-                    written)
+          _walk_sub(branch.jaxpr, branch.consts, eqn.invars[1:], values, refs, taken, facts)
       continue
     if name in _CALLS:
       inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
       if inner is not None:
         _walk_sub(getattr(inner, "jaxpr", inner), getattr(inner, "consts", ()), eqn.invars,
-                  values, outputs, guard, written)
+                  values, refs, guard, facts)
       continue
-    if eqn.effects or any(v.aval.shape for v in eqn.outvars if hasattr(v.aval, "shape")):
+    if eqn.effects or any(getattr(v.aval, "shape", ()) for v in eqn.outvars):
       continue
     ins = [value(x) for x in eqn.invars]
     if any(x is None for x in ins):
@@ -129,14 +164,14 @@ def _walk(jaxpr: Any, consts: Sequence[Any], values: dict, outputs: dict,
 
 
 def _walk_sub(jaxpr: Any, consts: Sequence[Any], operands: Sequence[Any], values: dict,
-              outputs: dict, guard: np.ndarray, written: dict) -> None:
-  inner_values = {}
-  inner_outputs = {}
+              refs: dict, guard: np.ndarray, facts: SureAccesses) -> None:
+  inner_values, inner_refs = {}, {}
   for v, x in zip(jaxpr.invars, operands):
     if isinstance(x, Literal):
       inner_values[v] = np.asarray(x.val, x.aval.dtype)
-    elif x in values:
+      continue
+    if x in values:
       inner_values[v] = values[x]
-    if not isinstance(x, Literal) and x in outputs:
-      inner_outputs[v] = outputs[x]
-  _walk(jaxpr, consts, inner_values, inner_outputs, guard, written)
+    if x in refs:
+      inner_refs[v] = refs[x]
+  _walk(jaxpr, consts, inner_values, inner_refs, guard, facts)

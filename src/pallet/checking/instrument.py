@@ -58,6 +58,7 @@ class Layout:
   catalog: report.Catalog = ()        # the kernel's checks, numbered as the record holds them
   record: bool = False                # the last output is the failure record
   record_has_ids: bool = False        # ... one row with the grid indices (dynamic grids)
+  alias_outputs: tuple[int, ...] = () # after the shadows: outputs with an alias shadow (0)
 
 
 @dataclasses.dataclass
@@ -66,6 +67,9 @@ class _Ref:
   shadow: Any = None       # the shadow ref, or None
   scratch: bool = False    # a scratch buffer (persists across grid steps)
   plain_stores: dict = dataclasses.field(default_factory=dict)   # line -> store equation
+  alias_reads: Any = None   # aliased input seen whole: who wrote each element (step + 1)
+  alias_writes: Any = None  # ... and its output, which stamps it
+  aliased_to: str = ""
 
 
 def ref_names(kernel: KernelDescription, param_names: Sequence[str] | None) -> list[str]:
@@ -223,6 +227,7 @@ class _Instrumenter:
     self.quiet = 0      # > 0 inside while-loop conditions (no effects allowed there)
     self.call_line: str | None = None
     self.catalog: list[tuple[str, checks.CheckInfo]] = []
+    self.alias_pairs: tuple = ()
     self.record: Any = None           # this step's row of the failure record
     self.record_has_ids = False       # one row for the whole grid (sizes known at run time)
 
@@ -280,6 +285,10 @@ class _Instrumenter:
     else:   # a trial trace: are there checks at all?
       self.record = jax.new_ref(jnp.zeros((report.RECORD_WIDTH,), jnp.int32))
     self.stamp, self.atomic_stamp = self._stamps()
+    self.flat_step = jnp.int32(0)
+    if None not in gm.grid:
+      for a, n in enumerate(gm.grid):
+        self.flat_step = self.flat_step * jnp.int32(n) + self.ids[a]
     refs = pre + ins + outs + scratch
     for r, name in zip(refs, self.names):
       self.refs[id(r)] = _Ref(name)
@@ -291,6 +300,11 @@ class _Instrumenter:
       self.outputs = {id(r) for r in outs}
     for k, o in enumerate(self.shadowed_outputs):
       self.refs[id(outs[o])].shadow = out_shadows[k]
+    for k, (i, o) in enumerate(self.alias_pairs):
+      alias = out_shadows[len(self.shadowed_outputs) + k]
+      self.refs[id(ins[i])].alias_reads = alias
+      self.refs[id(outs[o])].alias_writes = alias
+      self.refs[id(ins[i])].aliased_to = self.names[n_pre + n_in + o]
     for k, s in enumerate(self.shadowed_scratch):
       self.refs[id(scratch[s])].shadow = scratch_shadows[k]
       self.refs[id(scratch[s])].scratch = True
@@ -476,6 +490,8 @@ class _Instrumenter:
   def _shadow_access(self, eqn: Any, ref: Any, transforms: tuple, mask: Any, *,
                      reads: bool, writes: bool, atomic: bool = False) -> None:
     r = self.info(ref)
+    if r is not None and (r.alias_reads is not None or r.alias_writes is not None):
+      self._alias_access(eqn, r, transforms, mask, reads, writes)
     if r is None or r.shadow is None:
       return
     if not bounds.only_indexers(transforms):
@@ -508,6 +524,38 @@ class _Instrumenter:
         view[...] = new
       else:
         primitives.store_p.bind(r.shadow, *flat, new, mask, tree=tree)
+
+  def _alias_access(self, eqn: Any, r: _Ref, transforms: tuple, mask: Any, reads: bool,
+                    writes: bool) -> None:
+    """Aliased operands seen whole: a read of the input where another program already
+    wrote the output (one buffer on a TPU or GPU) sees new values there."""
+    if not bounds.only_indexers(transforms) or self.quiet:
+      return
+    flat, tree = jax.tree_util.tree_flatten(transforms)
+    step = self.flat_step + 1
+    if reads and r.alias_reads is not None:
+      view = internals.TransformedRef(r.alias_reads, transforms) if transforms else r.alias_reads
+      old = view[...] if mask is None else primitives.load_p.bind(
+          r.alias_reads, *flat, mask, jnp.zeros(jnp.shape(mask), jnp.int32), tree=tree,
+          has_other=True)
+      bad = (old != 0) & (old != step)
+      if mask is not None:
+        bad = bad & mask
+      first = jnp.argmax(jnp.reshape(bad, (-1,))) if jnp.ndim(bad) else 0
+      writer = jnp.reshape(old, (-1,))[first] - 1 if jnp.ndim(old) else old - 1
+      self.check(eqn, "aliasing", ~bad,
+                 f"reads '{r.name}', which input_output_aliases makes one buffer with "
+                 f"output '{r.aliased_to}', where a program before this one in grid order "
+                 f"wrote '{r.aliased_to}': where the buffer is shared this read sees the new "
+                 f"values, not the originals pallet gives it", r.name, writer,
+                 "writer program (flat step index)")
+    if writes and r.alias_writes is not None:
+      view = internals.TransformedRef(r.alias_writes, transforms) if transforms else r.alias_writes
+      new = jnp.broadcast_to(step, view.shape).astype(jnp.int32)
+      if mask is None:
+        view[...] = new
+      else:
+        primitives.store_p.bind(r.alias_writes, *flat, new, mask, tree=tree)
 
   def _shadow_checks(self, eqn: Any, r: _Ref, old: Any, mask: Any, reads: bool,
                      writes: bool, atomic: bool) -> None:
@@ -873,33 +921,42 @@ def _record_mapping(gm: Any) -> tuple[BlockMapping, bool]:
 
 def instrument(kernel: KernelDescription, opts: CheckOptions, names: list[str],
                parallel: tuple[int, ...], shadowed_outputs: tuple[int, ...],
-               shadowed_scratch: tuple[int, ...], guard: bool,
-               concurrent: bool = False) -> tuple[KernelDescription, Layout]:
-  """The checked kernel and where its extra operands are."""
-  checked, layout = _instrument(kernel, opts, names, parallel, shadowed_outputs,
-                                shadowed_scratch, guard, concurrent, with_record=True)
+               shadowed_scratch: tuple[int, ...], guard: bool, concurrent: bool = False,
+               alias_pairs: tuple[tuple[int, int], ...] = ()
+               ) -> tuple[KernelDescription, Layout]:
+  """The checked kernel and where its extra operands are. `alias_pairs`: aliased
+  (input, output) pairs seen whole, whose reads are checked against earlier programs'
+  writes (see aliasing.py)."""
+  args = (kernel, opts, names, parallel, shadowed_outputs, shadowed_scratch, guard,
+          concurrent, alias_pairs)
+  checked, layout = _instrument(*args, with_record=True)
   if layout.catalog:
     return checked, layout
   # No check survived tracing (all known to pass): no record to carry.
-  return _instrument(kernel, opts, names, parallel, shadowed_outputs, shadowed_scratch,
-                     guard, concurrent, with_record=False)
+  return _instrument(*args, with_record=False)
 
 
 def _instrument(kernel: KernelDescription, opts: CheckOptions, names: list[str],
                 parallel: tuple[int, ...], shadowed_outputs: tuple[int, ...],
                 shadowed_scratch: tuple[int, ...], guard: bool, concurrent: bool,
+                alias_pairs: tuple[tuple[int, int], ...],
                 with_record: bool) -> tuple[KernelDescription, Layout]:
   gm = kernel.grid_mapping
+  if None in gm.grid:   # steps are told apart by their flat index
+    alias_pairs = ()
+  alias_outputs = tuple(o for _, o in alias_pairs)
   n_ids = len(gm.grid) + len(gm.dynamic_axes)
   tool = _Instrumenter(kernel, opts, names, parallel, guard, concurrent)
   tool.shadowed_outputs, tool.shadowed_scratch = shadowed_outputs, shadowed_scratch
+  tool.alias_pairs = alias_pairs
+  shadowed_outputs_all = shadowed_outputs + alias_outputs
   n_out_names = names[len(gm.prefetch_avals) + len(gm.inputs):]
   aliased = {o for _, o in kernel.input_output_aliases}
   shadow_outputs = tuple(gm.outputs[o].replace(origin=f"shadow of {gm.outputs[o].origin}",
                                                dtype=jnp.dtype(jnp.int32))
-                         for o in shadowed_outputs)
+                         for o in shadowed_outputs_all)
   shadow_inputs = tuple(_whole_mapping(gm.outputs[o], f"initial shadow of output {o}")
-                        for o in shadowed_outputs)
+                        for o in shadowed_outputs_all)
   record_outputs, record_inputs, record_has_ids = (), (), False
   if with_record:
     mapping, record_has_ids = _record_mapping(gm)
@@ -916,20 +973,21 @@ def _instrument(kernel: KernelDescription, opts: CheckOptions, names: list[str],
                + [internals.AbstractRef(b.kernel_aval) for b in new_gm.outputs]
                + [internals.AbstractRef(a) for a in new_gm.scratch_avals])
   id_avals = [jax.core.ShapedArray((), jnp.int32)] * n_ids
-  counts = (n_ids, len(gm.prefetch_avals), len(gm.inputs), len(shadowed_outputs),
+  counts = (n_ids, len(gm.prefetch_avals), len(gm.inputs), len(shadowed_outputs_all),
             len(record_inputs), len(gm.outputs), len(record_outputs), len(gm.scratch_avals),
             len(shadowed_scratch))
   with internals.vma_checks_off():
     jaxpr = jax.make_jaxpr(functools.partial(tool.body, counts))(*id_avals, *ref_avals)
   n_in, n_out = len(gm.inputs), len(gm.outputs)
   aliases = kernel.input_output_aliases + tuple(
-      (n_in + k, n_out + k) for k in range(len(shadowed_outputs)))
+      (n_in + k, n_out + k) for k in range(len(shadowed_outputs_all)))
   if record_inputs:
     aliases += ((n_in + len(shadow_inputs), n_out + len(shadow_outputs)),)
   checked = kernel.replace(jaxpr=jaxpr, grid_mapping=new_gm, input_output_aliases=aliases)
   layout = Layout(shadowed_outputs=shadowed_outputs,
                   shadow_initial=tuple(tool.given if o in aliased else 0
                                        for o in shadowed_outputs),
+                  alias_outputs=alias_outputs,
                   given=tool.given, shared=tool.shared,
                   output_names=tuple(n_out_names[:len(gm.outputs)]),
                   catalog=tuple(tool.catalog) if with_record else (),

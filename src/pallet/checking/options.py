@@ -14,7 +14,7 @@ _OFF = ("", "0", "false", "off", "no")
 _KIND_FIELDS = {"out_of_bounds": "bounds", "index_map": "bounds", "uninitialized": "uninitialized",
                 "race": "races", "nan": "nans", "overflow": "overflow",
                 "unwritten": "unwritten", "debug_check": "debug_checks", "hang": "hangs",
-                "deadlock": "hangs"}
+                "deadlock": "hangs", "aliasing": "races"}
 DEFAULT_LOOP_BOUND = 1 << 20
 
 

@@ -14,7 +14,7 @@ from pallet import _internals as internals
 from pallet import checks
 from pallet import grid_analysis
 from pallet import trace_cache
-from pallet.checking import coverage, index_maps, instrument as instrument_lib
+from pallet.checking import aliasing, coverage, index_maps, instrument as instrument_lib
 from pallet.checking import report as report_lib
 from pallet.checking.options import CheckOptions
 from pallet.tracing import KernelDescription
@@ -89,6 +89,15 @@ def _initialized_before_read(kernel: KernelDescription) -> set[int]:
 
 
 @trace_cache.kernel_cache
+def _aliasing_hazard(kernel: KernelDescription, names: tuple[str, ...]) -> Any:
+  """The aliasing hazard between blocked operands (False: none), once per kernel."""
+  gm = kernel.grid_mapping
+  hazard = aliasing.static_hazard(kernel, names, parallel_axes(kernel),
+                                  lambda b: _block_table(b, gm.grid))
+  return hazard or False
+
+
+@trace_cache.kernel_cache
 def checked_kernel(kernel: KernelDescription, opts: CheckOptions, names: tuple[str, ...],
                    guard: bool, concurrent: bool) -> tuple[KernelDescription, instrument_lib.Layout]:
   gm = kernel.grid_mapping
@@ -108,6 +117,10 @@ def checked_kernel(kernel: KernelDescription, opts: CheckOptions, names: tuple[s
                                               for b in gm.outputs]) if static_grid else set()
     unwritten = set(range(len(gm.outputs))) - proven - aliased
 
+  n_pre = len(gm.prefetch_avals)
+  alias_pairs = tuple((i, o) for i, o in aliasing.whole_pairs(kernel)
+                      if n_ids + n_pre + i in read) if opts.races else ()
+
   def instrumented(initialized):
     shadowed_outputs = tuple(
         o for o, b in enumerate(gm.outputs)
@@ -115,7 +128,7 @@ def checked_kernel(kernel: KernelDescription, opts: CheckOptions, names: tuple[s
         or (opts.uninitialized and first_out + o in read and o not in initialized)
         or (parallel and (not static_grid or _shared_across(b, gm.grid, parallel))))
     return instrument_lib.instrument(kernel, opts, list(names), parallel, shadowed_outputs,
-                                     shadowed_scratch, guard, concurrent)
+                                     shadowed_scratch, guard, concurrent, alias_pairs)
 
   if not opts.uninitialized:
     return instrumented(set())
@@ -136,6 +149,10 @@ def run(kernel: KernelDescription, opts: CheckOptions, param_names: Sequence[str
   names = tuple(instrument_lib.ref_names(kernel, param_names))
   if opts.bounds:
     index_maps.check_static(kernel, names)
+  if opts.races:
+    hazard = _aliasing_hazard(kernel, names)
+    if hazard:
+      raise hazard
   checked, layout = checked_kernel(kernel, opts, names, backend != "xla", concurrent)
   eager = not any(internals.is_tracer(x) for x in (*sizes, *prefetch, *args))
   with _check_errors(eager):
@@ -160,11 +177,13 @@ def _launch(kernel, opts, checked, layout, bind, sizes, prefetch, args,
   gm = kernel.grid_mapping
   initial = [jnp.full(gm.outputs[o].array_shape, v, jnp.int32)
              for o, v in zip(layout.shadowed_outputs, layout.shadow_initial)]
+  initial += [jnp.zeros(gm.outputs[o].array_shape, jnp.int32) for o in layout.alias_outputs]
   if layout.record_has_ids:
     initial.append(report_lib.clean(len(gm.grid)))
   outs = list(bind(*sizes, *prefetch, *args, *initial, kernel=checked))
   n_out, n_shadow = len(gm.outputs), len(layout.shadowed_outputs)
   results, shadows = outs[:n_out], outs[n_out:n_out + n_shadow]
+  n_shadow += len(layout.alias_outputs)
   reports = []
   if layout.record:
     record = outs[n_out + n_shadow]
