@@ -81,6 +81,14 @@ enable_poison_buffers = _Switch("enable_poison_buffers", "PALLET_POISON_BUFFERS"
                                 "uninitialised kernel memory is filled with NaN/int-min (pallet)")
 
 
+allow_unwritten_outputs = _Switch(
+    "allow_unwritten_outputs", "PALLET_ALLOW_UNWRITTEN_OUTPUTS",
+    "checking mode does not report output elements no program wrote (pallet)")
+# pallas_calls traced while it is on may leave parts of their outputs unwritten on
+# purpose (their caller masks them): for calls inside code you cannot change (your own
+# calls can pass InterpretParams(detect_unwritten_outputs=False)).
+
+
 def debug_checks_enabled() -> bool:
   return enable_debug_checks.value
 

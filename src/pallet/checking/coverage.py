@@ -26,6 +26,7 @@ from jax.extend.core import Literal
 from pallet import _internals as internals
 from pallet import grid_eval
 from pallet import trace_cache
+from pallet.checking import merges
 from pallet.tracing import KernelDescription
 
 _CALLS = ("pjit", "jit", "closed_call", "core_call")
@@ -119,6 +120,7 @@ def _walk(jaxpr: Any, consts: Sequence[Any], values: dict, refs: dict, guard: np
       return np.asarray(x.val, x.aval.dtype)
     return values.get(x)
 
+  merged = merges.find(jaxpr)   # merge writes store only the lanes they select
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
     target = eqn.invars[0] if eqn.invars else None
@@ -129,7 +131,7 @@ def _walk(jaxpr: Any, consts: Sequence[Any], values: dict, refs: dict, guard: np
         facts.read_at.setdefault(k, eqn)
       if name in _WRITES:
         _mark(facts.writes, k, guard)
-      if name == "swap":
+      if name == "swap" and id(eqn) not in merged:
         transforms = jax.tree_util.tree_unflatten(eqn.params["tree"], list(eqn.invars[2:]))
         if _whole_block(tuple(transforms), target.aval.shape):
           _mark(facts.whole_writes, k, guard)

@@ -34,7 +34,7 @@ from jax.extend.core import Literal
 from pallet import _internals as internals
 from pallet import checks
 from pallet import primitives
-from pallet.checking import bounds, loops, padding, report
+from pallet.checking import bounds, loops, merges, padding, report
 from pallet.checking.options import CheckOptions
 from pallet.grid_mapping import BlockDimension, BlockMapping
 from pallet.tracing import KernelDescription
@@ -178,6 +178,29 @@ def _walk_reads(jaxpr: Any, refs: dict[Any, int], out: set[int]) -> None:
       _walk_reads(sub, {v: p for v, p in zip(sub.invars, args) if p is not None}, out)
 
 
+def mixes_atomics(kernel: KernelDescription) -> bool:
+  """Whether some ref is both updated atomically and stored into plainly."""
+  jaxpr = kernel.jaxpr.jaxpr
+  atomic: set[int] = set()
+  plain: set[int] = set()
+  _walk_updates(jaxpr, {v: i for i, v in enumerate(jaxpr.invars)}, atomic, plain)
+  return bool(atomic & plain)
+
+
+def _walk_updates(jaxpr: Any, refs: dict[Any, int], atomic: set, plain: set) -> None:
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    target = refs.get(eqn.invars[0]) if eqn.invars and not _literal(eqn.invars[0]) else None
+    if name in ("atomic_rmw", "atomic_cas") and target is not None:
+      atomic.add(target)
+    elif name in ("swap", "masked_store", "addupdate") and target is not None:
+      plain.add(target)
+    subs = _sub_jaxprs_mapped(eqn, refs)
+    for sub, args in subs or ():
+      _walk_updates(sub, {v: p for v, p in zip(sub.invars, args) if p is not None},
+                    atomic, plain)
+
+
 # ------------------------------------------------------------------ the pass
 def _poison_fill(eqn_in: Any, producers: dict[Any, Any]) -> bool:
   """Whether a new_ref's initial value is the poison of fresh memory (run_scoped,
@@ -228,6 +251,8 @@ class _Instrumenter:
     self.call_line: str | None = None
     self.catalog: list[tuple[str, checks.CheckInfo]] = []
     self.alias_pairs: tuple = ()
+    self.merges: dict[int, merges.MergeWrite] = {}   # id(equation) -> its merge write
+    self.merge_masks: dict[int, Any] = {}            # id(select_n) -> lanes it writes anew
     self.record: Any = None           # this step's row of the failure record
     self.record_has_ids = False       # one row for the whole grid (sizes known at run time)
 
@@ -330,6 +355,7 @@ class _Instrumenter:
       env[v] = x
     for v, x in zip(jaxpr.invars, args):
       env[v] = x
+    self.merges.update(merges.find(jaxpr))
     for eqn in jaxpr.eqns:
       ins = [read(v) for v in eqn.invars]
       self.used = used
@@ -348,6 +374,12 @@ class _Instrumenter:
 
   def equation(self, eqn: Any, ins: list, producers: dict) -> Any:
     name = eqn.primitive.name
+    merge = self.merges.get(id(eqn))
+    if merge is not None and eqn is merge.select:   # the lanes the merge writes anew
+      pred = jnp.asarray(ins[0])
+      anew = (pred != merge.case) if pred.dtype != jnp.bool_ else (
+          pred if merge.case == 0 else ~pred)
+      self.merge_masks[id(eqn)] = jnp.broadcast_to(anew, eqn.outvars[0].aval.shape)
     handler = getattr(self, f"_{name}", None)
     if handler is not None:
       return handler(eqn, ins, producers)
@@ -488,7 +520,9 @@ class _Instrumenter:
     return lax.cond(ok, run, default)
 
   def _shadow_access(self, eqn: Any, ref: Any, transforms: tuple, mask: Any, *,
-                     reads: bool, writes: bool, atomic: bool = False) -> None:
+                     reads: bool, writes: bool, atomic: bool = False,
+                     carried: bool = False) -> None:
+    """`carried`: a read whose values a merge write only carries back (merges.py)."""
     r = self.info(ref)
     if r is not None and (r.alias_reads is not None or r.alias_writes is not None):
       self._alias_access(eqn, r, transforms, mask, reads, writes)
@@ -510,7 +544,7 @@ class _Instrumenter:
       old = view[...] if mask is None else primitives.load_p.bind(
           r.shadow, *flat, mask, jnp.full(jnp.shape(mask), self.given, jnp.int32),
           tree=tree, has_other=True)
-      self._shadow_checks(eqn, r, old, mask, reads, writes, atomic)
+      self._shadow_checks(eqn, r, old, mask, reads, writes, atomic, carried)
     if writes and not atomic:
       r.plain_stores.setdefault(self.line(eqn), eqn)
     if writes:
@@ -558,7 +592,7 @@ class _Instrumenter:
         primitives.store_p.bind(r.alias_writes, *flat, new, mask, tree=tree)
 
   def _shadow_checks(self, eqn: Any, r: _Ref, old: Any, mask: Any, reads: bool,
-                     writes: bool, atomic: bool) -> None:
+                     writes: bool, atomic: bool, carried: bool = False) -> None:
     enabled = mask
     masked = (lambda bad: bad) if mask is None else (lambda bad: bad & enabled)
     valid = ((old >= 1) & (old <= self.given)) | (old == self.shared)
@@ -570,7 +604,7 @@ class _Instrumenter:
                  f"parallel grid axes {self.parallel} (scratch does not carry from one "
                  f"parallel program to another)", r.name, self._writer(old, other),
                  "writer program")
-    if reads and self.opts.uninitialized:
+    if reads and self.opts.uninitialized and not carried:
       self.check(eqn, "uninitialized", ~masked(~valid),
                  f"reads '{r.name}' where nothing has been written yet (uninitialized "
                  f"memory, or a DMA into it not yet waited for)", r.name)
@@ -604,7 +638,8 @@ class _Instrumenter:
     ref, *leaves = ins
     transforms = self._transforms(eqn, leaves)
     ok = self._bounds(eqn, ref, transforms, None, "reads")
-    self._shadow_access(eqn, ref, transforms, None, reads=True, writes=False)
+    self._shadow_access(eqn, ref, transforms, None, reads=True, writes=False,
+                        carried=id(eqn) in self.merges)
     out = eqn.outvars[0].aval
     value = self._guarded(ok, lambda: self.bind(eqn, ins),
                           lambda: jnp.zeros(out.shape, out.dtype))
@@ -616,7 +651,9 @@ class _Instrumenter:
     transforms = self._transforms(eqn, leaves)
     ok = self._bounds(eqn, ref, transforms, None, "writes")
     self._stored(eqn, ref, transforms, value)
-    self._shadow_access(eqn, ref, transforms, None,
+    merge = self.merges.get(id(eqn))
+    anew = None if merge is None else self.merge_masks.get(id(merge.select))
+    self._shadow_access(eqn, ref, transforms, anew,
                         reads=eqn.outvars[0] in self.used, writes=True)
     out = eqn.outvars[0].aval
     return self._guarded(ok, lambda: self.bind(eqn, ins),

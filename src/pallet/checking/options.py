@@ -5,6 +5,7 @@ import dataclasses
 import os
 from typing import Any
 
+from pallet import checks
 from pallet.interpret_params import InterpretParams
 
 ENV_VAR = "PALLET_CHECKS"
@@ -71,4 +72,6 @@ def resolve(interpret: Any) -> CheckOptions | None:
     options = from_interpret_params(interpret)
   else:
     options = from_environment()
+  if options is not None and checks.allow_unwritten_outputs.value:
+    options = dataclasses.replace(options, unwritten=False)
   return options if options is not None and options.any else None

@@ -22,10 +22,15 @@ from pallet.tracing import KernelDescription
 
 def parallel_axes(kernel: KernelDescription) -> tuple[int, ...]:
   """Grid axes whose programs may run at the same time: declared "parallel", or
-  proven independent by pallet's grid analysis (where it is available)."""
+  proven independent by pallet's grid analysis (where it is available). A kernel that
+  updates a ref atomically and also stores into it plainly runs all its programs at
+  once as far as that ref goes (the atomics say so): every axis counts then."""
   gm = kernel.grid_mapping
-  facts = grid_analysis.analyse(kernel)
-  axes = {a.axis for a in facts.axes if a.parallel or a.declared == "parallel"}
+  if instrument_lib.mixes_atomics(kernel):
+    axes = set(range(len(gm.grid)))
+  else:
+    facts = grid_analysis.analyse(kernel)
+    axes = {a.axis for a in facts.axes if a.parallel or a.declared == "parallel"}
   return tuple(sorted(a for a in axes if gm.grid[a] is not None and gm.grid[a] > 1))
 
 
