@@ -376,7 +376,7 @@ class _Instrumenter:
     name = eqn.primitive.name
     merge = self.merges.get(id(eqn))
     if merge is not None and eqn is merge.select:   # the lanes the merge writes anew
-      pred = jnp.asarray(ins[0])
+      pred = jnp.asarray(ins[merge.pred])
       anew = (pred != merge.case) if pred.dtype != jnp.bool_ else (
           pred if merge.case == 0 else ~pred)
       self.merge_masks[id(eqn)] = jnp.broadcast_to(anew, eqn.outvars[0].aval.shape)

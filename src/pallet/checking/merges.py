@@ -21,8 +21,10 @@ _PASS_THROUGH = ("convert_element_type", "copy", "copy_p")
 @dataclasses.dataclass(frozen=True)
 class MergeWrite:
   get: Any        # the read of the old block
-  select: Any     # select_n choosing between it and the new values
-  case: int       # the select's case holding the old values
+  select: Any     # select_n choosing between it and the new values (or a call of one:
+                  # jnp.where is a jitted function)
+  pred: int       # the select equation's operand holding the predicate
+  case: int       # the case holding the old values
   swap: Any       # the store of the merged block, through the same ref and indices
 
 
@@ -54,9 +56,10 @@ def find(jaxpr: Any) -> dict[int, MergeWrite]:
     if get.primitive.name != "get":
       continue
     use = only_use(get.outvars[0])
-    if use is None or use[0].primitive.name != "select_n" or use[1] == 0:
+    chosen = None if use is None else _selection(*use)
+    if chosen is None:
       continue
-    select, case = use[0], use[1] - 1
+    select, (pred, case) = use[0], chosen
     use = only_use(select.outvars[0])
     if use is None or use[0].primitive.name != "swap" or use[1] != 1:
       continue
@@ -64,10 +67,30 @@ def find(jaxpr: Any) -> dict[int, MergeWrite]:
     if (swap.invars[0] is not get.invars[0] or swap.params["tree"] != get.params["tree"]
         or not _same(swap.invars[2:], get.invars[1:]) or swap.outvars[0] in consumers):
       continue
-    merge = MergeWrite(get, select, case, swap)
+    merge = MergeWrite(get, select, pred, case, swap)
     for eqn in (get, select, swap):
       found[id(eqn)] = merge
   return found
+
+
+def _selection(eqn: Any, k: int) -> tuple[int, int] | None:
+  """(predicate operand, case) where operand k of `eqn` is a case of a select_n: the
+  equation itself, or a call whose body is one (`jnp.where`)."""
+  if eqn.primitive.name == "select_n":
+    return (0, k - 1) if k > 0 and len(eqn.invars) == 3 else None
+  inner = eqn.params.get("jaxpr") if eqn.primitive.name in ("pjit", "jit", "closed_call") else None
+  inner = getattr(inner, "jaxpr", inner)
+  if inner is None or len(inner.eqns) != 1 or len(eqn.outvars) != 1:
+    return None
+  (select,) = inner.eqns
+  if (select.primitive.name != "select_n" or len(select.invars) != 3
+      or inner.outvars[0] is not select.outvars[0]):
+    return None
+  params = list(inner.invars)
+  pred, *cases = select.invars
+  if pred not in params or cases.count(params[k]) != 1:
+    return None
+  return params.index(pred), cases.index(params[k])
 
 
 def _same(xs: Any, ys: Any) -> bool:
