@@ -521,8 +521,17 @@ class _Instrumenter:
 
   def _shadow_access(self, eqn: Any, ref: Any, transforms: tuple, mask: Any, *,
                      reads: bool, writes: bool, atomic: bool = False,
-                     carried: bool = False) -> None:
-    """`carried`: a read whose values a merge write only carries back (merges.py)."""
+                     carried: bool = False, in_bounds: Any = None) -> None:
+    """`carried`: a read whose values a merge write only carries back (merges.py).
+    `in_bounds`: where the access stays inside the ref; on Triton an access out of
+    bounds skips its shadows as it skips the access itself (raw memory there)."""
+    if self.guard and in_bounds is not None:
+      access = functools.partial(self._shadow_access, eqn, ref, transforms, mask,
+                                 reads=reads, writes=writes, atomic=atomic, carried=carried)
+      lax.cond(in_bounds, lambda: (access(), None)[1], lambda: None)
+      return
+    if self.guard and mask is not None and self.opts.bounds:
+      mask = self._in_bounds(transforms, mask)
     r = self.info(ref)
     if r is not None and (r.alias_reads is not None or r.alias_writes is not None):
       self._alias_access(eqn, r, transforms, mask, reads, writes)
@@ -639,7 +648,7 @@ class _Instrumenter:
     transforms = self._transforms(eqn, leaves)
     ok = self._bounds(eqn, ref, transforms, None, "reads")
     self._shadow_access(eqn, ref, transforms, None, reads=True, writes=False,
-                        carried=id(eqn) in self.merges)
+                        carried=id(eqn) in self.merges, in_bounds=ok)
     out = eqn.outvars[0].aval
     value = self._guarded(ok, lambda: self.bind(eqn, ins),
                           lambda: jnp.zeros(out.shape, out.dtype))
@@ -654,7 +663,7 @@ class _Instrumenter:
     merge = self.merges.get(id(eqn))
     anew = None if merge is None else self.merge_masks.get(id(merge.select))
     self._shadow_access(eqn, ref, transforms, anew,
-                        reads=eqn.outvars[0] in self.used, writes=True)
+                        reads=eqn.outvars[0] in self.used, writes=True, in_bounds=ok)
     out = eqn.outvars[0].aval
     return self._guarded(ok, lambda: self.bind(eqn, ins),
                          lambda: jnp.zeros(out.shape, out.dtype))
@@ -664,7 +673,7 @@ class _Instrumenter:
     transforms = self._transforms(eqn, leaves)
     ok = self._bounds(eqn, ref, transforms, None, "updates")
     self._stored(eqn, ref, transforms, value)
-    self._shadow_access(eqn, ref, transforms, None, reads=True, writes=True)
+    self._shadow_access(eqn, ref, transforms, None, reads=True, writes=True, in_bounds=ok)
     return self._guarded(ok, lambda: self.bind(eqn, ins), lambda: [])
 
   def _masked_load(self, eqn, ins, producers):
@@ -694,7 +703,8 @@ class _Instrumenter:
     mask = ins[2 + tree.num_leaves] if eqn.params["has_mask"] else None
     transforms = self._transforms(eqn, leaves)
     ok = self._bounds(eqn, ref, transforms, mask, "atomically updates")
-    self._shadow_access(eqn, ref, transforms, mask, reads=True, writes=True, atomic=True)
+    self._shadow_access(eqn, ref, transforms, mask, reads=True, writes=True, atomic=True,
+                        in_bounds=ok if mask is None else None)
     if mask is not None:
       return self.bind(eqn, self._safe_mask(ins, 2 + tree.num_leaves, transforms, mask))
     out = eqn.outvars[0].aval
@@ -706,7 +716,8 @@ class _Instrumenter:
     ref, leaves = ins[0], ins[1:1 + tree.num_leaves]
     transforms = self._transforms(eqn, leaves)
     ok = self._bounds(eqn, ref, transforms, None, "atomically updates")
-    self._shadow_access(eqn, ref, transforms, None, reads=True, writes=True, atomic=True)
+    self._shadow_access(eqn, ref, transforms, None, reads=True, writes=True, atomic=True,
+                        in_bounds=ok)
     out = eqn.outvars[0].aval
     return self._guarded(ok, lambda: self.bind(eqn, ins),
                          lambda: jnp.zeros(out.shape, out.dtype))
@@ -715,15 +726,16 @@ class _Instrumenter:
     """On Triton, lanes out of bounds are masked off too (their error is reported)."""
     if not (self.guard and self.opts.bounds):
       return ins
-    conditions = bounds.access_conditions(transforms, mask)
-    if not conditions:
-      return ins
-    ok = jnp.bool_(True)
-    for c, _, _ in conditions:
-      ok = ok & c
     ins = list(ins)
-    ins[at] = mask & ok
+    ins[at] = self._in_bounds(transforms, mask)
     return ins
+
+  def _in_bounds(self, transforms: tuple, mask: Any) -> Any:
+    """`mask` with the lanes out of bounds off."""
+    ok = jnp.bool_(True)
+    for c, _, _ in bounds.access_conditions(transforms, mask) or ():
+      ok = ok & c
+    return mask & ok
 
   # -- DMAs (TPU kernels) -----------------------------------------------------------
   def _dma_start(self, eqn, ins, producers):
