@@ -7,8 +7,10 @@ time, with that message, when any element of `ok` is False. pallet's own
 sanity checks (an unsatisfiable semaphore wait, ...) bind it too: build the
 message with `failure_message`.
 
-Checking mode (pallet/checking) binds it with a static `CheckInfo` (kind, ref,
-source line) and a payload of the grid indices and one detail value, so that the
+Checking mode (pallet/checking) does not bind it inside kernels: its checks record
+failures in an output of the kernel that the host reads after the call
+(checking/report.py). It binds it outside kernels with a static `CheckInfo` (kind,
+ref, source line) and a payload of the grid indices and one detail value, so that the
 `KernelCheckError` it raises names the grid step that failed.
 
 Backend rules:
