@@ -1,17 +1,25 @@
 """The instrumentation pass: a kernel description in, a checked one out.
 
 The kernel's jaxpr is re-traced equation by equation (control flow re-built with
-`lax.cond`/`scan`/`while_loop`, so refs stay closed over as in user code) and
-`checks.check` is inserted before every access it can get wrong:
+`lax.cond`/`scan`/`while_loop`, so refs stay closed over as in user code) and a
+check is inserted before every access it can get wrong. A failing check records
+itself (its number in the catalog, and a detail value) in this grid step's row of
+the failure record, an extra output; nothing calls back while the kernel runs
+(report.py turns the rows into the call's error).
 
 * bounds: each index of each load, store, atomic, gather and dynamic slice;
 * shadows: an int32 array per output, scratch or `run_scoped` buffer that needs one
-  (see `_Plan`) records who wrote each element: 0 (or anything out of range, such
-  as poison or garbage) "never written", `1 + p` "stored by parallel program p",
-  `1 + P + p` "atomically updated by p", `2P + 1` "given by the caller" (aliased
-  outputs). Reads check "written" (uninitialized) and "not by another program"
-  (race); stores check "not by another program"; P counts the programs of the
-  parallel grid axes, p is the program's index among them.
+  (see `checking/run.py`) records who wrote each element: 0 (or anything out of
+  range, such as poison or garbage) "never written", `1 + p` "stored by parallel
+  program p", `1 + P + p` "atomically updated by p", `2P + 1` "given by the caller"
+  (aliased outputs). Reads check "written" (uninitialized) and "not by another
+  program" (race); stores check "not by another program"; P counts the programs of
+  the parallel grid axes, p is the program's index among them;
+* alias shadows (aliased operands seen whole): the grid step + 1 that last wrote
+  each element of the output, checked by reads of the input (aliasing.py);
+* block padding carried through values (padding.py), merge writes (merges.py),
+  while loops watched for progress and bounded (loops.py), semaphore and DMA waits
+  that cannot be satisfied.
 
 Output shadows are extra outputs with the output's block mapping, each aliased to
 an extra (whole-array) input holding its initial value; scratch shadows are extra

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.extend.core import Literal
+from jax.extend.core import Literal, jaxprs_in_params
 
 from pallet import _internals as internals
 
@@ -58,7 +58,6 @@ def ref_uses(eqn: Any) -> RefUses:
 
 
 def _walk(jaxpr: Any, refs: dict, reads: set, writes: set, sites: list) -> None:
-  from jax.extend.core import jaxprs_in_params
   for eqn in jaxpr.eqns:
     touched = [refs[v] for v in eqn.invars if not isinstance(v, Literal) and v in refs]
     name = eqn.primitive.name
