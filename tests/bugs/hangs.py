@@ -16,8 +16,8 @@ F32 = jnp.float32
 I32 = jnp.int32
 WHOLE = pl.BlockSpec(memory_space=pl.ANY)
 # Loops that never finish stop after this many iterations in these cases (the default
-# bound, 2**20, takes minutes under Triton's interpreter).
-SHORT_LOOPS = {"max_loop_iterations": 1 << 12}
+# bound, 2**20, would take hours under Triton's interpreter).
+SHORT_LOOPS = {"max_loop_iterations": 1 << 8}
 
 
 def _with_flags(call, n_blocks):

@@ -261,6 +261,7 @@ class _Instrumenter:
     self.alias_pairs: tuple = ()
     self.merges: dict[int, merges.MergeWrite] = {}   # id(equation) -> its merge write
     self.merge_masks: dict[int, Any] = {}            # id(select_n) -> lanes it writes anew
+    self._lanes: Any = None   # (transforms, mask, lanes in bounds) of the last masked access
     self.record: Any = None           # this step's row of the failure record
     self.record_has_ids = False       # one row for the whole grid (sizes known at run time)
 
@@ -505,6 +506,11 @@ class _Instrumenter:
     if not self.opts.bounds:
       return None
     conditions = bounds.access_conditions(transforms, mask)
+    if mask is not None:   # the lanes in bounds, for _in_bounds on the same access
+      lanes = jnp.bool_(True)
+      for ok, _, _ in conditions or ():
+        lanes = lanes & ok
+      self._lanes = (transforms, mask, lanes)
     r = self.info(ref)
     name = r.name if r else None
     all_ok = None
@@ -533,12 +539,12 @@ class _Instrumenter:
     """`carried`: a read whose values a merge write only carries back (merges.py).
     `in_bounds`: where the access stays inside the ref; on Triton an access out of
     bounds skips its shadows as it skips the access itself (raw memory there)."""
-    if self.guard and in_bounds is not None:
+    if self.guard and in_bounds is not None and self._shadowed(ref):
       access = functools.partial(self._shadow_access, eqn, ref, transforms, mask,
                                  reads=reads, writes=writes, atomic=atomic, carried=carried)
       lax.cond(in_bounds, lambda: (access(), None)[1], lambda: None)
       return
-    if self.guard and mask is not None and self.opts.bounds:
+    if self.guard and mask is not None and self.opts.bounds and self._shadowed(ref):
       mask = self._in_bounds(transforms, mask)
     r = self.info(ref)
     if r is not None and (r.alias_reads is not None or r.alias_writes is not None):
@@ -575,6 +581,11 @@ class _Instrumenter:
         view[...] = new
       else:
         primitives.store_p.bind(r.shadow, *flat, new, mask, tree=tree)
+
+  def _shadowed(self, ref: Any) -> bool:
+    r = self.info(ref)
+    return r is not None and (r.shadow is not None or r.alias_reads is not None
+                              or r.alias_writes is not None)
 
   def _alias_access(self, eqn: Any, r: _Ref, transforms: tuple, mask: Any, reads: bool,
                     writes: bool) -> None:
@@ -739,7 +750,10 @@ class _Instrumenter:
     return ins
 
   def _in_bounds(self, transforms: tuple, mask: Any) -> Any:
-    """`mask` with the lanes out of bounds off."""
+    """`mask` with the lanes out of bounds off (as `_bounds` found them)."""
+    seen = self._lanes
+    if seen is not None and seen[0] is transforms and seen[1] is mask:
+      return mask & seen[2]
     ok = jnp.bool_(True)
     for c, _, _ in bounds.access_conditions(transforms, mask) or ():
       ok = ok & c
