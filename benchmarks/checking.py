@@ -58,6 +58,13 @@ def _pallet_checked(bench: Benchmark):
                             interpret=pallet.InterpretParams(**CHECKED_PARAMS))
 
 
+def _pallet_checked_opt_in(bench: Benchmark):
+  """The default checks plus the opt-in NaN/Inf and int32-overflow checks."""
+  import pallet
+  return bench.build_pallas(pallet, backend="xla", interpret=pallet.InterpretParams(
+      **CHECKED_PARAMS, detect_nans=True, detect_int_overflow=True))
+
+
 def _pallas_checked(bench: Benchmark):
   from jax.experimental.pallas import tpu as pallas_tpu
 
@@ -66,11 +73,16 @@ def _pallas_checked(bench: Benchmark):
                             interpret=pallas_tpu.InterpretParams(**CHECKED_PARAMS))
 
 
-def checking_variants():
-  """jnp (the runner's reference), pallet unchecked, pallet checked, Pallas checked."""
+def checking_variants(opt_in: bool = False, peer: bool = True):
+  """jnp (the runner's reference), pallet unchecked, pallet checked, (with `opt_in`)
+  pallet checked with the opt-in NaN and overflow checks too, Pallas checked."""
   from benchmarks.variants import JNP, Variant, cpu_variant
-  return (JNP, cpu_variant("pallet"), Variant("checked", _pallet_checked),
-          Variant("pallas_checked", _pallas_checked, slow_peer=True))
+  variants = [JNP, cpu_variant("pallet"), Variant("checked", _pallet_checked)]
+  if opt_in:
+    variants.append(Variant("checked_opt_in", _pallet_checked_opt_in))
+  if peer:
+    variants.append(Variant("pallas_checked", _pallas_checked, slow_peer=True))
+  return tuple(variants)
 
 
 def checking_columns():
@@ -94,6 +106,11 @@ def checking_summary(results) -> list[str]:
   cost_min = [a / b for r in results
               if (a := fastest(r, "checked")) and (b := fastest(r, "pallet"))]
   lines = []
+  opt_in = [x for r in results if (x := r.ratio("checked_opt_in", "pallet")) is not None]
+  if opt_in:
+    lines.append(f"checked_opt_in/pallet (default checks + detect_nans + "
+                 f"detect_int_overflow) geomean over {len(opt_in)} kernels: "
+                 f"{geomean(opt_in):.2f}, max {max(opt_in):.2f}")
   g = geomean(cost)
   if g is None:
     lines.append("checked/pallet: n/a (checked timed on no kernel)")
@@ -125,14 +142,19 @@ def markdown_table(results) -> str:
   def ratio(value, suffix=""):
     return "-" if value is None else f"{value:.2f}{suffix}" if value < 10 else f"{value:.0f}{suffix}"
 
+  opt_in = any("checked_opt_in" in r.variants for r in results)
   rows = ["| kernel | grid steps | unchecked ms | checked ms | checked / unchecked "
-          "| Pallas checked ms | Pallas checked / checked |", "|---|--:|--:|--:|--:|--:|--:|"]
+          + ("| + opt-in / unchecked " if opt_in else "")
+          + "| Pallas checked ms | Pallas checked / checked |",
+          "|---|--:|--:|--:|--:|" + ("--:|" if opt_in else "") + "--:|--:|"]
   for r in results:
     v = r.variants
     cells = [r.bench.name, str(r.bench.grid_steps), time_cell(v.get("pallet")),
-             time_cell(v.get("checked")), ratio(r.ratio("checked", "pallet")),
-             time_cell(v.get("pallas_checked")),
-             ratio(r.ratio("pallas_checked", "checked"), "x")]
+             time_cell(v.get("checked")), ratio(r.ratio("checked", "pallet"))]
+    if opt_in:
+      cells.append(ratio(r.ratio("checked_opt_in", "pallet")))
+    cells += [time_cell(v.get("pallas_checked")),
+              ratio(r.ratio("pallas_checked", "checked"), "x")]
     rows.append("| " + " | ".join(cells) + " |")
   return "\n".join(rows)
 
@@ -152,13 +174,18 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--peer-reps", type=positive_int, default=3)
   p.add_argument("--peer-budget-s", type=float, default=600.0)
   p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "bench_out")
+  p.add_argument("--opt-in", action="store_true",
+                 help="also time the default checks plus detect_nans and detect_int_overflow")
+  p.add_argument("--no-peer", action="store_true",
+                 help="skip Pallas's checked interpreter (slow)")
   args = p.parse_args(argv)
   try:
     selected = catalog.select(suite_benchmarks(args.size), args.only)
   except ValueError as e:
     p.error(str(e))
   peer = PeerPolicy(reps=args.peer_reps, budget_s=args.peer_budget_s)
-  results = run_suite(selected, checking_variants(), reps=args.reps, peer=peer, seed=0,
+  variants = checking_variants(opt_in=args.opt_in, peer=not args.no_peer)
+  results = run_suite(selected, variants, reps=args.reps, peer=peer, seed=0,
                       device=jax.devices("cpu")[0])
   cols = checking_columns()
   print()

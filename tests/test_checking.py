@@ -476,3 +476,174 @@ def test_tpu_namespace_and_other_pallas_fields():
   # out_of_bounds_reads="uninitialized" switches the bounds checks off, as in Pallas
   off = pl.InterpretParams(out_of_bounds_reads="uninitialized")
   jax.block_until_ready(_oob_call(interpret=off)(random_array((64,))))
+
+
+# ------------------------------------------------------------------ one error, once
+def test_eager_vmap_and_grad_raise_the_check_error_itself_and_log_nothing(caplog):
+  call = _oob_call(interpret=CHECKED)
+  runs = [(call, random_array((64,))), (jax.vmap(call), random_array((2, 64))),
+          (jax.grad(lambda x: call(x).sum()), random_array((64,)))]
+  for run, x in runs:
+    with caplog.at_level("DEBUG"), pytest.raises(pl.KernelCheckError) as info:
+      jax.block_until_ready(run(x))
+    assert info.value.kind == "out_of_bounds" and info.value.grid_index == (3,)
+  assert not [r for r in caplog.records if r.levelname in ("ERROR", "WARNING")], caplog.text
+
+
+def test_under_jit_the_report_surfaces_once_when_the_result_is_materialized(caplog):
+  with caplog.at_level("DEBUG"), pytest.raises(jax.errors.JaxRuntimeError) as info:
+    jax.block_until_ready(jax.jit(_oob_call(interpret=CHECKED))(random_array((64,))))
+  assert "out_of_bounds in kernel '_oob_kernel' at grid index (3,), ref 'x_ref'" in str(info.value)
+  assert "callback failed" not in caplog.text, caplog.text
+
+
+def test_checks_call_nothing_back_inside_the_kernel():
+  """The checks record failures in an output the host reads after the call: the
+  checked kernel binds no host callback, so a GPU runs the same checks."""
+  jaxpr = jax.make_jaxpr(_oob_call(interpret=CHECKED))(random_array((64,)))
+  (kernel,) = [e.params["kernel"] for e in jaxpr.eqns if e.primitive is pl.pallas_call_p]
+  assert "pallet_check" not in str(kernel.jaxpr)
+  assert "pallet_check_report" in str(jaxpr)
+
+
+# ------------------------------------------------------------------ unwritten (default)
+def test_unwritten_outputs_are_reported_by_default_and_can_be_allowed():
+  def kernel(x_ref, o_ref):  # <- bug
+    @pl.when(pl.program_id(0) < 3)
+    def _():
+      o_ref[...] = x_ref[...]
+
+  def call(interpret=CHECKED):
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((64,), F32), grid=(4,),
+                          in_specs=[pl.BlockSpec((16,), lambda i: (i,))],
+                          out_specs=pl.BlockSpec((16,), lambda i: (i,)), interpret=interpret)
+  x = random_array((64,))
+  _expect(call(), x, kind="unwritten", ref="o_ref", fn=kernel)
+  quiet = pl.InterpretParams(detect_races=True, detect_unwritten_outputs=False)
+  assert_close(call(quiet)(x)[:48], x[:48])
+  with pl.allow_unwritten_outputs():
+    assert_close(call()(x)[:48], x[:48])
+  _expect(call(), x, kind="unwritten", ref="o_ref", fn=kernel)   # restored afterwards
+
+
+def test_outputs_stored_whole_on_each_step_need_no_shadow():
+  """Whole-block stores (unconditional, or under pl.when on grid indices) whose blocks
+  tile the output prove it written: its checked kernel carries no shadow."""
+  import importlib
+  from pallet.checking.options import CheckOptions
+  checking_run = importlib.import_module("pallet.checking.run")
+
+  def kernel(x_ref, o_ref):
+    @pl.when(pl.program_id(1) == 0)
+    def _():
+      o_ref[...] = jnp.zeros_like(o_ref)
+    o_ref[...] += x_ref[...]
+
+  def call(**kw):
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((64,), F32), grid=(4, 2),
+                          in_specs=[pl.BlockSpec((16,), lambda i, k: (i,))],
+                          out_specs=pl.BlockSpec((16,), lambda i, k: (i,)), **kw)
+  x = random_array((64,))
+  assert_close(call(interpret=CHECKED)(x), 2.0 * x)
+  (description,) = [e.params["kernel"] for e in jax.make_jaxpr(call())(x).eqns
+                    if e.primitive is pl.pallas_call_p]
+  _, layout = checking_run.checked_kernel(description, CheckOptions(), ("x_ref", "o_ref"),
+                                          False, False)
+  assert layout.shadowed_outputs == ()
+
+
+def _merge(bug: bool, backend: str):
+  def kernel(x_ref, o_ref):  # <- bug
+    p = pl.program_id(0)
+    rows = lax.broadcasted_iota(jnp.int32, (16, 4), 0)
+    mine = (rows >= 8 * p) & (rows < 8 * p + (4 if bug else 8))
+    o_ref[...] = jnp.where(mine, 2.0 * x_ref[...], o_ref[...])
+  return kernel, pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((16, 4), F32), grid=(2,),
+                                in_specs=[pl.BlockSpec((16, 4), lambda i: (0, 0))],
+                                out_specs=pl.BlockSpec((16, 4), lambda i: (0, 0)),
+                                **_kw(backend))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_merge_writes_carry_old_values_and_count_only_selected_lanes(backend):
+  """o[...] = where(mine, new, o[...]) (JAX's grouped matmul) writes only its lanes:
+  carrying the others is no read of uninitialized memory, and lanes no program
+  selects are still reported as never written."""
+  x = random_array((16, 4))
+  assert_close(_merge(False, backend)[1](x), 2.0 * x)
+  kernel, call = _merge(True, backend)
+  _expect(call, x, kind="unwritten", ref="o_ref", fn=kernel)
+
+
+# ------------------------------------------------------------------ loops
+SHORT = pl.InterpretParams(detect_races=True, max_loop_iterations=1024)
+
+
+def _loop_call(kernel, backend, n_out=1):
+  return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((n_out,), jnp.int32),
+                        in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+                        out_specs=pl.BlockSpec(memory_space=pl.ANY),
+                        **_kw(backend, SHORT))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_counted_loops_may_run_past_the_bound_and_others_may_not(backend):
+  def counted(n_ref, o_ref):
+    o_ref[0] = lax.fori_loop(0, n_ref[0], lambda i, c: c + 1, 0)
+
+  n = jnp.array([3000], jnp.int32)
+  assert int(_loop_call(counted, backend)(n)[0]) == 3000
+
+  def uncounted(n_ref, o_ref):
+    k = lax.while_loop(lambda c: c < n_ref[0], lambda c: c + 1, 0)  # <- bug
+    o_ref[0] = k
+
+  err = _expect(_loop_call(uncounted, backend), n, kind="hang", ref=None, fn=uncounted)
+  assert "1024" in str(err)
+  assert int(_loop_call(uncounted, backend)(jnp.array([1000], jnp.int32))[0]) == 1000
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_spin_wait_with_an_attempt_counter_is_a_deadlock_at_once(backend):
+  """The attempt counter changes every iteration but cannot end the loop: only what
+  steers the condition (here the flag in memory) counts as progress."""
+  def kernel(flag_ref, o_ref):
+    attempts = lax.while_loop(lambda c: flag_ref[0] == 0, lambda c: c + 1, 0)  # <- bug
+    o_ref[0] = attempts
+
+  call = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((1,), jnp.int32),
+                        in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+                        out_specs=pl.BlockSpec(memory_space=pl.ANY),
+                        **_kw(backend, pl.InterpretParams(detect_races=True)))
+  err = _expect(call, jnp.zeros((1,), jnp.int32), kind="deadlock", ref="flag_ref", fn=kernel)
+  assert "(iterations 1)" in str(err)
+  assert int(call(jnp.ones((1,), jnp.int32))[0]) == 0
+
+
+# ------------------------------------------------------------------ padding
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_constants_put_in_rows_past_the_edge_are_no_data(backend):
+  """`where(cols < n, s, -inf)` on a block whose rows overhang: the -inf lanes of
+  those rows are outside the array too, so a row-wise max of them mixes nothing in
+  (the false alarm linear_cross_entropy had); masking rows with `& (rows < n)`
+  decides them whatever the padding holds."""
+  n, b = 20, 16
+
+  def kernel(x_ref, o_ref, count_ref):
+    s = x_ref[...]
+    cols = lax.broadcasted_iota(jnp.int32, s.shape, 1)
+    s = jnp.where(cols < 6, s, -jnp.inf)
+    o_ref[...] = jnp.max(s, axis=1)
+    rows = pl.program_id(0) * b + lax.broadcasted_iota(jnp.int32, (b,), 0)
+    counted = (x_ref[:, 0] > 0) & (rows < n)
+    count_ref[pl.program_id(0)] = jnp.sum(counted.astype(jnp.int32))
+
+  x = random_array((n, 8))
+  call = pl.pallas_call(
+      kernel, out_shape=(jax.ShapeDtypeStruct((n,), F32), jax.ShapeDtypeStruct((2,), jnp.int32)),
+      grid=(2,), in_specs=[pl.BlockSpec((b, 8), lambda i: (i, 0))],
+      out_specs=(pl.BlockSpec((b,), lambda i: (i,)), pl.BlockSpec(memory_space=pl.ANY)),
+      **_kw(backend))
+  m, count = call(x)
+  assert_close(m, jnp.max(x[:, :6], axis=1))
+  assert int(count.sum()) == int(jnp.sum(x[:, 0] > 0))

@@ -361,7 +361,10 @@ def test_tpu_gmm_group_offset():
   """A shard holding groups 1..2 of rhs computes their rows and zeroes the others."""
   m = op("tpu/megablox/gmm")
   lhs, rhs, sizes = _gmm_inputs()
-  got = m.gmm(lhs, rhs[1:3], sizes, jnp.float32, (32, 64, 64), jnp.asarray(1, jnp.int32))
+  # The kernel leaves the rows of the other shards' groups unwritten on purpose; gmm
+  # zeroes them after the call (what PALLET_CHECKS=1 would otherwise report).
+  with pallet.allow_unwritten_outputs():
+    got = m.gmm(lhs, rhs[1:3], sizes, jnp.float32, (32, 64, 64), jnp.asarray(1, jnp.int32))
   full = ref.gmm(lhs, rhs, GROUP_SIZES)
   rows = np.zeros(lhs.shape[0], bool)
   rows[GROUP_SIZES[0]:sum(GROUP_SIZES[:3])] = True

@@ -18,8 +18,8 @@ from pallet.backends import default_backend
 from pallet.helpers import (align_to, empty, empty_like, empty_ref_like, estimate_cost, loop,
                             next_power_of_2, reciprocal, run_state, strides_from_shape,
                             with_scoped)
-from pallet.checks import (KernelCheckError, debug_check, enable_debug_checks,
-                           enable_poison_buffers)
+from pallet.checks import (KernelCheckError, allow_unwritten_outputs, debug_check,
+                           enable_debug_checks, enable_poison_buffers)
 from pallet.interpret_params import InterpretParams
 from pallet.dma import semaphore_read, semaphore_signal, semaphore_wait
 from pallet.grid_analysis import GridOrderWarning

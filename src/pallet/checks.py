@@ -7,8 +7,10 @@ time, with that message, when any element of `ok` is False. pallet's own
 sanity checks (an unsatisfiable semaphore wait, ...) bind it too: build the
 message with `failure_message`.
 
-Checking mode (pallet/checking) binds it with a static `CheckInfo` (kind, ref,
-source line) and a payload of the grid indices and one detail value, so that the
+Checking mode (pallet/checking) does not bind it inside kernels: its checks record
+failures in an output of the kernel that the host reads after the call
+(checking/report.py). It binds it outside kernels with a static `CheckInfo` (kind,
+ref, source line) and a payload of the grid indices and one detail value, so that the
 `KernelCheckError` it raises names the grid step that failed.
 
 Backend rules:
@@ -81,6 +83,14 @@ enable_poison_buffers = _Switch("enable_poison_buffers", "PALLET_POISON_BUFFERS"
                                 "uninitialised kernel memory is filled with NaN/int-min (pallet)")
 
 
+allow_unwritten_outputs = _Switch(
+    "allow_unwritten_outputs", "PALLET_ALLOW_UNWRITTEN_OUTPUTS",
+    "checking mode does not report output elements no program wrote (pallet)")
+# pallas_calls traced while it is on may leave parts of their outputs unwritten on
+# purpose (their caller masks them): for calls inside code you cannot change (your own
+# calls can pass InterpretParams(detect_unwritten_outputs=False)).
+
+
 def debug_checks_enabled() -> bool:
   return enable_debug_checks.value
 
@@ -120,7 +130,7 @@ def failure_message(what: str, message: str) -> str:
 
 
 KINDS = ("out_of_bounds", "uninitialized", "race", "nan", "overflow", "unwritten",
-         "debug_check", "index_map")
+         "debug_check", "index_map", "hang", "deadlock", "aliasing")
 
 
 class KernelCheckError(RuntimeError):
@@ -153,6 +163,9 @@ class CheckInfo:
 
   def error(self, message: str, grid_index: tuple[int, ...] | None,
             detail: int | None = None) -> KernelCheckError:
+    if not self.kind:    # one of pallet's own sanity checks: its message says it all
+      return KernelCheckError(message, kernel=self.kernel, grid_index=grid_index,
+                              line=self.line)
     text = (f"{self.kind} in kernel '{self.kernel}' at grid index {grid_index}"
             + (f", ref '{self.ref}'" if self.ref else "") + f", {self.line}: {message}")
     if self.detail and detail is not None and detail != -2**31:   # -2**31: not known

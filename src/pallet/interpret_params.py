@@ -8,9 +8,10 @@ index, `uninitialized_memory="nan"` poisons fresh memory and reports reads of it
 `detect_races=True` reports programs of parallel grid axes touching the same
 element. The fields are accepted with JAX 0.12's names and defaults; the
 simulator's other knobs (DMA timing, vector clocks, ...) have no counterpart here.
-pallet adds opt-in checks: `detect_nans`, `detect_int_overflow` (int32 add/sub/mul),
-`detect_unwritten_outputs` (output elements no program wrote) and `debug_checks` (every
-failed `pl.debug_check`).
+pallet adds `detect_unwritten_outputs` (output elements no program wrote; on, False
+for a call that leaves outputs unwritten on purpose) and opt-in checks: `detect_nans`,
+`detect_int_overflow` (int32 add/sub/mul) and `debug_checks` (every failed
+`pl.debug_check`).
 """
 from __future__ import annotations
 
@@ -46,8 +47,10 @@ class InterpretParams:
   # pallet's opt-in checks (not in JAX)
   detect_nans: bool = False
   detect_int_overflow: bool = False
-  detect_unwritten_outputs: bool = False
+  detect_unwritten_outputs: bool = True   # on unless a call leaves outputs unwritten on purpose
   debug_checks: bool = False
+  detect_hangs: bool = True               # loops that never finish, waits on later programs
+  max_loop_iterations: int = 1 << 20      # a while loop running longer counts as a hang
 
   @property
   def num_cores_per_device(self) -> int:

@@ -225,7 +225,8 @@ def _launch(kernel, name, args, out_shape, grid, dynamic_sizes, in_specs, out_sp
     results = bind(*sizes, *flat_prefetch, *flat_args, kernel=description)
   else:
     results = checking.run(description, check_options, gm_lib.kernel_parameter_names(kernel),
-                           bind, sizes, flat_prefetch, flat_args, backend_name)
+                           bind, sizes, flat_prefetch, flat_args, backend_name,
+                           concurrent=backend_name != "xla" and not interpret)
   results = closed_over.write_back(description, results)
   results = [_annotated(r, o, i, name, description.source)
              for i, (r, o) in enumerate(zip(results, flat_out_shapes))]

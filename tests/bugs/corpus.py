@@ -5,6 +5,7 @@ A case is a function `build(bug: bool, **call) -> program` registered with
 selecting the one buggy line with `if bug:` at trace time, and passes `**call`
 (backend, interpret) on to `pl.pallas_call`. The buggy line carries a `# BUG`
 comment: the runner reads the source to learn which line the report must name.
+Cases modeled on a bug someone reported cite the thread in their docstring.
 """
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ import inspect
 from typing import Callable
 
 KINDS = ("out_of_bounds", "uninitialized", "race", "nan", "overflow", "unwritten",
-         "debug_check", "index_map")
+         "debug_check", "index_map", "hang", "deadlock", "aliasing")
 # Kinds whose check is off unless asked for (InterpretParams fields, see docs/checking.md).
-OPT_IN_KINDS = ("nan", "overflow", "unwritten", "debug_check")
+OPT_IN_KINDS = ("nan", "overflow", "debug_check")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +35,9 @@ class Case:
   # pallet raises even unchecked) is as good a report as a KernelCheckError.
   static: bool = False
   matmul: bool = False           # looser tolerance for the twin's comparison
+  # InterpretParams fields the case sets besides the checks (e.g. a smaller loop bound,
+  # so that a loop that never finishes stops soon under Triton's interpreter).
+  params: dict = dataclasses.field(default_factory=dict)
 
   @property
   def source_file(self) -> str:
@@ -54,14 +58,15 @@ CASES: list[Case] = []
 
 def bug_case(*, kind: str, ref: str | None, inputs: Callable[[], tuple],
              reference: Callable, triton: str | None = None, triton_runs: bool = True,
-             static: bool = False, matmul: bool = False) -> Callable[[Callable], Callable]:
+             static: bool = False, matmul: bool = False,
+             params: dict | None = None) -> Callable[[Callable], Callable]:
   """Registers the decorated `build(bug, **call)` as a corpus case."""
   if kind not in KINDS:
     raise ValueError(f"unknown kind {kind!r}")
 
   def register(build: Callable) -> Callable:
     CASES.append(Case(build.__name__, kind, ref, build, inputs, reference, triton,
-                      triton_runs, static, matmul))
+                      triton_runs, static, matmul, dict(params or {})))
     return build
 
   return register
@@ -69,7 +74,8 @@ def bug_case(*, kind: str, ref: str | None, inputs: Callable[[], tuple],
 
 def all_cases() -> list[Case]:
   """Every registered case (importing the case modules registers them)."""
-  from bugs import bounds, opt_in, races, tpu, uninitialized  # noqa: F401
+  from bugs import (aliasing, bounds, hangs, opt_in, races, reports, tpu,  # noqa: F401
+                    uninitialized)
   names = [c.name for c in CASES]
   duplicates = {n for n in names if names.count(n) > 1}
   if duplicates:

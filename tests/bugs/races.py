@@ -158,3 +158,26 @@ def segment_sum_with_plain_scatter(bug, **call):
   return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((32,), F32), grid=(4,),
                         in_specs=[spec, spec, None], input_output_aliases={2: 0},
                         compiler_params=PARALLEL, **call)
+
+
+@bug_case(kind="race", ref="o_ref", inputs=_histogram_inputs,
+          reference=lambda v, zeros: zeros + jnp.bincount(v, length=16).astype(jnp.int32))
+def histogram_cleared_by_first_program_no_semantics(bug, **call):
+  """The atomic histogram again, without dimension_semantics (a GPU-style kernel): the
+  first program clears the bins with a plain store that the others' atomics race with.
+  Sequential order makes it right here; on a GPU the clear may land after updates."""
+  b = 64
+
+  def kernel(v_ref, zeros_ref, o_ref):
+    del zeros_ref  # aliased to o_ref: the bins start at zero
+    if bug:
+      @pl.when(pl.program_id(0) == 0)
+      def _():
+        o_ref[...] = jnp.zeros_like(o_ref)  # BUG: other programs update the bins at once
+
+    counts = jnp.sum(v_ref[...][:, None] == jnp.arange(16)[None, :], axis=0, dtype=jnp.int32)
+    pl.atomic_add(o_ref, pl.ds(0, 16), counts)
+
+  return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((16,), jnp.int32), grid=(4,),
+                        in_specs=[pl.BlockSpec((b,), lambda i: (i,)), None],
+                        input_output_aliases={1: 0}, **call)

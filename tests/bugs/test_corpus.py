@@ -27,7 +27,7 @@ BACKEND = current_test_backend()
 # Pallas's spelling of the checking mode, and what each opt-in kind adds to it.
 CHECKED = dict(detect_races=True, out_of_bounds_reads="raise", uninitialized_memory="nan")
 OPT_IN = {"nan": dict(detect_nans=True), "overflow": dict(detect_int_overflow=True),
-          "unwritten": dict(detect_unwritten_outputs=True), "debug_check": dict(debug_checks=True)}
+          "debug_check": dict(debug_checks=True)}
 
 # What the checks do not get right yet, as strict xfails: a case that starts passing
 # fails until it is taken off these lists. (backend, case name) -> why.
@@ -35,8 +35,10 @@ NOT_YET_REPORTED: dict[tuple[str, str], str] = {}
 FALSE_ALARMS: dict[tuple[str, str], str] = {}
 
 
-def checked(*opt_in: str) -> pl.InterpretParams:
+def checked(*opt_in: str, case: Case | None = None) -> pl.InterpretParams:
   extra = {k: v for kind in opt_in for k, v in OPT_IN[kind].items()}
+  if case is not None:
+    extra.update(case.params)
   return pl.InterpretParams(**CHECKED, **extra)
 
 
@@ -79,7 +81,8 @@ def test_bug_is_reported_with_kind_ref_and_line(case: Case):
   opt_in = [case.kind] if case.kind in OPT_IN_KINDS else []
   reports = (pl.KernelCheckError, pl.PalletError) if case.static else pl.KernelCheckError
   with pytest.raises(reports) as info:
-    jax.block_until_ready(case.build(True, **call_kwargs(checked(*opt_in)))(*case.inputs()))
+    jax.block_until_ready(case.build(True, **call_kwargs(checked(*opt_in, case=case)))(
+        *case.inputs()))
   err = info.value
   if not isinstance(err, pl.KernelCheckError):   # found when the kernel was traced
     assert case.ref in str(err) and _expected_line(case) in str(err), str(err)
@@ -95,7 +98,7 @@ def test_bug_is_reported_with_kind_ref_and_line(case: Case):
 @pytest.mark.parametrize("case", _params(FALSE_ALARMS))
 def test_fixed_twin_runs_clean_with_every_check(case: Case):
   _skip_unsupported_twin(case)
-  program = case.build(False, **call_kwargs(checked(*OPT_IN_KINDS)))
+  program = case.build(False, **call_kwargs(checked(*OPT_IN_KINDS, case=case)))
   inputs = case.inputs()
   assert_close(program(*inputs), case.reference(*inputs), matmul=case.matmul)
 
@@ -146,7 +149,7 @@ def test_checking_mode_names_are_public():
 @pytest.mark.parametrize("name, setting", [("masked_load_mask_off_by_one", "1"),
                                            ("reduction_output_never_zeroed", "1"),
                                            ("softmax_without_max_subtraction", "all"),
-                                           ("grid_rounds_down", "unwritten")])
+                                           ("grid_rounds_down", "1")])
 def test_environment_variable_turns_checks_on_without_code_changes(name, setting, monkeypatch):
   case = next(c for c in CASES if c.name == name)
   monkeypatch.setenv("PALLET_CHECKS", setting)

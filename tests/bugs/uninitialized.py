@@ -107,3 +107,28 @@ def edge_block_padding_in_row_max(bug, **call):
                         grid=(pl.cdiv(n, b),),
                         in_specs=[pl.BlockSpec((16, b), lambda j: (0, j))],
                         out_specs=pl.BlockSpec((16, 1), lambda j: (0, 0)), **call)
+
+
+def _moving_sums(x):
+  return jnp.convolve(x, jnp.ones(5, F32), mode="same")
+
+
+@bug_case(kind="uninitialized", ref="x_ref", inputs=lambda: (random_array((64,)),),
+          reference=_moving_sums)
+def element_window_padding_assumed_zero(bug, **call):
+  """A 5-wide moving sum over pl.Element windows with 2 elements of padding on each
+  side: the kernel sums the shifted window as if the padding held zeros, but its
+  contents are unspecified (the fix masks the lanes outside the array)."""
+  b, halo, n = 16, 2, 64
+
+  def kernel(x_ref, o_ref):
+    x = x_ref[...]
+    if not bug:
+      pos = pl.program_id(0) * b - halo + jnp.arange(b + 2 * halo)
+      x = jnp.where((pos >= 0) & (pos < n), x, 0.0)
+    o_ref[...] = sum(x[k:k + b] for k in range(2 * halo + 1))  # BUG: padding summed in
+
+  window = pl.BlockSpec((pl.Element(b + 2 * halo, (halo, halo)),), lambda i: (i * b,))
+  return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((n,), F32), grid=(n // b,),
+                        in_specs=[window], out_specs=pl.BlockSpec((b,), lambda i: (i,)),
+                        **call)

@@ -15,6 +15,7 @@ import numpy as np
 
 from pallet import _internals as internals
 from pallet import checks
+from pallet.checking import report
 from pallet.grid_mapping import BlockMapping
 from pallet.tracing import KernelDescription
 
@@ -81,12 +82,14 @@ def check_static(kernel: KernelDescription, names: Sequence[str]) -> None:
 
 
 def check_at_run_time(kernel: KernelDescription, names: Sequence[str],
-                      prefetch: Sequence[Any]) -> None:
-  """Compiles the checks of index maps that read scalar-prefetch operands."""
+                      prefetch: Sequence[Any], catalog: list) -> list:
+  """The reports (see report.py) of index maps that read scalar-prefetch operands,
+  computed with the call; their checks are added to `catalog`."""
   gm = kernel.grid_mapping
   if not gm.prefetch_avals or None in gm.grid or gm.num_steps == 0:
-    return
+    return []
   coords = jnp.asarray(np.indices(gm.grid).reshape(len(gm.grid), gm.num_steps).astype(np.int32))
+  reports = []
   for name, b in _mappings(kernel, names):
     pure = internals.discharge_state(b.index_map)
     n_idx = len(b.array_shape)
@@ -105,5 +108,7 @@ def check_at_run_time(kernel: KernelDescription, names: Sequence[str],
     for d in reversed(range(n_idx)):
       detail = jnp.where(_outside(b.replace(dims=(b.dims[d],), array_shape=(b.array_shape[d],)),
                                   [outs[d][first]], jnp), outs[d][first], detail)
-    checks.check(~jnp.any(bad), _message(name, b), info,
-                 (*[c[first] for c in coords], detail))
+    catalog.append((_message(name, b), info))
+    reports.append(report.single(jnp.any(bad), len(catalog), detail,
+                                 [c[first] for c in coords], len(gm.grid)))
+  return reports

@@ -1,17 +1,25 @@
 """The instrumentation pass: a kernel description in, a checked one out.
 
 The kernel's jaxpr is re-traced equation by equation (control flow re-built with
-`lax.cond`/`scan`/`while_loop`, so refs stay closed over as in user code) and
-`checks.check` is inserted before every access it can get wrong:
+`lax.cond`/`scan`/`while_loop`, so refs stay closed over as in user code) and a
+check is inserted before every access it can get wrong. A failing check records
+itself (its number in the catalog, and a detail value) in this grid step's row of
+the failure record, an extra output; nothing calls back while the kernel runs
+(report.py turns the rows into the call's error).
 
 * bounds: each index of each load, store, atomic, gather and dynamic slice;
 * shadows: an int32 array per output, scratch or `run_scoped` buffer that needs one
-  (see `_Plan`) records who wrote each element: 0 (or anything out of range, such
-  as poison or garbage) "never written", `1 + p` "stored by parallel program p",
-  `1 + P + p` "atomically updated by p", `2P + 1` "given by the caller" (aliased
-  outputs). Reads check "written" (uninitialized) and "not by another program"
-  (race); stores check "not by another program"; P counts the programs of the
-  parallel grid axes, p is the program's index among them.
+  (see `checking/run.py`) records who wrote each element: 0 (or anything out of
+  range, such as poison or garbage) "never written", `1 + p` "stored by parallel
+  program p", `1 + P + p` "atomically updated by p", `2P + 1` "given by the caller"
+  (aliased outputs). Reads check "written" (uninitialized) and "not by another
+  program" (race); stores check "not by another program"; P counts the programs of
+  the parallel grid axes, p is the program's index among them;
+* alias shadows (aliased operands seen whole): the grid step + 1 that last wrote
+  each element of the output, checked by reads of the input (aliasing.py);
+* block padding carried through values (padding.py), merge writes (merges.py),
+  while loops watched for progress and bounded (loops.py), semaphore and DMA waits
+  that cannot be satisfied.
 
 Output shadows are extra outputs with the output's block mapping, each aliased to
 an extra (whole-array) input holding its initial value; scratch shadows are extra
@@ -35,7 +43,7 @@ from pallet import _internals as internals
 from pallet import checks
 from pallet import primitives
 from pallet import dynamic_views
-from pallet.checking import bounds, padding
+from pallet.checking import bounds, loops, merges, padding, report
 from pallet.checking.options import CheckOptions
 from pallet.grid_mapping import BlockDimension, BlockMapping
 from pallet.tracing import KernelDescription
@@ -56,6 +64,10 @@ class Layout:
   given: int                          # shadow value "given by the caller" (2P + 1)
   shared: int                         # shadow value "atomically updated by several"
   output_names: tuple[str, ...]
+  catalog: report.Catalog = ()        # the kernel's checks, numbered as the record holds them
+  record: bool = False                # the last output is the failure record
+  record_has_ids: bool = False        # ... one row with the grid indices (dynamic grids)
+  alias_outputs: tuple[int, ...] = () # after the shadows: outputs with an alias shadow (0)
 
 
 @dataclasses.dataclass
@@ -64,6 +76,9 @@ class _Ref:
   shadow: Any = None       # the shadow ref, or None
   scratch: bool = False    # a scratch buffer (persists across grid steps)
   plain_stores: dict = dataclasses.field(default_factory=dict)   # line -> store equation
+  alias_reads: Any = None   # aliased input seen whole: who wrote each element (step + 1)
+  alias_writes: Any = None  # ... and its output, which stamps it
+  aliased_to: str = ""
 
 
 def ref_names(kernel: KernelDescription, param_names: Sequence[str] | None) -> list[str]:
@@ -172,6 +187,29 @@ def _walk_reads(jaxpr: Any, refs: dict[Any, int], out: set[int]) -> None:
       _walk_reads(sub, {v: p for v, p in zip(sub.invars, args) if p is not None}, out)
 
 
+def mixes_atomics(kernel: KernelDescription) -> bool:
+  """Whether some ref is both updated atomically and stored into plainly."""
+  jaxpr = kernel.jaxpr.jaxpr
+  atomic: set[int] = set()
+  plain: set[int] = set()
+  _walk_updates(jaxpr, {v: i for i, v in enumerate(jaxpr.invars)}, atomic, plain)
+  return bool(atomic & plain)
+
+
+def _walk_updates(jaxpr: Any, refs: dict[Any, int], atomic: set, plain: set) -> None:
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    target = refs.get(eqn.invars[0]) if eqn.invars and not _literal(eqn.invars[0]) else None
+    if name in ("atomic_rmw", "atomic_cas") and target is not None:
+      atomic.add(target)
+    elif name in ("swap", "masked_store", "addupdate") and target is not None:
+      plain.add(target)
+    subs = _sub_jaxprs_mapped(eqn, refs)
+    for sub, args in subs or ():
+      _walk_updates(sub, {v: p for v, p in zip(sub.invars, args) if p is not None},
+                    atomic, plain)
+
+
 # ------------------------------------------------------------------ the pass
 def _poison_fill(eqn_in: Any, producers: dict[Any, Any]) -> bool:
   """Whether a new_ref's initial value is the poison of fresh memory (run_scoped,
@@ -204,9 +242,10 @@ class _Instrumenter:
   """Re-traces one kernel body with checks (see the module docstring)."""
 
   def __init__(self, kernel: KernelDescription, opts: CheckOptions, names: list[str],
-               parallel: tuple[int, ...], guard: bool):
+               parallel: tuple[int, ...], guard: bool, concurrent: bool = False):
     self.kernel, self.opts, self.names, self.parallel = kernel, opts, names, parallel
     self.guard = guard   # make out-of-bounds accesses skip (Triton reads raw memory)
+    self.concurrent = concurrent   # programs run at once (a GPU): others may change memory
     gm = kernel.grid_mapping
     self.grid = gm.grid
     self.num_parallel = max(1, math.prod(gm.grid[a] or 1 for a in parallel))
@@ -215,9 +254,17 @@ class _Instrumenter:
     self.shared = self.given + 2      # atomically updated by several programs
     self.refs: dict[int, _Ref] = {}
     self.taints: dict[int, tuple[Any, padding.Taint]] = {}   # id(value) -> (value, taint)
-    self.extents: dict[int, list] = {}                        # id(input ref) -> extents
+    self.extents: dict[int, list] = {}                        # id(ref) -> extents
+    self.outputs: set[int] = set()                            # id(output ref)
     self.quiet = 0      # > 0 inside while-loop conditions (no effects allowed there)
     self.call_line: str | None = None
+    self.catalog: list[tuple[str, checks.CheckInfo]] = []
+    self.alias_pairs: tuple = ()
+    self.merges: dict[int, merges.MergeWrite] = {}   # id(equation) -> its merge write
+    self.merge_masks: dict[int, Any] = {}            # id(select_n) -> lanes it writes anew
+    self._lanes: Any = None   # (transforms, mask, lanes in bounds) of the last masked access
+    self.record: Any = None           # this step's row of the failure record
+    self.record_has_ids = False       # one row for the whole grid (sizes known at run time)
 
   # -- helpers ------------------------------------------------------------------
   def line(self, eqn: Any) -> str:
@@ -235,8 +282,21 @@ class _Instrumenter:
       return
     info = checks.CheckInfo(kind=kind, kernel=self.kernel.name, ref=ref, line=self.line(eqn),
                             grid=tuple(self.grid), detail=detail_label)
-    detail = jnp.int32(-2**31) if detail is None else jnp.asarray(detail, jnp.int32)
-    checks.check(ok, message, info, (*self.ids, detail))
+    self.fail_where(~jnp.all(ok), message, info, detail)
+
+  def fail_where(self, failed: Any, message: str, info: checks.CheckInfo,
+                 detail: Any = None) -> None:
+    """Records check number k (its message and info go to the catalog) in this grid
+    step's row of the record, unless an earlier check of the step failed already."""
+    self.catalog.append((message, info))
+    code = jnp.int32(len(self.catalog))
+    detail = jnp.int32(report.NO_DETAIL) if detail is None else jnp.asarray(detail, jnp.int32)
+    entry = [code, jnp.reshape(detail, ())]
+    if self.record_has_ids:
+      entry += [jnp.asarray(i, jnp.int32) for i in self.ids]
+    row = self.record[...]
+    fire = jnp.asarray(failed, jnp.bool_) & (row[0] == 0)
+    self.record[...] = jnp.where(fire, jnp.stack(entry), row)
 
   def info(self, ref: Any) -> _Ref | None:
     return self.refs.get(id(ref))
@@ -244,24 +304,42 @@ class _Instrumenter:
   # -- the kernel -------------------------------------------------------------------
   def body(self, layout_counts: tuple[int, ...], *args: Any) -> list:
     gm = self.kernel.grid_mapping
-    n_ids, n_pre, n_in, n_shadow, n_out, n_scratch, n_sscratch = layout_counts
+    (n_ids, n_pre, n_in, n_shadow, n_record_in, n_out, n_record, n_scratch,
+     n_sscratch) = layout_counts
     it = iter(args)
     take = lambda n: [next(it) for _ in range(n)]
-    ids, pre, ins, _, outs, out_shadows, scratch, scratch_shadows = (
-        take(n_ids), take(n_pre), take(n_in), take(n_shadow), take(n_out), take(n_shadow),
-        take(n_scratch), take(n_sscratch))
+    ids, pre, ins, _, _, outs, out_shadows, records, scratch, scratch_shadows = (
+        take(n_ids), take(n_pre), take(n_in), take(n_shadow), take(n_record_in), take(n_out),
+        take(n_shadow), take(n_record), take(n_scratch), take(n_sscratch))
     self.ids = ids[:len(gm.grid)]
+    if records:
+      self.record = records[0]
+      self.record_has_ids = None in gm.grid
+      if not self.record_has_ids:   # each step starts its own row
+        self.record[...] = jnp.zeros((report.RECORD_WIDTH,), jnp.int32)
+    else:   # a trial trace: are there checks at all?
+      self.record = jax.new_ref(jnp.zeros((report.RECORD_WIDTH,), jnp.int32))
     self.stamp, self.atomic_stamp = self._stamps()
+    self.flat_step = jnp.int32(0)
+    if None not in gm.grid:
+      for a, n in enumerate(gm.grid):
+        self.flat_step = self.flat_step * jnp.int32(n) + self.ids[a]
     refs = pre + ins + outs + scratch
     for r, name in zip(refs, self.names):
       self.refs[id(r)] = _Ref(name)
     if self.opts.uninitialized:
-      for r, mapping in zip(ins, gm.inputs):
+      for r, mapping in zip(ins + outs, gm.inputs + gm.outputs):
         extents = padding.block_extents(mapping, self.ids, pre)
         if extents is not None:
           self.extents[id(r)] = extents
+      self.outputs = {id(r) for r in outs}
     for k, o in enumerate(self.shadowed_outputs):
       self.refs[id(outs[o])].shadow = out_shadows[k]
+    for k, (i, o) in enumerate(self.alias_pairs):
+      alias = out_shadows[len(self.shadowed_outputs) + k]
+      self.refs[id(ins[i])].alias_reads = alias
+      self.refs[id(outs[o])].alias_writes = alias
+      self.refs[id(ins[i])].aliased_to = self.names[n_pre + n_in + o]
     for k, s in enumerate(self.shadowed_scratch):
       self.refs[id(scratch[s])].shadow = scratch_shadows[k]
       self.refs[id(scratch[s])].scratch = True
@@ -287,6 +365,7 @@ class _Instrumenter:
       env[v] = x
     for v, x in zip(jaxpr.invars, args):
       env[v] = x
+    self.merges.update(merges.find(jaxpr))
     for eqn in jaxpr.eqns:
       ins = [read(v) for v in eqn.invars]
       self.used = used
@@ -305,6 +384,12 @@ class _Instrumenter:
 
   def equation(self, eqn: Any, ins: list, producers: dict) -> Any:
     name = eqn.primitive.name
+    merge = self.merges.get(id(eqn))
+    if merge is not None and eqn is merge.select:   # the lanes the merge writes anew
+      pred = jnp.asarray(ins[merge.pred])
+      anew = (pred != merge.case) if pred.dtype != jnp.bool_ else (
+          pred if merge.case == 0 else ~pred)
+      self.merge_masks[id(eqn)] = jnp.broadcast_to(anew, eqn.outvars[0].aval.shape)
     handler = getattr(self, f"_{name}", None)
     if handler is not None:
       return handler(eqn, ins, producers)
@@ -343,23 +428,44 @@ class _Instrumenter:
     new, ok, ref = padding.propagate(eqn, ins, results, taints)
     if ok is not None:
       self.check(eqn, "uninitialized", ok,
-                 f"{eqn.primitive.name} mixes the edge-block padding of '{ref}' (lanes past "
-                 f"the end of the array, which hold no data) into lanes that hold data; mask "
-                 f"them first (jnp.where on the element positions)", ref)
+                 f"{eqn.primitive.name} mixes the block padding of '{ref}' (lanes outside "
+                 f"the array, past an edge or in a pl.Element window's padding, whose "
+                 f"contents are unspecified) into lanes that hold data; mask them first "
+                 f"(jnp.where on the element positions)", ref)
     for x, t in zip(results, new):
       if t is not None:
         self.taints[id(x)] = (x, t)
 
   def _loaded(self, ref: Any, transforms: tuple, value: Any, mask: Any = None) -> None:
     extents = self.extents.get(id(ref))
-    if extents is None or self.quiet:
+    if extents is None or self.quiet or id(ref) in self.outputs:
       return
-    taint = padding.loaded(extents, transforms, jnp.shape(value))
-    if taint is None:
+    outside = padding.loaded(extents, transforms, jnp.shape(value))
+    if outside is None:
       return
+    garbage = outside if mask is None else outside & mask
+    self.taints[id(value)] = (value, padding.Taint(garbage, outside, self.info(ref).name))
+
+  def _stored(self, eqn: Any, ref: Any, transforms: tuple, value: Any,
+              mask: Any = None) -> None:
+    """Padding stored into an output where its array holds data reaches the result."""
+    taint = self._taint(value)
+    if taint is None or self.quiet or id(ref) not in self.outputs:
+      return
+    extents = self.extents.get(id(ref))
+    outside = None if extents is None else padding.loaded(extents, transforms, jnp.shape(value))
+    if extents is not None and outside is None:
+      return
+    bad = jnp.broadcast_to(taint.garbage, jnp.shape(value))
+    if outside is not None:
+      bad = bad & ~outside
     if mask is not None:
-      taint = taint & mask
-    self.taints[id(value)] = (value, padding.Taint(taint, self.info(ref).name))
+      bad = bad & mask
+    self.check(eqn, "uninitialized", ~bad,
+               f"stores the block padding of '{taint.ref}' (lanes outside its array, past "
+               f"an edge or in a pl.Element window's padding, whose contents are "
+               f"unspecified) into '{self.info(ref).name}' where its array holds data",
+               taint.ref)
 
   # -- produced values: NaN/Inf and int32 overflow (opt-in) -----------------------
   def _produced(self, eqn: Any, ins: list, outs: Any) -> None:
@@ -401,6 +507,11 @@ class _Instrumenter:
     if not self.opts.bounds:
       return None
     conditions = bounds.access_conditions(transforms, mask)
+    if mask is not None:   # the lanes in bounds, for _in_bounds on the same access
+      lanes = jnp.bool_(True)
+      for ok, _, _ in conditions or ():
+        lanes = lanes & ok
+      self._lanes = (transforms, mask, lanes)
     r = self.info(ref)
     name = r.name if r else None
     all_ok = None
@@ -412,6 +523,11 @@ class _Instrumenter:
       all_ok = ok if all_ok is None else all_ok & ok
     return all_ok
 
+  def _guarded_always(self, ok: Any, run: Any) -> list:
+    """`run()` (no results) only where `ok`, on every backend."""
+    lax.cond(ok, lambda: (run(), None)[1], lambda: None)
+    return []
+
   def _guarded(self, ok: Any, run: Any, default: Any) -> Any:
     """`run()` only where `ok` (Triton: an out-of-bounds access would touch raw memory)."""
     if not self.guard or ok is None:
@@ -419,8 +535,21 @@ class _Instrumenter:
     return lax.cond(ok, run, default)
 
   def _shadow_access(self, eqn: Any, ref: Any, transforms: tuple, mask: Any, *,
-                     reads: bool, writes: bool, atomic: bool = False) -> None:
+                     reads: bool, writes: bool, atomic: bool = False,
+                     carried: bool = False, in_bounds: Any = None) -> None:
+    """`carried`: a read whose values a merge write only carries back (merges.py).
+    `in_bounds`: where the access stays inside the ref; on Triton an access out of
+    bounds skips its shadows as it skips the access itself (raw memory there)."""
+    if self.guard and in_bounds is not None and self._shadowed(ref):
+      access = functools.partial(self._shadow_access, eqn, ref, transforms, mask,
+                                 reads=reads, writes=writes, atomic=atomic, carried=carried)
+      lax.cond(in_bounds, lambda: (access(), None)[1], lambda: None)
+      return
+    if self.guard and mask is not None and self.opts.bounds and self._shadowed(ref):
+      mask = self._in_bounds(transforms, mask)
     r = self.info(ref)
+    if r is not None and (r.alias_reads is not None or r.alias_writes is not None):
+      self._alias_access(eqn, r, transforms, mask, reads, writes)
     if r is None or r.shadow is None:
       return
     if dynamic_views.has_dynamic_size(transforms):
@@ -442,7 +571,7 @@ class _Instrumenter:
       old = view[...] if mask is None else primitives.load_p.bind(
           r.shadow, *flat, mask, jnp.full(jnp.shape(mask), self.given, jnp.int32),
           tree=tree, has_other=True)
-      self._shadow_checks(eqn, r, old, mask, reads, writes, atomic)
+      self._shadow_checks(eqn, r, old, mask, reads, writes, atomic, carried)
     if writes and not atomic:
       r.plain_stores.setdefault(self.line(eqn), eqn)
     if writes:
@@ -473,8 +602,45 @@ class _Instrumenter:
       stamp = jnp.full(w.view_bounds, self.stamp, jnp.int32)
       r.shadow[...] = dynamic_views.write(shadow, w, w.view_bounds, w.view_sizes, stamp)
 
+  def _shadowed(self, ref: Any) -> bool:
+    r = self.info(ref)
+    return r is not None and (r.shadow is not None or r.alias_reads is not None
+                              or r.alias_writes is not None)
+
+  def _alias_access(self, eqn: Any, r: _Ref, transforms: tuple, mask: Any, reads: bool,
+                    writes: bool) -> None:
+    """Aliased operands seen whole: a read of the input where another program already
+    wrote the output (one buffer on a TPU or GPU) sees new values there."""
+    if not bounds.only_indexers(transforms) or self.quiet:
+      return
+    flat, tree = jax.tree_util.tree_flatten(transforms)
+    step = self.flat_step + 1
+    if reads and r.alias_reads is not None:
+      view = internals.TransformedRef(r.alias_reads, transforms) if transforms else r.alias_reads
+      old = view[...] if mask is None else primitives.load_p.bind(
+          r.alias_reads, *flat, mask, jnp.zeros(jnp.shape(mask), jnp.int32), tree=tree,
+          has_other=True)
+      bad = (old != 0) & (old != step)
+      if mask is not None:
+        bad = bad & mask
+      first = jnp.argmax(jnp.reshape(bad, (-1,))) if jnp.ndim(bad) else 0
+      writer = jnp.reshape(old, (-1,))[first] - 1 if jnp.ndim(old) else old - 1
+      self.check(eqn, "aliasing", ~bad,
+                 f"reads '{r.name}', which input_output_aliases makes one buffer with "
+                 f"output '{r.aliased_to}', where a program before this one in grid order "
+                 f"wrote '{r.aliased_to}': where the buffer is shared this read sees the new "
+                 f"values, not the originals pallet gives it", r.name, writer,
+                 "writer program (flat step index)")
+    if writes and r.alias_writes is not None:
+      view = internals.TransformedRef(r.alias_writes, transforms) if transforms else r.alias_writes
+      new = jnp.broadcast_to(step, view.shape).astype(jnp.int32)
+      if mask is None:
+        view[...] = new
+      else:
+        primitives.store_p.bind(r.alias_writes, *flat, new, mask, tree=tree)
+
   def _shadow_checks(self, eqn: Any, r: _Ref, old: Any, mask: Any, reads: bool,
-                     writes: bool, atomic: bool) -> None:
+                     writes: bool, atomic: bool, carried: bool = False) -> None:
     enabled = mask
     masked = (lambda bad: bad) if mask is None else (lambda bad: bad & enabled)
     valid = ((old >= 1) & (old <= self.given)) | (old == self.shared)
@@ -486,7 +652,7 @@ class _Instrumenter:
                  f"parallel grid axes {self.parallel} (scratch does not carry from one "
                  f"parallel program to another)", r.name, self._writer(old, other),
                  "writer program")
-    if reads and self.opts.uninitialized:
+    if reads and self.opts.uninitialized and not carried:
       self.check(eqn, "uninitialized", ~masked(~valid),
                  f"reads '{r.name}' where nothing has been written yet (uninitialized "
                  f"memory, or a DMA into it not yet waited for)", r.name)
@@ -520,7 +686,8 @@ class _Instrumenter:
     ref, *leaves = ins
     transforms = self._transforms(eqn, leaves)
     ok = self._bounds(eqn, ref, transforms, None, "reads")
-    self._shadow_access(eqn, ref, transforms, None, reads=True, writes=False)
+    self._shadow_access(eqn, ref, transforms, None, reads=True, writes=False,
+                        carried=id(eqn) in self.merges, in_bounds=ok)
     out = eqn.outvars[0].aval
     value = self._guarded(ok, lambda: self.bind(eqn, ins),
                           lambda: jnp.zeros(out.shape, out.dtype))
@@ -528,20 +695,24 @@ class _Instrumenter:
     return value
 
   def _swap(self, eqn, ins, producers):
-    ref, _, *leaves = ins
+    ref, value, *leaves = ins
     transforms = self._transforms(eqn, leaves)
     ok = self._bounds(eqn, ref, transforms, None, "writes")
-    self._shadow_access(eqn, ref, transforms, None,
-                        reads=eqn.outvars[0] in self.used, writes=True)
+    self._stored(eqn, ref, transforms, value)
+    merge = self.merges.get(id(eqn))
+    anew = None if merge is None else self.merge_masks.get(id(merge.select))
+    self._shadow_access(eqn, ref, transforms, anew,
+                        reads=eqn.outvars[0] in self.used, writes=True, in_bounds=ok)
     out = eqn.outvars[0].aval
     return self._guarded(ok, lambda: self.bind(eqn, ins),
                          lambda: jnp.zeros(out.shape, out.dtype))
 
   def _addupdate(self, eqn, ins, producers):
-    ref, _, *leaves = ins
+    ref, value, *leaves = ins
     transforms = self._transforms(eqn, leaves)
     ok = self._bounds(eqn, ref, transforms, None, "updates")
-    self._shadow_access(eqn, ref, transforms, None, reads=True, writes=True)
+    self._stored(eqn, ref, transforms, value)
+    self._shadow_access(eqn, ref, transforms, None, reads=True, writes=True, in_bounds=ok)
     return self._guarded(ok, lambda: self.bind(eqn, ins), lambda: [])
 
   def _masked_load(self, eqn, ins, producers):
@@ -561,6 +732,7 @@ class _Instrumenter:
     value, mask = ins[1 + tree.num_leaves:]
     transforms = self._transforms(eqn, leaves)
     self._bounds(eqn, ref, transforms, mask, "writes")
+    self._stored(eqn, ref, transforms, value, mask)
     self._shadow_access(eqn, ref, transforms, mask, reads=False, writes=True)
     return self.bind(eqn, self._safe_mask(ins, 2 + tree.num_leaves, transforms, mask))
 
@@ -570,7 +742,8 @@ class _Instrumenter:
     mask = ins[2 + tree.num_leaves] if eqn.params["has_mask"] else None
     transforms = self._transforms(eqn, leaves)
     ok = self._bounds(eqn, ref, transforms, mask, "atomically updates")
-    self._shadow_access(eqn, ref, transforms, mask, reads=True, writes=True, atomic=True)
+    self._shadow_access(eqn, ref, transforms, mask, reads=True, writes=True, atomic=True,
+                        in_bounds=ok if mask is None else None)
     if mask is not None:
       return self.bind(eqn, self._safe_mask(ins, 2 + tree.num_leaves, transforms, mask))
     out = eqn.outvars[0].aval
@@ -582,7 +755,8 @@ class _Instrumenter:
     ref, leaves = ins[0], ins[1:1 + tree.num_leaves]
     transforms = self._transforms(eqn, leaves)
     ok = self._bounds(eqn, ref, transforms, None, "atomically updates")
-    self._shadow_access(eqn, ref, transforms, None, reads=True, writes=True, atomic=True)
+    self._shadow_access(eqn, ref, transforms, None, reads=True, writes=True, atomic=True,
+                        in_bounds=ok)
     out = eqn.outvars[0].aval
     return self._guarded(ok, lambda: self.bind(eqn, ins),
                          lambda: jnp.zeros(out.shape, out.dtype))
@@ -591,15 +765,19 @@ class _Instrumenter:
     """On Triton, lanes out of bounds are masked off too (their error is reported)."""
     if not (self.guard and self.opts.bounds):
       return ins
-    conditions = bounds.access_conditions(transforms, mask)
-    if not conditions:
-      return ins
-    ok = jnp.bool_(True)
-    for c, _, _ in conditions:
-      ok = ok & c
     ins = list(ins)
-    ins[at] = mask & ok
+    ins[at] = self._in_bounds(transforms, mask)
     return ins
+
+  def _in_bounds(self, transforms: tuple, mask: Any) -> Any:
+    """`mask` with the lanes out of bounds off (as `_bounds` found them)."""
+    seen = self._lanes
+    if seen is not None and seen[0] is transforms and seen[1] is mask:
+      return mask & seen[2]
+    ok = jnp.bool_(True)
+    for c, _, _ in bounds.access_conditions(transforms, mask) or ():
+      ok = ok & c
+    return mask & ok
 
   # -- DMAs (TPU kernels) -----------------------------------------------------------
   def _dma_start(self, eqn, ins, producers):
@@ -621,7 +799,7 @@ class _Instrumenter:
     return self._guarded(ok, lambda: self.bind(eqn, ins), lambda: [])
 
   def _dma_wait(self, eqn, ins, producers):
-    ref, ref_t, *_ = jax.tree_util.tree_unflatten(eqn.params["tree"], ins)
+    ref, ref_t, sem, sem_t = jax.tree_util.tree_unflatten(eqn.params["tree"], ins)
     ref_t = tuple(ref_t or ())
     r = self.info(ref)
     if r is not None and r.shadow is not None and dynamic_views.has_dynamic_size(ref_t):
@@ -634,7 +812,31 @@ class _Instrumenter:
       view = internals.TransformedRef(r.shadow, ref_t) if ref_t else r.shadow
       old = view[...]
       view[...] = jnp.where(old == self.in_flight, self.stamp, old)
-    return self.bind(eqn, ins)
+    size = primitives.view_aval(jax.typeof(ref), ref_t).size
+    return self._wait(eqn, ins, sem, sem_t, size, "a DMA wait")
+
+  def _semaphore_wait(self, eqn, ins, producers):
+    *flat, value = ins
+    sem, sem_t = jax.tree_util.tree_unflatten(eqn.params["tree"], flat)
+    return self._wait(eqn, ins, sem, sem_t, value, "semaphore_wait")
+
+  def _wait(self, eqn: Any, ins: list, sem: Any, sem_t: Any, amount: Any, what: str) -> Any:
+    """A wait on a semaphore that holds less than it takes: in grid order every program
+    before this one has run, so only a later one (or none) could signal it."""
+    if not self.opts.hangs or self.quiet:
+      return self.bind(eqn, ins)
+    from pallet import dma
+    flat, tree = jax.tree_util.tree_flatten((sem, sem_t))
+    held = dma.semaphore_read_p.bind(*flat, tree=tree)
+    ok = held >= jnp.asarray(amount, jnp.int32)
+    r = self.info(sem)
+    name = r.name if r else None
+    self.check(eqn, "deadlock", ok,
+               f"{what} on {repr(name) if name else 'a semaphore'} takes more than it "
+               f"holds: nothing before this program in grid order signalled it enough, so "
+               f"on a TPU it waits for a later program (or none) and deadlocks", name, held,
+               "the semaphore holds")
+    return self._guarded_always(ok, lambda: self.bind(eqn, ins))
 
   # -- buffers made inside the kernel ---------------------------------------------------
   def _new_ref(self, eqn, ins, producers):
@@ -646,9 +848,12 @@ class _Instrumenter:
 
   # -- pl.debug_check ---------------------------------------------------------------
   def _pallet_check(self, eqn, ins, producers):
-    if not self.opts.debug_checks or eqn.params.get("info") is not None:
+    """`pl.debug_check`s and pallet's own sanity checks report like the others."""
+    if eqn.params.get("info") is not None:
       return self.bind(eqn, ins)
-    self.check(eqn, "debug_check", ins[0], eqn.params["message"], None)
+    message = eqn.params["message"]
+    kind = "debug_check" if message.startswith("pl.debug_check failed") else ""
+    self.check(eqn, kind, ins[0], message, None)
     return []
 
   # -- values: gathers and dynamic slices clamp silently ----------------------------
@@ -712,7 +917,74 @@ class _Instrumenter:
     def body_fun(c):
       return self.eval(bj.jaxpr, bj.consts, [*body_consts, *c])
 
-    return list(lax.while_loop(cond_fun, body_fun, list(init)))
+    if not self.opts.hangs or self.quiet:
+      return list(lax.while_loop(cond_fun, body_fun, list(init)))
+    return self._watched_while(eqn, ins, cond_fun, body_fun, list(init))
+
+  def _watched_while(self, eqn, ins, cond_fun, body_fun, init):
+    """The loop, stopped (and reported) when an iteration changes nothing it could
+    act on next (it would repeat forever) or, unless it is counted, past
+    `opts.loop_bound` iterations."""
+    uses = loops.ref_uses(eqn)
+    watched = [ins[k] for k in sorted(uses.reads & uses.writes)]
+    progress_known = loops.snapshottable(watched)
+    bounded = not loops.counted(eqn)
+    if not progress_known and not bounded:
+      return list(lax.while_loop(cond_fun, body_fun, init))
+    bound = self.opts.loop_bound
+
+    # Programs that run one after another: one iteration that changes nothing
+    # repeats forever. Running at once (a GPU), another program may still write what
+    # this one waits for: only `bound` such iterations in a row count.
+    patience = bound if self.concurrent else 1
+    steering = loops.steering_carry(eqn)
+
+    def cond(c):
+      state, count, idle = c
+      go = cond_fun(state) & (idle < patience)
+      return (go & (count < bound)) if bounded else go
+
+    def body(c):
+      state, count, idle = c
+      before = [r[...] for r in watched] if progress_known else []
+      new = body_fun(state)
+      if not progress_known:
+        return new, count + 1, idle
+      after = [r[...] for r in watched]
+      same = loops.unchanged([*(state[k] for k in steering), *before],
+                             [*(new[k] for k in steering), *after])
+      return new, count + 1, jnp.where(same, idle + 1, 0)
+
+    state, count, idle = lax.while_loop(cond, body, (init, jnp.int32(0), jnp.int32(0)))
+    stuck = idle >= patience
+    if progress_known:
+      waited = uses.waited_on() or (uses.read_sites[0] if uses.read_sites else None)
+      if waited is not None:
+        at, k = waited
+        r = self.info(ins[k])
+        name = r.name if r else None
+        self.check(at, "deadlock", ~stuck,
+                   f"this program waits in a loop on {repr(name) if name else 'memory'} "
+                   f"and an iteration changed nothing it could act on: nothing before it "
+                   f"in grid order wrote the value it waits for, so on a TPU or GPU it "
+                   f"waits for a later program (or none) and deadlocks where that program "
+                   f"is scheduled after it", name, count, "iterations")
+      else:
+        self.check(eqn, "hang", ~stuck,
+                   "while_loop iteration changed neither its carry nor any memory it "
+                   "reads: it would loop forever", None, count, "iterations")
+    if bounded:
+      self.quiet += 1
+      try:
+        going = cond_fun(state)
+      finally:
+        self.quiet -= 1
+      self.check(eqn, "hang", ~(going & (count >= bound) & ~stuck),
+                 f"while_loop ran {bound} iterations and its condition still holds: it "
+                 f"may never finish (checking mode stops loops past {bound} iterations; "
+                 f"InterpretParams(max_loop_iterations=...) sets the bound)", None, count,
+                 "iterations")
+    return list(state)
 
 
 # ------------------------------------------------------------------ building the kernel
@@ -728,40 +1000,98 @@ def _whole_mapping(b: BlockMapping, origin: str) -> BlockMapping:
                       index_map=index_map, memory_space=b.memory_space, whole=True)
 
 
+def _record_mapping(gm: Any) -> tuple[BlockMapping, bool]:
+  """The failure record's output: one row per grid step (each step's own block), or
+  with sizes known only at run time one row for the grid, holding the grid indices
+  too; (mapping, whether it is that one row)."""
+  n = len(gm.grid)
+  arg_avals = ([jax.core.ShapedArray((), jnp.int32)] * n
+               + [internals.AbstractRef(a) for a in gm.prefetch_avals])
+  if None in gm.grid:
+    width = report.RECORD_WIDTH + n
+    index_map = jax.make_jaxpr(lambda *_: (jnp.int32(0),))(*arg_avals)
+    return BlockMapping(origin="check record", array_shape=(width,),
+                        dtype=jnp.dtype(jnp.int32),
+                        dims=(BlockDimension("blocked", width),), index_map=index_map,
+                        memory_space=None, whole=True), True
+  index_map = jax.make_jaxpr(lambda *a: (*a[:n], jnp.int32(0)))(*arg_avals)
+  dims = (BlockDimension("squeezed", 1),) * n + (BlockDimension("blocked", report.RECORD_WIDTH),)
+  return BlockMapping(origin="check record", array_shape=(*gm.grid, report.RECORD_WIDTH),
+                      dtype=jnp.dtype(jnp.int32), dims=dims, index_map=index_map,
+                      memory_space=None, whole=False), False
+
+
 def instrument(kernel: KernelDescription, opts: CheckOptions, names: list[str],
                parallel: tuple[int, ...], shadowed_outputs: tuple[int, ...],
-               shadowed_scratch: tuple[int, ...], guard: bool) -> tuple[KernelDescription, Layout]:
-  """The checked kernel and where its extra operands are."""
+               shadowed_scratch: tuple[int, ...], guard: bool, concurrent: bool = False,
+               alias_pairs: tuple[tuple[int, int], ...] = ()
+               ) -> tuple[KernelDescription, Layout]:
+  """The checked kernel and where its extra operands are. `alias_pairs`: aliased
+  (input, output) pairs seen whole, whose reads are checked against earlier programs'
+  writes (see aliasing.py)."""
+  args = (kernel, opts, names, parallel, shadowed_outputs, shadowed_scratch, guard,
+          concurrent, alias_pairs)
+  checked, layout = _instrument(*args, with_record=True)
+  if layout.catalog:
+    return checked, layout
+  # No check survived tracing (all known to pass): no record to carry.
+  return _instrument(*args, with_record=False)
+
+
+def _instrument(kernel: KernelDescription, opts: CheckOptions, names: list[str],
+                parallel: tuple[int, ...], shadowed_outputs: tuple[int, ...],
+                shadowed_scratch: tuple[int, ...], guard: bool, concurrent: bool,
+                alias_pairs: tuple[tuple[int, int], ...],
+                with_record: bool) -> tuple[KernelDescription, Layout]:
   gm = kernel.grid_mapping
+  if None in gm.grid:   # steps are told apart by their flat index
+    alias_pairs = ()
+  alias_outputs = tuple(o for _, o in alias_pairs)
   n_ids = len(gm.grid) + len(gm.dynamic_axes)
-  tool = _Instrumenter(kernel, opts, names, parallel, guard)
+  tool = _Instrumenter(kernel, opts, names, parallel, guard, concurrent)
   tool.shadowed_outputs, tool.shadowed_scratch = shadowed_outputs, shadowed_scratch
+  tool.alias_pairs = alias_pairs
+  shadowed_outputs_all = shadowed_outputs + alias_outputs
   n_out_names = names[len(gm.prefetch_avals) + len(gm.inputs):]
   aliased = {o for _, o in kernel.input_output_aliases}
   shadow_outputs = tuple(gm.outputs[o].replace(origin=f"shadow of {gm.outputs[o].origin}",
                                                dtype=jnp.dtype(jnp.int32))
-                         for o in shadowed_outputs)
+                         for o in shadowed_outputs_all)
   shadow_inputs = tuple(_whole_mapping(gm.outputs[o], f"initial shadow of output {o}")
-                        for o in shadowed_outputs)
+                        for o in shadowed_outputs_all)
+  record_outputs, record_inputs, record_has_ids = (), (), False
+  if with_record:
+    mapping, record_has_ids = _record_mapping(gm)
+    record_outputs = (mapping,)
+    if record_has_ids:   # one row kept across the grid: starts as the caller's zeros
+      record_inputs = (mapping.replace(origin="initial check record"),)
   shadow_scratch = tuple(jax.core.ShapedArray(gm.scratch_avals[s].shape, jnp.int32)
                          for s in shadowed_scratch)
-  new_gm = gm.replace(inputs=gm.inputs + shadow_inputs, outputs=gm.outputs + shadow_outputs,
+  new_gm = gm.replace(inputs=gm.inputs + shadow_inputs + record_inputs,
+                      outputs=gm.outputs + shadow_outputs + record_outputs,
                       scratch_avals=gm.scratch_avals + shadow_scratch)
   ref_avals = ([internals.AbstractRef(a) for a in gm.prefetch_avals]
                + [internals.AbstractRef(b.kernel_aval) for b in new_gm.inputs]
                + [internals.AbstractRef(b.kernel_aval) for b in new_gm.outputs]
                + [internals.AbstractRef(a) for a in new_gm.scratch_avals])
   id_avals = [jax.core.ShapedArray((), jnp.int32)] * n_ids
-  counts = (n_ids, len(gm.prefetch_avals), len(gm.inputs), len(shadowed_outputs),
-            len(gm.outputs), len(gm.scratch_avals), len(shadowed_scratch))
+  counts = (n_ids, len(gm.prefetch_avals), len(gm.inputs), len(shadowed_outputs_all),
+            len(record_inputs), len(gm.outputs), len(record_outputs), len(gm.scratch_avals),
+            len(shadowed_scratch))
   with internals.vma_checks_off():
     jaxpr = jax.make_jaxpr(functools.partial(tool.body, counts))(*id_avals, *ref_avals)
-  n_in = len(gm.inputs)
+  n_in, n_out = len(gm.inputs), len(gm.outputs)
   aliases = kernel.input_output_aliases + tuple(
-      (n_in + k, len(gm.outputs) + k) for k in range(len(shadowed_outputs)))
+      (n_in + k, n_out + k) for k in range(len(shadowed_outputs_all)))
+  if record_inputs:
+    aliases += ((n_in + len(shadow_inputs), n_out + len(shadow_outputs)),)
   checked = kernel.replace(jaxpr=jaxpr, grid_mapping=new_gm, input_output_aliases=aliases)
   layout = Layout(shadowed_outputs=shadowed_outputs,
                   shadow_initial=tuple(tool.given if o in aliased else 0
                                        for o in shadowed_outputs),
-                  given=tool.given, shared=tool.shared, output_names=tuple(n_out_names[:len(gm.outputs)]))
+                  alias_outputs=alias_outputs,
+                  given=tool.given, shared=tool.shared,
+                  output_names=tuple(n_out_names[:len(gm.outputs)]),
+                  catalog=tuple(tool.catalog) if with_record else (),
+                  record=with_record, record_has_ids=record_has_ids)
   return checked, layout

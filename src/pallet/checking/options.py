@@ -5,6 +5,7 @@ import dataclasses
 import os
 from typing import Any
 
+from pallet import checks
 from pallet.interpret_params import InterpretParams
 
 ENV_VAR = "PALLET_CHECKS"
@@ -13,7 +14,9 @@ _OFF = ("", "0", "false", "off", "no")
 # $PALLET_CHECKS may also list kinds, e.g. "race,nan"; "all" adds every opt-in check.
 _KIND_FIELDS = {"out_of_bounds": "bounds", "index_map": "bounds", "uninitialized": "uninitialized",
                 "race": "races", "nan": "nans", "overflow": "overflow",
-                "unwritten": "unwritten", "debug_check": "debug_checks"}
+                "unwritten": "unwritten", "debug_check": "debug_checks", "hang": "hangs",
+                "deadlock": "hangs", "aliasing": "races"}
+DEFAULT_LOOP_BOUND = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,12 +27,14 @@ class CheckOptions:
   races: bool = True
   nans: bool = False
   overflow: bool = False
-  unwritten: bool = False
+  unwritten: bool = True      # output elements no program wrote
   debug_checks: bool = False
+  hangs: bool = True           # loops that never finish, waits on later programs
+  loop_bound: int = DEFAULT_LOOP_BOUND   # iterations of a while loop counted as a hang
 
   @property
   def any(self) -> bool:
-    return any(dataclasses.astuple(self))
+    return any(v is True for v in dataclasses.astuple(self))
 
 
 def from_interpret_params(params: InterpretParams) -> CheckOptions:
@@ -38,7 +43,8 @@ def from_interpret_params(params: InterpretParams) -> CheckOptions:
                       races=bool(params.detect_races), nans=bool(params.detect_nans),
                       overflow=bool(params.detect_int_overflow),
                       unwritten=bool(params.detect_unwritten_outputs),
-                      debug_checks=bool(params.debug_checks))
+                      debug_checks=bool(params.debug_checks), hangs=bool(params.detect_hangs),
+                      loop_bound=int(params.max_loop_iterations))
 
 
 def from_environment(value: str | None = None) -> CheckOptions | None:
@@ -49,8 +55,8 @@ def from_environment(value: str | None = None) -> CheckOptions | None:
   if value in _ON:
     return CheckOptions()
   if value == "all":
-    return CheckOptions(nans=True, overflow=True, unwritten=True, debug_checks=True)
-  fields = {f: False for f in set(_KIND_FIELDS.values())}
+    return CheckOptions(nans=True, overflow=True, debug_checks=True)
+  fields: dict = {f: False for f in set(_KIND_FIELDS.values())}
   for kind in value.split(","):
     kind = kind.strip()
     if kind not in _KIND_FIELDS:
@@ -66,4 +72,6 @@ def resolve(interpret: Any) -> CheckOptions | None:
     options = from_interpret_params(interpret)
   else:
     options = from_environment()
+  if options is not None and checks.allow_unwritten_outputs.value:
+    options = dataclasses.replace(options, unwritten=False)
   return options if options is not None and options.any else None
