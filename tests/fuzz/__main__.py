@@ -42,8 +42,12 @@ def main(argv: list[str] | None = None) -> int:
       counts[outcome.status] += 1
       if outcome.status == "skipped":
         reasons[outcome.reason] += 1
-      elif outcome.reason:
-        reasons[f"{outcome.status}, note: {outcome.reason.splitlines()[0][:160]}"] += 1
+      elif outcome.status == "passed":
+        against = " and ".join(outcome.checked)
+        note = f"; {outcome.reason.splitlines()[0][:160]}" if outcome.reason else ""
+        if outcome.case.jax_oracle:
+          note += f"; JAX not used: {outcome.case.jax_oracle}"
+        reasons[f"passed against {against}{note}"] += 1
       if outcome.status == "disagreed" or args.verbose:
         print(f"--- {family}-{seed} {outcome.report()}", flush=True)
       if outcome.status == "disagreed":

@@ -244,3 +244,29 @@ def random_layout(rng: random.Random, grid: Sequence[int], visible: Sequence[int
 
 def grid_points(grid: Sequence[int]) -> list[tuple[int, ...]]:
   return list(itertools.product(*(range(n) for n in grid)))
+
+
+def covering_layout(rng: random.Random, grid: Sequence[int], visible: Sequence[int], *,
+                    edges: bool = True, squeeze_spellings: Sequence[str] = ("None", "Squeezed")
+                    ) -> Layout:
+  """A layout that visits every block exactly once: each grid axis walks one dimension
+  (forwards or reversed; axes beyond the visible rank walk squeezed dimensions), the
+  other dimensions are one block wide (an edge block where `edges`)."""
+  axes = list(range(len(grid)))
+  rng.shuffle(axes)
+  dims, shape = [], []
+  for n in visible:
+    a = axes.pop() if axes else None
+    if a is None:
+      expr, blocks = ("const", 0), 1
+    else:
+      expr = ("rev", a, rng.random() < 0.5) if rng.random() < 0.3 else ("lin", a, 1, 0)
+      blocks = grid[a]
+    cut = rng.randint(1, n - 1) if edges and n > 1 and rng.random() < 0.3 else 0
+    dims.append(Dim("blocked", n, expr))
+    shape.append(blocks * n - cut)
+  for a in axes:
+    at = rng.randint(0, len(dims))
+    dims.insert(at, Dim("squeezed", 1, ("lin", a, 1, 0), rng.choice(list(squeeze_spellings))))
+    shape.insert(at, grid[a])
+  return Layout(tuple(shape), tuple(dims))
