@@ -52,15 +52,17 @@ def run_case(case: Case, backend: str = "xla") -> Outcome:
   """Runs `case` on pallet's `backend` and on every oracle that applies."""
   if backend != "xla" and case.triton:
     return Outcome(case, "skipped", f"not expressible on Triton: {case.triton}")
-  inputs = tuple(jnp.asarray(x) for x in case.inputs)
+  def inputs() -> tuple[jax.Array, ...]:   # fresh for every run: a run may donate them
+    return tuple(jnp.asarray(x) for x in case.inputs)
+
   model = _attempt(case.model, *case.inputs) if case.model is not None else None
   if model is not None and model.error is not None:
     return Outcome(case, "disagreed", f"the model failed (generator bug): "
                    f"{model.describe_error()}\n{model.trace}")
-  pallet = _attempt(case.run, pallet_api(backend), *inputs)
+  pallet = _attempt(case.run, pallet_api(backend), *inputs())
   jax_result = None
   if case.jax_oracle is None:
-    jax_result = _attempt(case.run, jax_api(case.tpu_interpreter), *inputs)
+    jax_result = _attempt(case.run, jax_api(case.tpu_interpreter), *inputs())
 
   scale = case.tolerance_scale
   if pallet.error is not None:

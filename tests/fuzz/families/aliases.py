@@ -101,7 +101,7 @@ def _run(api: Any, d: dict[str, Any], args: tuple[Any, ...]) -> list[Any]:
     for j, (o_ref, expr) in enumerate(zip(outs, d["exprs"])):
       blocks = [y] + ([ins[operands.index(("aliased", j))][...]] if d["reads"][j] else [])
       value = evaluate(expr, blocks, jnp, kernel_grid_value(pl, dtype))
-      o_ref[...] = jnp.asarray(value).astype(o_ref.dtype)
+      o_ref[...] = jnp.broadcast_to(jnp.asarray(value).astype(o_ref.dtype), o_ref.shape)
 
   in_specs = []
   for kind, j in operands:

@@ -120,7 +120,8 @@ def _run(api: Any, d: dict[str, Any], args: tuple[Any, ...]) -> list[Any]:
       if d["term"] is not None:
         t, a = d["term"]
         value = value + table_refs[t][pl.program_id(a)].astype(dtype)
-      o_ref[...] = jax.numpy.asarray(value).astype(o_ref.dtype)
+      o_ref[...] = jax.numpy.broadcast_to(jax.numpy.asarray(value).astype(o_ref.dtype),
+                                          o_ref.shape)
 
   in_specs = [L.spec(pl, grid) for L in d["ins"]]
   in_specs += [L.spec(pl, grid) for L, a in zip(d["outs"], d["alias"]) if a]
