@@ -33,8 +33,9 @@ BACKENDS = ("xla", "triton")
 
 
 @functools.lru_cache(maxsize=None)
-def pallet_api(backend: str) -> Api:
-  """pallet on `backend`; Triton runs under its interpreter unless a GPU is present."""
+def pallet_api(backend: str, poisoned: bool = False) -> Api:
+  """pallet on `backend`; Triton runs under its interpreter unless a GPU is present.
+  `poisoned` runs the XLA backend with `interpret=True` (fresh memory poisoned)."""
   if backend not in BACKENDS:
     raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
   import pallet
@@ -44,7 +45,10 @@ def pallet_api(backend: str) -> Api:
   if backend == "triton":
     from pallet.backends import generated_code_on_gpu
     options["interpret"] = not generated_code_on_gpu()
-  return Api(f"pallet-{backend}", pallet, pallet.tpu, pallet.triton, options)
+  elif poisoned:
+    options["interpret"] = True
+  name = f"pallet-{backend}" + ("-interpret" if poisoned else "")
+  return Api(name, pallet, pallet.tpu, pallet.triton, options)
 
 
 @functools.lru_cache(maxsize=None)

@@ -19,6 +19,8 @@ class Case:
   `jax_oracle` / `triton` are None when JAX's interpreter is a valid oracle / the Triton
   backend can express the case, else the reason why not. `tolerance_scale` loosens
   float comparisons where the kernel sums many terms in an order the model does not fix.
+  `may_refuse` says why pallet may refuse the kernel with an error (only accepted where
+  JAX's interpreter refuses it too); anywhere else an error from pallet is a failure.
   """
   family: str
   seed: int
@@ -30,6 +32,7 @@ class Case:
   triton: str | None = None
   tpu_interpreter: bool = False
   tolerance_scale: float = 1.0
+  may_refuse: str | None = None
 
   @property
   def id(self) -> str:
