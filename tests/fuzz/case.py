@@ -7,8 +7,6 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .apis import Api
-
 
 @dataclasses.dataclass
 class Case:

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..case import Case, poison, random_array
-from ..layout import Dim, Layout, grid_points, random_block_index, read_block, write_block
+from ..layout import (Dim, Layout, grid_points, index_values, random_block_index, read_block,
+                      write_block)
 
 FOLDS = ["sum", "first", "max", "decay", "rescale"]
 
@@ -60,7 +61,7 @@ def _draw(rng: random.Random) -> dict[str, Any]:
     expr = random_block_index(rng, [g if a in others else 1 for a, g in enumerate(grid)])
     if expr[0] not in ("const",) and (expr[1] == r or (expr[0] == "add" and expr[2] == r)):
       expr = ("const", 0)
-    top = max(_index_values(expr, grid))
+    top = max(index_values(expr, grid))
     size = (top + 1) * n - (rng.randint(1, n - 1) if n > 1 and rng.random() < 0.4 else 0)
     x_dims.append(Dim("blocked", n, expr))
     o_dims.append(Dim("blocked", n, expr))
@@ -86,11 +87,6 @@ def _draw(rng: random.Random) -> dict[str, Any]:
     outs.append(out)                                # a step counter beside the fold
   return dict(grid=grid, r=r, dtype=dtype, fold=fold, x=x, outs=outs, inner=inner,
               inner_axis=inner_axis)
-
-
-def _index_values(expr, grid):
-  from ..layout import index_values
-  return index_values(expr, grid)
 
 
 def _reduce(d: dict[str, Any], x: Any, xp: Any) -> Any:

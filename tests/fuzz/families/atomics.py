@@ -34,7 +34,7 @@ def generate(rng: random.Random, data: np.random.Generator) -> Case:
   unique = form in ("array", "array2d") and rng.random() < 0.3
   ops = [o for o in COMMUTATIVE if dtype == "int32" or o in ("add", "max", "min")]
   if unique:
-    ops += ["xchg", "xchg"] + (["cas", "cas"] if True else [])
+    ops += ["xchg", "xchg", "cas", "cas"]
   op = rng.choice(ops)
   if op == "cas":
     form = "scalar_unique"

@@ -20,7 +20,7 @@ import numpy as np
 from ..case import Case, poison, random_array
 from ..exprs import (evaluate, inputs_used, kernel_grid_value, model_dtype, model_grid_value,
                      random_expr, show)
-from ..layout import Layout, grid_points, random_layout, read_block, write_block
+from ..layout import grid_points, random_layout, read_block, write_block
 
 DTYPES = ["float32"] * 5 + ["int32"] * 3 + ["bfloat16", "float16"]
 
