@@ -47,7 +47,7 @@ def pallet_api(backend: str, poisoned: bool = False) -> Api:
     options["interpret"] = not generated_code_on_gpu()
   elif poisoned:
     options["interpret"] = True
-  name = f"pallet-{backend}" + ("-interpret" if poisoned else "")
+  name = f"pallet-{backend}" + ("-interpret" if poisoned and backend == "xla" else "")
   return Api(name, pallet, pallet.tpu, pallet.triton, options)
 
 
