@@ -129,6 +129,27 @@ def test_programs_sharing_an_output_block_run_in_order_last_write_wins():
   assert "steps (0,) and (1,)" in reason.detail
 
 
+def test_programs_whose_element_windows_overlap_run_in_order_last_write_wins():
+  # pl.Element output windows at offsets 2j + 2, three wide: neighbours along axis 1
+  # share an element, so axis 1 may not run in parallel (found by tests/fuzz, blocks).
+  def kernel(x_ref, buffer_ref, o_ref):
+    o_ref[...] = x_ref[...] + (10 * pl.program_id(0) + pl.program_id(1)).astype(f32)
+
+  x = random_array((4, 4, 3))
+  spec = pl.BlockSpec((None, pl.Element(3)), lambda i, j: ((i + j) % 3, 2 * j + 2))
+  fn = pallas_call(kernel, jax.ShapeDtypeStruct((3, 11), f32), grid=(4, 4),
+                   in_specs=[pl.BlockSpec((None, None, 3), lambda i, j: (i, j, 0)), spec],
+                   out_specs=spec, input_output_aliases={1: 0})
+  expected = poisoned((3, 11))
+  for i in range(4):
+    for j in range(4):     # the row-major loop: the last write of an element wins
+      expected = expected.at[(i + j) % 3, 2 * j + 2:2 * j + 5].set(x[i, j] + 10 * i + j)
+  assert_close(fn(x, poisoned((3, 11))), expected)
+  axis = grid_analysis.analyse(_kernel_of(fn, x, poisoned((3, 11)))).axes[1]
+  assert not axis.parallel
+  assert "overlap" in axis.reasons[0].detail
+
+
 # ------------------------------------------------------------------ declared "parallel"
 def test_declared_parallel_axis_that_carries_scratch_warns_and_runs_in_order():
   fn = _prefix_sum(compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)))

@@ -624,8 +624,9 @@ def _output_conflicts(kernel: KernelDescription, by_slot: dict, reasons: list[li
     if not writes:
       continue
     flat = table.reshape(math.prod(grid), table.shape[-1])
-    block_id = (np.unique(flat, axis=0, return_inverse=True)[1].reshape(-1) if flat.shape[1]
-                else np.zeros(len(flat), np.int64))
+    windows = _overlap_runs(flat, mapping)
+    block_id = (np.unique(windows, axis=0, return_inverse=True)[1].reshape(-1)
+                if flat.shape[1] else np.zeros(len(flat), np.int64))
     if block_id.max(initial=-1) + 1 == len(block_id):
       continue     # every step has its own block
     order = np.argsort(block_id, kind="stable")
@@ -642,14 +643,49 @@ def _output_conflicts(kernel: KernelDescription, by_slot: dict, reasons: list[li
       if not shared.size:
         continue
       members = order[starts[shared[0]]:ends[shared[0]]]
-      other = next(m for m in members if coords[g][m] != coords[g][members[0]])
-      steps = _steps([members[0], other], grid)
+      one, other, overlap = _sharing_pair(flat, members, coords[g], mapping)
+      steps = _steps([one, other], grid)
+      first, second = (tuple(int(v) for v in flat[m]) for m in (one, other))
+      where = (f"block {first} is visited by steps {steps[0]} and {steps[1]}"
+               if first == second else
+               f"the pl.Element windows at {first} and {second} (steps {steps[0]} and "
+               f"{steps[1]}) {'overlap' if overlap else 'may overlap'}")
       reasons[g].append(Dependence(
           "output", f"output {o}{name(slot)}", o, _line(accesses[0].eqn, kernel),
-          f"block {tuple(int(v) for v in flat[members[0]])} is visited by steps {steps[0]} "
-          f"and {steps[1]}, which differ along axis {g}; the kernel {how}",
-          certain=fixed and not atomic_only))
+          f"{where}, which differ along axis {g}; the kernel {how}",
+          certain=fixed and not atomic_only and overlap))
   return moves
+
+
+def _overlap_runs(flat: np.ndarray, mapping: BlockMapping) -> np.ndarray:
+  """Block positions (one row per step) with each `pl.Element` offset replaced by its
+  run of overlapping windows, so that steps whose windows may share an element get the
+  same position: distinct offsets closer than the window size overlap, and a chain of
+  such offsets is one run (sound: two windows of a run may not overlap after all)."""
+  out = flat.copy()
+  for d, dim in enumerate(mapping.dims):
+    if dim.kind != "element":
+      continue
+    offsets = np.unique(flat[:, d])
+    run = np.concatenate([[0], np.cumsum(np.diff(offsets) >= dim.size)])
+    out[:, d] = run[np.searchsorted(offsets, flat[:, d])]
+  return out
+
+
+def _sharing_pair(flat: np.ndarray, members: np.ndarray, along: np.ndarray,
+                  mapping: BlockMapping) -> tuple[int, int, bool]:
+  """Two steps of one overlap run that differ in `along` (grid coordinates), with
+  whether their windows certainly share an element; pairs that do are preferred."""
+  element = np.array([d.kind == "element" for d in mapping.dims], bool)
+  sizes = np.array([d.size for d in mapping.dims], np.int64)
+  for m in members[:64]:
+    diff = np.abs(flat[members] - flat[m])
+    shares = np.all(np.where(element, diff < sizes, diff == 0), axis=1)
+    hits = np.flatnonzero(shares & (along[members] != along[m]))
+    if hits.size:
+      return int(m), int(members[hits[0]]), True
+  other = next(m for m in members if along[m] != along[members[0]])
+  return int(members[0]), int(other), False
 
 
 def block_table(mapping: BlockMapping, grid: tuple[int, ...]) -> np.ndarray | None:

@@ -632,6 +632,18 @@ for _name, (_fn_name, _combine) in _ATOMICS.items():
   case(f"atomic_{_name}")(_atomic_case(_fn_name, _combine))
 
 
+@case("atomic_xchg_float")
+def _xchg_float(interpret):
+  # Triton's interpreter has no float atomic_xchg; the exchange is of bits, so the
+  # backend exchanges them as integers (found by tests/fuzz, atomics).
+  init, v = random_array((8,)), random_array((8,))
+  def kernel(init_ref, v_ref, o_ref, old_ref):
+    o_ref[...] = init_ref[...]
+    old_ref[...] = pl.atomic_xchg(o_ref, (slice(None),), v_ref[...])
+  f = call(kernel, (sds(init), sds(init)), interpret)
+  return f, (init, v), (v, init)
+
+
 @case("atomic_cas_scalar")
 def _cas(interpret):
   x = jnp.array([5, 9], jnp.int32)

@@ -411,6 +411,15 @@ class KernelGenerator:
     args = f", mask={' & '.join(masks)}" if masks else ""
     val = value.typed
     op = eqn.params["op"]
+    element = tl_dtype(ref.dtype)
+    if op == "xchg" and element in ("tl.float32", "tl.float64"):
+      # Triton's interpreter has no float exchange; an exchange moves bits, so exchanging
+      # them as integers of the same width is the same operation on every target.
+      bits = f"tl.int{element[-2:]}"
+      swapped = (f"tl.atomic_xchg(({pointer}).to(tl.pointer_type({bits})), "
+                 f"{val}.to({bits}, bitcast=True){args})")
+      return [self.let("atomic_xchg", f"{swapped}.to({element}, bitcast=True)", shape,
+                       ref.dtype)]
     return [self.let(f"atomic_{op}", f"tl.atomic_{op}({pointer}, {val}{args})", shape,
                      ref.dtype)]
 
