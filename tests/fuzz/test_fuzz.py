@@ -23,22 +23,10 @@ BACKEND = current_test_backend()
 SHORT_SEEDS = range(4)
 LONG_SEEDS = range(100, 130)
 
-_BUG1 = "issue 28 bug 1: the trace cache ignores the module globals a kernel reads"
-_BUG2 = "issue 28 bug 2: a scratch carry is lost under dimension_semantics 'arbitrary'"
-_BUG3 = ("issue 28 bug 3: pl.num_programs in an emit_pipeline index map answers for the "
-         "enclosing grid")
-_BUG1_OBJECT = ("trace cache (issue 28, with bug 1): a kernel that closes over an object "
-                "keeps the trace made with the object's old attribute values")
 # Seeds that hit a known bug on a backend: strict xfails, so each must come off this
-# list when its fix lands. (backend, case id) -> the bug.
-KNOWN: dict[tuple[str, str], str] = {
-    **{("xla", f"scratch-{s}"): _BUG2 for s in (115, 127)},
-    **{("xla", f"pipeline-{s}"): _BUG3 for s in (3, 101, 102, 103, 105, 106, 108, 109, 110,
-                                                 113, 114, 115, 122, 124, 125)},
-    **{("xla", f"retrace-{s}"): _BUG1 for s in (101, 102, 103, 104, 105, 106, 109, 110, 112,
-                                                116, 120, 123, 126, 128)},
-    **{("xla", f"retrace-{s}"): _BUG1_OBJECT for s in (115, 129)},
-}
+# list when its fix lands. (backend, case id) -> the bug. Issue 28's four bugs were
+# found here (retrace, scratch and pipeline seeds) and are fixed.
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 def _params(seeds: range) -> list:
