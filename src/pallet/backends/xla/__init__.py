@@ -13,9 +13,10 @@ from jax.interpreters import mlir
 
 from pallet.backends.xla.executor import build
 from pallet.backends.xla.plan import ExecutionPlan, make_plan, vectorization_failure
+from pallet.backends.xla import scatter_accumulators
 from pallet.backends.xla.scratch_accumulators import ScratchRewrite, rewrite
 from pallet.backends.xla.widening import widen_plan
-from pallet import trace_cache
+from pallet import primitives, trace_cache
 from pallet.tracing import KernelDescription
 
 NAME = "xla"
@@ -28,7 +29,14 @@ def _planned(kernel: KernelDescription) -> tuple[ExecutionPlan, Callable]:
     plan, fn = _planned(scratch.kernel)
     plan = dataclasses.replace(plan, reasons=[scratch.note] + plan.reasons)
     return plan, lambda *args: scratch.finish(list(fn(*args)))
+  scattered = scatter_accumulators.rewrite(kernel) if _updates_atomically(kernel) else None
+  if isinstance(scattered, scatter_accumulators.ScatterRewrite):
+    plan, fn = _planned(scattered.kernel)
+    plan = dataclasses.replace(plan, reasons=[scattered.note] + plan.reasons)
+    return plan, lambda *args: scattered.finish(list(args), list(fn(*args)))
   plan = widen_plan(kernel, make_plan(kernel))
+  if isinstance(scattered, str):
+    plan.reasons.append(f"atomics not run as one scatter: {scattered}")
   if scratch is not None:
     plan.reasons.append(f"scratch buffers not run as accumulators: {scratch}")
   if kernel.debug:
@@ -58,6 +66,11 @@ def _planned(kernel: KernelDescription) -> tuple[ExecutionPlan, Callable]:
         _print_plan(kernel, looped)
       return results
   return plan, run
+
+
+def _updates_atomically(kernel: KernelDescription) -> bool:
+  """Whether the kernel binds add/max/min atomics (see scatter_accumulators)."""
+  return primitives.binds_scatter_atomics(kernel.jaxpr.jaxpr)
 
 
 # Kernels whose vectorized body failed to trace: their looped plan and function.
