@@ -514,10 +514,11 @@ def _pallas_call_jvp(primals, tangents, *, kernel, name, backend, interpret):
   transpose for reverse mode. On the XLA backend that computation yields the primal
   too; any other backend still runs the primal itself.
   """
-  from pallet.backends.xla import kernel_as_function
+  from pallet.backends.xla import differentiable_function
   tangents = [ad.instantiate_zeros(t) for t in tangents]
+  avals = tuple(jax.core.ShapedArray(jnp.shape(p), jnp.result_type(p)) for p in primals)
   with internals.vma_checks_off():   # planning traces the kernel body
-    fn = kernel_as_function(kernel)
+    fn = differentiable_function(kernel, avals)
   also = _mesh_axes_indexed(kernel) if internals.check_vma_enabled() else frozenset()
   if also or _union_varying(primals) or any(internals.is_sharded(p) for p in primals):
     # Inside shard_map or on an Explicit mesh: tangents behind a primitive boundary

@@ -9,11 +9,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+import jax
 from jax.interpreters import mlir
 
 from pallet.backends.xla.executor import build
 from pallet.backends.xla.plan import ExecutionPlan, make_plan, vectorization_failure
-from pallet.backends.xla import scatter_accumulators
+from pallet.backends.xla import canonical_dots, scatter_accumulators
 from pallet.backends.xla.scratch_accumulators import ScratchRewrite, rewrite
 from pallet.backends.xla.widening import widen_plan
 from pallet import primitives, trace_cache
@@ -84,6 +85,27 @@ def _print_plan(kernel: KernelDescription, plan: ExecutionPlan) -> None:
 def kernel_as_function(kernel: KernelDescription) -> Callable[..., list[Any]]:
   """The kernel's result as a pure function of `(*prefetch, *inputs)`."""
   return _planned(kernel)[1]
+
+
+def differentiable_function(kernel: KernelDescription,
+                            avals: tuple[Any, ...]) -> Callable[..., list[Any]]:
+  """`kernel_as_function`, with its matrix products as plain 2-D products where
+  vmap made them otherwise (see canonical_dots): JAX derives the gradient from it."""
+  plan, fn = _planned(kernel)
+  if not plan.vectorized or not _binds_dot(kernel):
+    return fn
+  closed = _canonical_program(kernel, avals)
+  return lambda *args: jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
+
+
+@trace_cache.kernel_cache
+def _canonical_program(kernel: KernelDescription, avals: tuple[Any, ...]) -> Any:
+  return canonical_dots.canonical(jax.make_jaxpr(kernel_as_function(kernel))(*avals))
+
+
+def _binds_dot(kernel: KernelDescription) -> bool:
+  from pallet.backends.xla.plan import _uses_primitive
+  return _uses_primitive(kernel.jaxpr.jaxpr, ("dot_general",))
 
 
 def plan_of(kernel: KernelDescription) -> ExecutionPlan:
