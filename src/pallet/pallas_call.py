@@ -452,21 +452,18 @@ def _pallas_call_batching(args, dims, *, kernel, name, backend, interpret):
   return outs, [0] * len(outs)
 
 
+_INDEX = jax.core.ShapedArray((), jnp.int32)
+
+
 def _with_leading_index(closed_jaxpr: Any) -> Any:
-  """The same jaxpr with one more (ignored) int32 input in front."""
-  def body(_, *args):
-    return jax.core.eval_jaxpr(closed_jaxpr.jaxpr, closed_jaxpr.consts, *args)
-  return jax.make_jaxpr(body)(jax.core.ShapedArray((), jnp.int32), *closed_jaxpr.in_avals)
+  """The same jaxpr with one more (ignored) int32 input in front (not traced again:
+  the kernel body is the bulk of a first call's tracing)."""
+  return internals.with_leading_inputs(closed_jaxpr, [_INDEX])
 
 
 def _batched_block(block, size, is_batched):
-  im = block.index_map
-
-  def index_map(b, *rest):
-    idx = jax.core.eval_jaxpr(im.jaxpr, im.consts, *rest)
-    return (b, *idx) if is_batched else tuple(idx)
-
-  new_jaxpr = jax.make_jaxpr(index_map)(jax.core.ShapedArray((), jnp.int32), *im.in_avals)
+  # index map (b, *ids) -> (b, *block indices), or the block indices when unbatched
+  new_jaxpr = internals.with_leading_inputs(block.index_map, [_INDEX], as_outputs=is_batched)
   if not is_batched:
     return block.replace(index_map=new_jaxpr)
   return block.replace(index_map=new_jaxpr, array_shape=(size, *block.array_shape),
