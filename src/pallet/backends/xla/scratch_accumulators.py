@@ -38,6 +38,7 @@ from jax.extend.core import Literal
 
 from pallet import _internals as internals
 from pallet import grid_eval
+from pallet.backends.xla import body_analysis
 from pallet.grid_mapping import BlockMapping
 from pallet.tracing import KernelDescription
 
@@ -74,7 +75,7 @@ def rewrite(kernel: KernelDescription) -> ScratchRewrite | str:
     sequential = [g for g in range(G) if gm.dimension_semantics[g] != "parallel"]
   if not sequential or sequential != list(range(G - len(sequential), G)):
     return "the reduction axes are not the grid's last axes"
-  pure = internals.discharge_state(kernel.jaxpr)
+  pure = body_analysis.discharged(kernel)   # the one discharge every analysis shares
   jaxpr = pure.jaxpr
   n_in = len(gm.inputs)
   o_in = jaxpr.invars[G + n_in:G + n_in + n_out]
