@@ -25,6 +25,7 @@ from pallet import bounded_slices
 from pallet import checking
 from pallet import closed_over
 from pallet import dma
+from pallet import gc_pause
 from pallet import plain_call
 from pallet import grid_mapping as gm_lib
 from pallet import specs as specs_lib
@@ -82,7 +83,7 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *,
       check_options = checking.options(interpret)
     except ValueError as e:
       raise PalletError(f"pallas_call of kernel '{name}': {e}") from None
-    with _checking_trace(check_options, poison=interpret is True):
+    with _checking_trace(check_options, poison=interpret is True), gc_pause.paused():
       return _launch(kernel, name, args, out_shape, grid, dynamic_sizes, in_specs, out_specs,
                      specs_lib.scratch_tree(scratch_shapes), num_scalar_prefetch, aliases, debug,
                      backend_name, run_interpret, compiler_params, dimension_semantics,
@@ -409,7 +410,7 @@ def _pallas_call_lowering(ctx, *args, kernel, name, backend, interpret):
   # without them, as one program instance sees only its blocks).
   ctx = ctx.replace(avals_in=[internals.plain_aval(a) for a in ctx.avals_in],
                     avals_out=[internals.plain_aval(a) for a in ctx.avals_out])
-  with internals.vma_checks_off():
+  with internals.vma_checks_off(), gc_pause.paused():
     return backends.get(backend, kernel).lower(ctx, *args, kernel=kernel,
                                                interpret=interpret)
 
@@ -511,6 +512,12 @@ def _pallas_call_jvp(primals, tangents, *, kernel, name, backend, interpret):
   transpose for reverse mode. On the XLA backend that computation yields the primal
   too; any other backend still runs the primal itself.
   """
+  with gc_pause.paused():
+    return _jvp(primals, tangents, kernel=kernel, name=name, backend=backend,
+                interpret=interpret)
+
+
+def _jvp(primals, tangents, *, kernel, name, backend, interpret):
   from pallet.backends.xla import differentiable_function
   tangents = [ad.instantiate_zeros(t) for t in tangents]
   avals = tuple(jax.core.ShapedArray(jnp.shape(p), jnp.result_type(p)) for p in primals)
