@@ -436,9 +436,9 @@ def _pallas_call_batching(args, dims, *, kernel, name, backend, interpret):
   new_args, batched = list(args[:n_pre]), []
   for i, (a, d) in enumerate(zip(args[n_pre:], dims[n_pre:])):
     if d is _NOT_MAPPED and i in aliased_inputs:
-      a, d = jnp.broadcast_to(a, (size, *a.shape)), 0
+      a, d = jax.lax.broadcast(a, (size,)), 0
     if d is not _NOT_MAPPED:
-      a = jnp.moveaxis(a, d, 0)
+      a = _batch_axis_first(a, d)
     new_args.append(a)
     batched.append(d is not _NOT_MAPPED)
   new_inputs = tuple(_batched_block(b, size, is_batched)
@@ -454,6 +454,14 @@ def _pallas_call_batching(args, dims, *, kernel, name, backend, interpret):
 
 
 _INDEX = jax.core.ShapedArray((), jnp.int32)
+
+
+def _batch_axis_first(a: Any, d: int) -> Any:
+  """`jnp.moveaxis(a, d, 0)` as one lax op: jnp's is a jitted function, traced anew for
+  every shape on a first call."""
+  if d == 0:
+    return a
+  return jax.lax.transpose(a, (d, *[k for k in range(jnp.ndim(a)) if k != d]))
 
 
 def _with_leading_index(closed_jaxpr: Any) -> Any:
@@ -489,7 +497,7 @@ def _batch_by_loop(args, dims, **params):
   """Fallback when scalar-prefetch operands are batched, or the kernel carries state
   from step to step (see `_carries_state`): one launch per batch element."""
   size = next(a.shape[d] for a, d in zip(args, dims) if d is not _NOT_MAPPED)
-  moved = [a if d is _NOT_MAPPED else jnp.moveaxis(a, d, 0)
+  moved = [a if d is _NOT_MAPPED else _batch_axis_first(a, d)
            for a, d in zip(args, dims)]
   is_batched = [d is not _NOT_MAPPED for d in dims]
 
