@@ -8,7 +8,7 @@ is a one-file change. Supported: jax 0.10.2 and 0.12.x.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 from jax._src import core as _core
@@ -63,6 +63,37 @@ def discharge_state(closed_jaxpr: Any) -> Any:
   if _STRIPS_MEMORY_SPACES:
     return _discharge.discharge_state(closed_jaxpr, strip_memory_space=True)
   return _discharge.discharge_state(closed_jaxpr)
+
+
+def with_leading_inputs(closed_jaxpr: Any, avals: Sequence[Any],
+                        as_outputs: bool = False) -> Any:
+  """`closed_jaxpr` with new inputs of `avals` in front (unused; with `as_outputs`
+  also returned first), built without tracing it again."""
+  jaxpr = closed_jaxpr.jaxpr
+  new = [_core.Var(a) for a in avals]
+  shift = len(new)
+  # effects name their ref by input position in some JAX versions, by variable in others
+  effects = {e.replace(input_index=e.input_index + shift)
+             if isinstance(getattr(e, "input_index", None), int) else e for e in jaxpr.effects}
+  changes = dict(invars=[*new, *jaxpr.invars], effects=effects)
+  if as_outputs:
+    changes["outvars"] = [*new, *jaxpr.outvars]
+  debug = getattr(jaxpr, "debug_info", None)
+  if debug is not None:
+    changes["debug_info"] = _with_argument_names(debug, len(new), len(changes.get(
+        "outvars", jaxpr.outvars)))
+  return closed_jaxpr.replace(jaxpr=jaxpr.replace(**changes))
+
+
+def _with_argument_names(debug: Any, n_new: int, n_out: int) -> Any:
+  names = getattr(debug, "arg_names", None)
+  paths = getattr(debug, "result_paths", None)
+  changes = {}
+  if names is not None:
+    changes["arg_names"] = ("",) * n_new + tuple(names)
+  if paths is not None and not callable(paths) and len(paths) != n_out:
+    changes["result_paths"] = ("",) * (n_out - len(paths)) + tuple(paths)
+  return debug._replace(**changes) if changes else debug
 
 
 def register_discharge_rule(primitive: Any) -> Callable:

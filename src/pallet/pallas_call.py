@@ -25,6 +25,7 @@ from pallet import bounded_slices
 from pallet import checking
 from pallet import closed_over
 from pallet import dma
+from pallet import gc_pause
 from pallet import mesh_launch
 from pallet import plain_call
 from pallet import grid_mapping as gm_lib
@@ -86,7 +87,7 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *,
       check_options = checking.options(interpret)
     except ValueError as e:
       raise PalletError(f"pallas_call of kernel '{name}': {e}") from None
-    with _checking_trace(check_options, poison=interpret is True):
+    with _checking_trace(check_options, poison=interpret is True), gc_pause.paused():
       return _launch(kernel, name, args, out_shape, grid, dynamic_sizes, in_specs, out_specs,
                      specs_lib.scratch_tree(scratch_shapes), num_scalar_prefetch, aliases, debug,
                      backend_name, run_interpret, compiler_params, dimension_semantics,
@@ -426,7 +427,7 @@ def _pallas_call_lowering(ctx, *args, kernel, name, backend, interpret):
   # without them, as one program instance sees only its blocks).
   ctx = ctx.replace(avals_in=[internals.plain_aval(a) for a in ctx.avals_in],
                     avals_out=[internals.plain_aval(a) for a in ctx.avals_out])
-  with internals.vma_checks_off():
+  with internals.vma_checks_off(), gc_pause.paused():
     return backends.get(backend, kernel).lower(ctx, *args, kernel=kernel,
                                                interpret=interpret)
 
@@ -452,9 +453,9 @@ def _pallas_call_batching(args, dims, *, kernel, name, backend, interpret):
   new_args, batched = list(args[:n_pre]), []
   for i, (a, d) in enumerate(zip(args[n_pre:], dims[n_pre:])):
     if d is _NOT_MAPPED and i in aliased_inputs:
-      a, d = jnp.broadcast_to(a, (size, *a.shape)), 0
+      a, d = jax.lax.broadcast(a, (size,)), 0
     if d is not _NOT_MAPPED:
-      a = jnp.moveaxis(a, d, 0)
+      a = _batch_axis_first(a, d)
     new_args.append(a)
     batched.append(d is not _NOT_MAPPED)
   new_inputs = tuple(_batched_block(b, size, is_batched)
@@ -469,21 +470,26 @@ def _pallas_call_batching(args, dims, *, kernel, name, backend, interpret):
   return outs, [0] * len(outs)
 
 
+_INDEX = jax.core.ShapedArray((), jnp.int32)
+
+
+def _batch_axis_first(a: Any, d: int) -> Any:
+  """`jnp.moveaxis(a, d, 0)` as one lax op: jnp's is a jitted function, traced anew for
+  every shape on a first call."""
+  if d == 0:
+    return a
+  return jax.lax.transpose(a, (d, *[k for k in range(jnp.ndim(a)) if k != d]))
+
+
 def _with_leading_index(closed_jaxpr: Any) -> Any:
-  """The same jaxpr with one more (ignored) int32 input in front."""
-  def body(_, *args):
-    return jax.core.eval_jaxpr(closed_jaxpr.jaxpr, closed_jaxpr.consts, *args)
-  return jax.make_jaxpr(body)(jax.core.ShapedArray((), jnp.int32), *closed_jaxpr.in_avals)
+  """The same jaxpr with one more (ignored) int32 input in front (not traced again:
+  the kernel body is the bulk of a first call's tracing)."""
+  return internals.with_leading_inputs(closed_jaxpr, [_INDEX])
 
 
 def _batched_block(block, size, is_batched):
-  im = block.index_map
-
-  def index_map(b, *rest):
-    idx = jax.core.eval_jaxpr(im.jaxpr, im.consts, *rest)
-    return (b, *idx) if is_batched else tuple(idx)
-
-  new_jaxpr = jax.make_jaxpr(index_map)(jax.core.ShapedArray((), jnp.int32), *im.in_avals)
+  # index map (b, *ids) -> (b, *block indices), or the block indices when unbatched
+  new_jaxpr = internals.with_leading_inputs(block.index_map, [_INDEX], as_outputs=is_batched)
   if not is_batched:
     return block.replace(index_map=new_jaxpr)
   return block.replace(index_map=new_jaxpr, array_shape=(size, *block.array_shape),
@@ -508,7 +514,7 @@ def _batch_by_loop(args, dims, **params):
   """Fallback when scalar-prefetch operands are batched, or the kernel carries state
   from step to step (see `_carries_state`): one launch per batch element."""
   size = next(a.shape[d] for a, d in zip(args, dims) if d is not _NOT_MAPPED)
-  moved = [a if d is _NOT_MAPPED else jnp.moveaxis(a, d, 0)
+  moved = [a if d is _NOT_MAPPED else _batch_axis_first(a, d)
            for a, d in zip(args, dims)]
   is_batched = [d is not _NOT_MAPPED for d in dims]
 
@@ -531,10 +537,17 @@ def _pallas_call_jvp(primals, tangents, *, kernel, name, backend, interpret):
   transpose for reverse mode. On the XLA backend that computation yields the primal
   too; any other backend still runs the primal itself.
   """
-  from pallet.backends.xla import kernel_as_function
+  with gc_pause.paused():
+    return _jvp(primals, tangents, kernel=kernel, name=name, backend=backend,
+                interpret=interpret)
+
+
+def _jvp(primals, tangents, *, kernel, name, backend, interpret):
+  from pallet.backends.xla import differentiable_function
   tangents = [ad.instantiate_zeros(t) for t in tangents]
+  avals = tuple(jax.core.ShapedArray(jnp.shape(p), jnp.result_type(p)) for p in primals)
   with internals.vma_checks_off():   # planning traces the kernel body
-    fn = kernel_as_function(kernel)
+    fn = differentiable_function(kernel, avals)
   also = _mesh_axes_indexed(kernel) if internals.check_vma_enabled() else frozenset()
   if also or _union_varying(primals) or any(internals.is_sharded(p) for p in primals):
     # Inside shard_map or on an Explicit mesh: tangents behind a primitive boundary

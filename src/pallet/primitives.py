@@ -472,6 +472,52 @@ def _atomic_scatter(ref_value, offsets, value, mask, op):
                        lambda at: getattr(at, op)(jnp.ravel(value), mode="drop"))
 
 
+def _static_int(x: Any) -> int | None:
+  if internals.is_tracer(x):
+    return None
+  try:
+    return int(x)
+  except TypeError:
+    return None
+
+
+def _direct_index(base_shape: tuple[int, ...], transforms: Sequence[Any]) -> tuple | None:
+  """A jax.numpy index selecting the same elements as `transforms` (one indexer whose
+  slices are static and inside the array), or None.
+
+  `ref.at[index].add(v, mode="drop")` with it is the atomics' final state as XLA's
+  own scatter: windows along the sliced dimensions (a row of a table per index)
+  instead of one scalar per element at offsets gathered from an iota. Integer
+  indices follow the same rules either way: negative ones count from the end, any
+  still outside the array are dropped.
+  """
+  if len(transforms) != 1 or not isinstance(transforms[0], internals.NDIndexer):
+    return None
+  index = []
+  for n, idx in zip(base_shape, transforms[0].indices):
+    if not isinstance(idx, internals.Slice):
+      index.append(idx)
+      continue
+    start, size, stride = _static_int(idx.start), _static_int(idx.size), _static_int(idx.stride)
+    if start is None or size is None or stride is None or stride < 1 or start < 0 \
+        or size < 1 or start + (size - 1) * stride >= n:
+      return None
+    index.append(slice(start, start + (size - 1) * stride + 1, stride))
+  return tuple(index)
+
+
+def _atomic_final_state(ref_value, args, tree, has_mask, op):
+  """The ref after add/max/min atomics: one scatter of `op` (repeated targets
+  combine, as a sequence of atomics does)."""
+  flat, (value, *mask) = _split(args, [tree.num_leaves, 1 + has_mask])
+  transforms = jax.tree_util.tree_unflatten(tree, flat)
+  index = None if has_mask else _direct_index(ref_value.shape, transforms)
+  if index is not None:
+    return getattr(ref_value.at[index], op)(value, mode="drop")
+  offsets = _element_offsets(ref_value.shape, transforms)
+  return _atomic_scatter(ref_value, offsets, value, mask[0] if mask else None, op)
+
+
 @internals.register_discharge_rule(atomic_rmw_p)
 def _atomic_rmw_discharge(in_avals, out_avals, ref_value, *args, tree, op, has_mask):
   offsets, value, mask = _atomic_operands(ref_value, args, tree, has_mask)
@@ -479,7 +525,7 @@ def _atomic_rmw_discharge(in_avals, out_avals, ref_value, *args, tree, op, has_m
   if op in _ATOMIC_SCATTER:
     # Same final state, but a plain scatter is far cheaper; the sort above is then
     # only kept by XLA when the kernel uses the returned old values.
-    new_ref = _atomic_scatter(ref_value, offsets, value, mask, op)
+    new_ref = _atomic_final_state(ref_value, args, tree, has_mask, op)
   return (new_ref,) + (None,) * (len(in_avals) - 1), old
 
 
@@ -493,8 +539,7 @@ atomic_update_p.def_effectful_abstract_eval(_atomic_rmw_abstract_eval)
 
 @internals.register_discharge_rule(atomic_update_p)
 def _atomic_update_discharge(in_avals, out_avals, ref_value, *args, tree, op, has_mask):
-  offsets, value, mask = _atomic_operands(ref_value, args, tree, has_mask)
-  new_ref = _atomic_scatter(ref_value, offsets, value, mask, op)
+  new_ref = _atomic_final_state(ref_value, args, tree, has_mask, op)
   unread = lax.full(out_avals[0].shape, 0, out_avals[0].dtype)
   return (new_ref,) + (None,) * (len(in_avals) - 1), unread
 
@@ -512,6 +557,12 @@ def unread_atomics_as_updates(closed_jaxpr: Any) -> Any:
   if all(a is b for a, b in zip(eqns, jaxpr.eqns)):
     return closed_jaxpr
   return closed_jaxpr.replace(jaxpr=jaxpr.replace(eqns=eqns))
+
+
+def binds_scatter_atomics(jaxpr: Any) -> bool:
+  """Whether `jaxpr` (not the jaxprs nested in it) binds add/max/min atomics."""
+  return any(e.primitive in (atomic_rmw_p, atomic_update_p) and e.params["op"] in _ATOMIC_SCATTER
+             for e in jaxpr.eqns)
 
 
 atomic_cas_p = Primitive("atomic_cas")

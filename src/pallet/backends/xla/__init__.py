@@ -9,13 +9,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+import jax
 from jax.interpreters import mlir
 
 from pallet.backends.xla.executor import build
 from pallet.backends.xla.plan import ExecutionPlan, make_plan, vectorization_failure
+from pallet.backends.xla import canonical_dots, scatter_accumulators
 from pallet.backends.xla.scratch_accumulators import ScratchRewrite, rewrite
 from pallet.backends.xla.widening import widen_plan
-from pallet import trace_cache
+from pallet import primitives, trace_cache
 from pallet.tracing import KernelDescription
 
 NAME = "xla"
@@ -28,7 +30,14 @@ def _planned(kernel: KernelDescription) -> tuple[ExecutionPlan, Callable]:
     plan, fn = _planned(scratch.kernel)
     plan = dataclasses.replace(plan, reasons=[scratch.note] + plan.reasons)
     return plan, lambda *args: scratch.finish(list(fn(*args)))
+  scattered = scatter_accumulators.rewrite(kernel) if _updates_atomically(kernel) else None
+  if isinstance(scattered, scatter_accumulators.ScatterRewrite):
+    plan, fn = _planned(scattered.kernel)
+    plan = dataclasses.replace(plan, reasons=[scattered.note] + plan.reasons)
+    return plan, lambda *args: scattered.finish(list(args), list(fn(*args)))
   plan = widen_plan(kernel, make_plan(kernel))
+  if isinstance(scattered, str):
+    plan.reasons.append(f"atomics not run as one scatter: {scattered}")
   if scratch is not None:
     plan.reasons.append(f"scratch buffers not run as accumulators: {scratch}")
   if kernel.debug:
@@ -60,6 +69,11 @@ def _planned(kernel: KernelDescription) -> tuple[ExecutionPlan, Callable]:
   return plan, run
 
 
+def _updates_atomically(kernel: KernelDescription) -> bool:
+  """Whether the kernel binds add/max/min atomics (see scatter_accumulators)."""
+  return primitives.binds_scatter_atomics(kernel.jaxpr.jaxpr)
+
+
 # Kernels whose vectorized body failed to trace: their looped plan and function.
 _fallbacks = trace_cache.LRU()
 
@@ -71,6 +85,27 @@ def _print_plan(kernel: KernelDescription, plan: ExecutionPlan) -> None:
 def kernel_as_function(kernel: KernelDescription) -> Callable[..., list[Any]]:
   """The kernel's result as a pure function of `(*prefetch, *inputs)`."""
   return _planned(kernel)[1]
+
+
+def differentiable_function(kernel: KernelDescription,
+                            avals: tuple[Any, ...]) -> Callable[..., list[Any]]:
+  """`kernel_as_function`, with its matrix products as plain 2-D products where
+  vmap made them otherwise (see canonical_dots): JAX derives the gradient from it."""
+  plan, fn = _planned(kernel)
+  if not plan.vectorized or not _binds_dot(kernel):
+    return fn
+  closed = _canonical_program(kernel, avals)
+  return lambda *args: jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
+
+
+@trace_cache.kernel_cache
+def _canonical_program(kernel: KernelDescription, avals: tuple[Any, ...]) -> Any:
+  return canonical_dots.canonical(jax.make_jaxpr(kernel_as_function(kernel))(*avals))
+
+
+def _binds_dot(kernel: KernelDescription) -> bool:
+  from pallet.backends.xla.plan import _uses_primitive
+  return _uses_primitive(kernel.jaxpr.jaxpr, ("dot_general",))
 
 
 def plan_of(kernel: KernelDescription) -> ExecutionPlan:

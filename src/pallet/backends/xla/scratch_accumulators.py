@@ -39,6 +39,7 @@ from jax.extend.core import Literal
 
 from pallet import _internals as internals
 from pallet import grid_eval
+from pallet.backends.xla import body_analysis
 from pallet.grid_mapping import BlockMapping
 from pallet.tracing import KernelDescription
 
@@ -79,7 +80,7 @@ def rewrite(kernel: KernelDescription) -> ScratchRewrite | str:
   if gm.dimension_semantics is not None and any(
       gm.dimension_semantics[g] == "parallel" for g in sequential):
     return "a reduction axis is declared parallel (the grid analysis decides how it runs)"
-  pure = internals.discharge_state(kernel.jaxpr)
+  pure = body_analysis.discharged(kernel)   # the one discharge every analysis shares
   jaxpr = pure.jaxpr
   n_in = len(gm.inputs)
   o_in = jaxpr.invars[G + n_in:G + n_in + n_out]

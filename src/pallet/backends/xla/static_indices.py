@@ -50,6 +50,9 @@ def fold_static_indices(closed: ClosedJaxpr, varying: Sequence[bool] | None = No
   of every operand to one copy per program."""
   if not _binds(closed.jaxpr, _INDEXED):
     return closed
+  n = len(closed.jaxpr.invars)
+  if not _may_rewrite(closed.jaxpr, [False] * n, list(varying or [False] * n))[0]:
+    return closed     # tracing the body again would change nothing: skip it
   avals = [v.aval for v in closed.jaxpr.invars]
   args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
 
@@ -64,6 +67,63 @@ def fold_static_indices(closed: ClosedJaxpr, varying: Sequence[bool] | None = No
   # Folding alone (constants for iotas, inlined calls) is no gain and can cost (XLA
   # fuses an iota better than a literal table): keep the body unless a rewrite fired.
   return folded if folder.changed else closed
+
+
+def _may_rewrite(jaxpr: Any, known: Sequence[bool], varying: Sequence[bool]
+                 ) -> tuple[bool, list[bool], list[bool]]:
+  """Whether `_Folder.run` could rewrite anything in `jaxpr` (and which of its outputs
+  could be known and which vary), decided on the jaxpr alone, without tracing: it
+  follows the folder's walk and over-approximates (a value is taken as known when
+  every input of its equation is), so a False is certain."""
+  is_known = {v: True for v in jaxpr.constvars}
+  is_known.update(zip(jaxpr.invars, known))
+  varies = dict(zip(jaxpr.invars, varying))
+  k = lambda x: isinstance(x, Literal) or is_known.get(x, False)
+  v = lambda x: not isinstance(x, Literal) and varies.get(x, False)
+  for eqn in jaxpr.eqns:
+    ins_k, ins_v = [k(x) for x in eqn.invars], [v(x) for x in eqn.invars]
+    n_out = len(eqn.outvars)
+    out_k, out_v = [False] * n_out, [any(ins_v)] * n_out
+    name = eqn.primitive.name
+    sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    if name in _CALLS and sub is not None:
+      changed, out_k, out_v = _may_rewrite(getattr(sub, "jaxpr", sub), ins_k, ins_v)
+      if changed:
+        return True, [], []
+    elif name == "scan" and eqn.params.get("length") == 1 and not eqn.params.get("reverse"):
+      body = eqn.params["jaxpr"]
+      changed, out_k, out_v = _may_rewrite(getattr(body, "jaxpr", body), ins_k, ins_v)
+      if changed:
+        return True, [], []
+    elif name == "while":
+      if not eqn.effects and _passes_a_carry_through(eqn):
+        return True, [], []
+    elif name == "cond" and not ins_k[0]:
+      if ins_v[0] and not eqn.effects:
+        return True, [], []
+      for branch in eqn.params["branches"]:
+        if _may_rewrite(branch.jaxpr, ins_k[1:], ins_v[1:])[0]:
+          return True, [], []
+    elif name in ("gather", "scatter") and ins_k[1] and _index_vector_shape(eqn):
+      return True, [], []
+    elif all(ins_k) and not eqn.effects and not _subjaxprs(eqn):
+      out_k = [True] * n_out
+    for o, ok, ov in zip(eqn.outvars, out_k, out_v):
+      is_known[o], varies[o] = ok, ov and not ok
+  return False, [k(x) for x in jaxpr.outvars], [v(x) for x in jaxpr.outvars]
+
+
+def _passes_a_carry_through(eqn: Any) -> bool:
+  body = eqn.params["body_jaxpr"].jaxpr
+  carry_in = body.invars[eqn.params["body_nconsts"]:]
+  producer = {o: e for e in body.eqns for o in e.outvars}
+  return any(_passed_through(out, producer) is v for v, out in zip(carry_in, body.outvars))
+
+
+def _index_vector_shape(eqn: Any) -> bool:
+  """Whether a gather/scatter has the one-dimensional index vector the rewrites take."""
+  shape = eqn.invars[1].aval.shape
+  return len(shape) == 2 and shape[1] == 1
 
 
 def _binds(jaxpr: Any, names: Sequence[str]) -> bool:

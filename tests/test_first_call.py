@@ -1,0 +1,142 @@
+"""A first call traces each kernel as few times as it can (XLA backend): what the
+tracing pipeline skips is checked here, and every result against jax.numpy."""
+from __future__ import annotations
+
+import gc
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallet as pl
+import pallet.tpu as pltpu
+from helpers import assert_close, current_test_backend, pallas_call, random_array
+
+f32 = jnp.float32
+pytestmark = pytest.mark.skipif(current_test_backend() != "xla",
+                                reason="the XLA backend's tracing pipeline")
+
+
+def _kernel_of(fn, *args):
+  jaxpr = jax.make_jaxpr(fn)(*args)
+  return next(e.params["kernel"] for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call")
+
+
+def _row_softmax(x):
+  def kernel(x_ref, o_ref):
+    v = x_ref[...]
+    e = jnp.exp(v - jnp.max(v, axis=-1, keepdims=True))
+    o_ref[...] = e / jnp.sum(e, axis=-1, keepdims=True)
+  spec = pl.BlockSpec((4, x.shape[1]), lambda i: (i, 0))
+  return pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, f32),
+                     grid=(x.shape[0] // 4,), in_specs=[spec], out_specs=spec)(x)
+
+
+def test_vmap_keeps_the_traced_kernel_body():
+  x = random_array((3, 16, 8))
+  plain = _kernel_of(_row_softmax, x[0])
+  batched = _kernel_of(jax.vmap(_row_softmax), x)
+  # the same equations, one more (grid index) input: the body was not traced again
+  assert [id(e) for e in batched.jaxpr.jaxpr.eqns] == [id(e) for e in plain.jaxpr.jaxpr.eqns]
+  assert len(batched.jaxpr.jaxpr.invars) == len(plain.jaxpr.jaxpr.invars) + 1
+  want = jax.nn.softmax(x, axis=-1)
+  assert_close(jax.vmap(_row_softmax)(x), want, rtol=1e-5, atol=1e-6)
+  assert_close(jax.vmap(_row_softmax, in_axes=1, out_axes=1)(jnp.moveaxis(x, 0, 1)),
+               jnp.moveaxis(want, 0, 1), rtol=1e-5, atol=1e-6)
+
+
+def _loop_kernel(x):
+  """A while loop (trip count from the grid) whose every carry changes: no static
+  index, nothing to hoist."""
+  def kernel(x_ref, o_ref):
+    v = x_ref[...]
+    n = pl.program_id(0) + 2
+    _, acc = jax.lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, c[1] * 0.5 + v),
+                                (0, jnp.zeros_like(v)))
+    o_ref[...] = acc
+  return pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, f32), grid=(2,),
+                     in_specs=[pl.BlockSpec((None, 8), lambda i: (i, 0))],
+                     out_specs=pl.BlockSpec((None, 8), lambda i: (i, 0)))(x)
+
+
+def _masked_row_load(x):
+  """A Triton-style masked load through an index vector: a static-index rewrite."""
+  def kernel(x_ref, o_ref):
+    cols = jnp.arange(8)
+    row = pl.load(x_ref.at[0, cols], mask=cols < 6, other=0.0)
+    o_ref[...] = row[None, :] * 2
+  return pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((4, 8), f32), grid=(4,),
+                     in_specs=[pl.BlockSpec((1, 8), lambda i: (i, 0))],
+                     out_specs=pl.BlockSpec((1, 8), lambda i: (i, 0)))(x)
+
+
+def test_static_index_pass_traces_only_where_a_rewrite_can_fire(monkeypatch):
+  from pallet.backends.xla import static_indices
+  from pallet import trace_cache
+  x = random_array((2, 8))
+  want = jnp.stack([x[i] * sum(0.5 ** k for k in range(i + 2)) for i in range(2)])
+  trace_cache.clear()
+  folds = []
+  real = static_indices._Folder
+  monkeypatch.setattr(static_indices, "_Folder", lambda: folds.append(1) or real())
+  assert_close(_loop_kernel(x), want, rtol=1e-5, atol=1e-5)
+  assert folds == []            # nothing to rewrite: the body was not traced again
+  y = random_array((4, 8))
+  assert_close(_masked_row_load(y), jnp.where(jnp.arange(8) < 6, y * 2, 0.0))
+  assert folds == [1]           # a rewrite fires: traced once
+
+
+def test_scratch_kernel_outside_the_accumulator_pattern_is_discharged_once(monkeypatch):
+  from pallet import _internals as internals
+  from pallet import trace_cache
+
+  def matmul(x, y):
+    def kernel(x_ref, y_ref, o_ref, acc_ref):
+      @pl.when(pl.program_id(2) == 0)
+      def _():
+        acc_ref[...] = jnp.zeros(acc_ref.shape, f32)
+      acc_ref[...] += jnp.dot(x_ref[...], y_ref[...], preferred_element_type=f32)
+
+      @pl.when(pl.program_id(2) == pl.num_programs(2) - 1)
+      def _():   # not an elementwise copy: the scratch proof fails, the plan loops
+        o_ref[...] = acc_ref[...] + jnp.sum(acc_ref[...])
+    return pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((16, 16), f32), grid=(2, 2, 2),
+                       in_specs=[pl.BlockSpec((8, 8), lambda i, j, k: (i, k)),
+                                 pl.BlockSpec((8, 8), lambda i, j, k: (k, j))],
+                       out_specs=pl.BlockSpec((8, 8), lambda i, j, k: (i, j)),
+                       scratch_shapes=[pltpu.VMEM((8, 8), f32)])(x, y)
+
+  x, y = random_array((16, 16)), random_array((16, 16))
+  trace_cache.clear()
+  kernel = _kernel_of(matmul, x, y)
+  discharged = []
+  real = internals.discharge_state
+  monkeypatch.setattr(internals, "discharge_state",
+                      lambda j: discharged.append(j is kernel.jaxpr) or real(j))
+  xy = x @ y
+  blocks = xy.reshape(2, 8, 2, 8).sum(axis=(1, 3))
+  want = xy + jnp.repeat(jnp.repeat(blocks, 8, 0), 8, 1)
+  assert_close(matmul(x, y), want, matmul=True)
+  assert discharged.count(True) == 1   # the scratch proof and the planner share it
+
+
+def test_the_garbage_collector_is_paused_while_tracing_and_restored():
+  seen = []
+
+  def kernel(x_ref, o_ref):
+    seen.append(gc.isenabled())
+    o_ref[...] = x_ref[...] + 1
+
+  x = random_array((8,))
+  assert gc.isenabled()
+  out = pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((8,), f32))(x)
+  assert_close(out, x + 1)
+  assert seen == [False] and gc.isenabled()
+  gc.disable()
+  try:   # a caller's own setting is kept
+    pallas_call(lambda x_ref, o_ref: o_ref.__setitem__(..., x_ref[...] * 3),
+                out_shape=jax.ShapeDtypeStruct((8,), f32))(x)
+    assert not gc.isenabled()
+  finally:
+    gc.enable()
