@@ -281,7 +281,7 @@ def test_blockspec_and_gridspec_fields():
   assert spec.block_shape == (8, 128) and spec.index_map(3) == (3, 0)
   assert spec.memory_space is pltpu.VMEM
   gs = pl.GridSpec(grid=(2,), in_specs=[spec], out_specs=spec, scratch_shapes=())
-  assert gs.grid == (2,) and gs.in_specs == [spec] and gs.out_specs is spec
+  assert gs.grid == (2,) and gs.in_specs == (spec,) and gs.out_specs is spec  # lists become tuples, as in JAX
 
 
 def test_atomic_api_reference_calls():

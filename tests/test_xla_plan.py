@@ -11,6 +11,7 @@ import pytest
 from jax import lax
 
 import pallet as pl
+import pallet.tpu as pltpu
 from helpers import assert_close, poisoned, random_array, sds
 from pallet.backends import xla as xla_backend
 from pallet.backends.xla import body_analysis, plan as plan_lib, plan_of
@@ -366,8 +367,8 @@ def test_scalar_prefetch_loops_every_axis():
   spec = pl.BlockSpec((8, 8), lambda i, order: (order[i], 0))
   fn = lambda order, x: pl.pallas_call(
       kernel, out_shape=sds(x),
-      grid_spec=pl.GridSpec(grid=(4,), in_specs=[spec], out_specs=spec,
-                            num_scalar_prefetch=1))(order, x)
+      grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, grid=(4,),
+                                             in_specs=[spec], out_specs=spec))(order, x)
   plan = _plan(fn, order, x)
   assert plan.vectorized == [] and plan.inner == [0] and "scalar-prefetch" in plan.describe()
   assert_close(fn(order, x), x * 2.0)
@@ -505,8 +506,9 @@ def test_element_padding_offsets_count_in_the_padded_array(prefetch):
   if prefetch:
     fn = lambda x: pl.pallas_call(
         kernel, out_shape=sds(x),
-        grid_spec=pl.GridSpec(grid=(n // 4,), num_scalar_prefetch=1, out_specs=out_spec,
-                              in_specs=[pl.BlockSpec(dims, lambda i, s: (s[0] * i,))]))(
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(n // 4,), out_specs=out_spec,
+            in_specs=[pl.BlockSpec(dims, lambda i, s: (s[0] * i,))]))(
                                   jnp.array([4], jnp.int32), x)
   else:
     fn = lambda x: pl.pallas_call(kernel, out_shape=sds(x), grid=(n // 4,), out_specs=out_spec,
