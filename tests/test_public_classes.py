@@ -35,7 +35,8 @@ NAMESPACES = {
 # defaults, so every call written for JAX means the same on pallet.
 EXTRA_PARAMETERS = {
     ("pallet.tpu", "InterpretParams"): (
-        ("detect_nans", "detect_int_overflow", "detect_unwritten_outputs", "debug_checks"),
+        ("detect_nans", "detect_int_overflow", "detect_unwritten_outputs", "debug_checks",
+         "detect_hangs", "max_loop_iterations"),
         "the switches of pallet's checking mode (docs/checking.md), keyword-only"),
     ("pallet.triton", "CompilerParams"): (
         ("compute_capability", "gpu_arch", "dimension_semantics"),

@@ -17,6 +17,7 @@ import numpy as np
 from jax import lax
 
 import pallet as pl
+import pallet.tpu as pltpu
 import pallet.triton as plt
 from helpers import random_array, sds
 
@@ -571,9 +572,10 @@ def _prefetch(interpret):
   order = jnp.array([2, 0, 3, 1], jnp.int32)
   def kernel(order_ref, x_ref, o_ref):
     o_ref[...] = x_ref[...] + order_ref[pl.program_id(0)].astype(jnp.float32)
-  spec = pl.GridSpec(grid=(4,), in_specs=[pl.BlockSpec((1, 16), lambda i, o: (o[i], 0))],
-                     out_specs=pl.BlockSpec((1, 16), lambda i, o: (i, 0)),
-                     num_scalar_prefetch=1)
+  spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=1, grid=(4,),
+      in_specs=[pl.BlockSpec((1, 16), lambda i, o: (o[i], 0))],
+      out_specs=pl.BlockSpec((1, 16), lambda i, o: (i, 0)))
   f = call(kernel, sds(x), interpret, grid_spec=spec)
   return f, (order, x), x[order] + order[:, None]
 
@@ -913,8 +915,8 @@ def grouped_matmul(interpret, compiler_params, call_fn=None):
   launch = call_fn or (lambda k, o, **kw: call(k, o, interpret, **kw))
 
   def fn(groups, x, w, poison, active):
-    spec = pl.GridSpec(
-        grid=(w.shape[2] // 32, active), num_scalar_prefetch=1,
+    spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1, grid=(w.shape[2] // 32, active),
         in_specs=[pl.BlockSpec((16, x.shape[1]), lambda j, t, g: (t, 0)),
                   pl.BlockSpec((None, w.shape[1], 32), lambda j, t, g: (g[t], 0, j)),
                   pl.BlockSpec((16, 32), lambda j, t, g: (t, j))],
