@@ -23,6 +23,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--verbose", "-v", action="store_true",
                       help="print every case's description and outcome")
   parser.add_argument("--stop-on-disagreement", action="store_true")
+  parser.add_argument("--progress", type=int, default=0, metavar="N",
+                      help="print the counts so far every N cases (long campaigns)")
   args = parser.parse_args(argv)
   if args.backend == "triton":
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
@@ -54,6 +56,11 @@ def main(argv: list[str] | None = None) -> int:
         failed += 1
         if args.stop_on_disagreement:
           break
+      done = sum(counts.values())
+      if args.progress and done % args.progress == 0:
+        print(f"  ... {family}: {done} cases, {counts['passed']} passed, "
+              f"{counts['disagreed']} disagreed, {counts['skipped']} skipped "
+              f"({time.time() - started:.0f} s)", flush=True)
     print(f"{family}: {sum(counts.values())} cases, {counts['passed']} passed, "
           f"{counts['disagreed']} disagreed, {counts['skipped']} skipped "
           f"({time.time() - started:.0f} s, backend {args.backend}, seeds {seeds[0]}..{seeds[-1]})",
