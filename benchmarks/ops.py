@@ -114,7 +114,7 @@ def _like(*args):
 
 
 # ------------------------------------------------------------------ families of rows
-_NORM = {"full": (4096, 1024), "small": (512, 256), "tiny": (64, 512)}
+_NORM = {"full": (4096, 1024), "test": (768, 192), "small": (512, 256), "tiny": (64, 512)}
 
 
 def _normalization(size: Size) -> list[Benchmark]:
@@ -146,7 +146,8 @@ def _softmax(size: Size) -> list[Benchmark]:
                rtol=1e-5, atol=1e-6)
 
 
-_CE = {"full": (2048, 512, 8192), "small": (256, 128, 2048), "tiny": (256, 32, 1024)}
+_CE = {"full": (2048, 512, 8192), "test": (512, 256, 4096),
+       "small": (256, 128, 2048), "tiny": (256, 32, 1024)}
 
 
 def _cross_entropy(size: Size) -> list[Benchmark]:
@@ -187,7 +188,8 @@ def _ce_mean_grad(fn: Callable) -> Callable:
   return program
 
 
-_ROPE = {"full": (4, 1024, 16, 128), "small": (2, 256, 4, 64), "tiny": (2, 32, 2, 16)}
+_ROPE = {"full": (4, 1024, 16, 128), "test": (2, 384, 2, 64),
+         "small": (2, 256, 4, 64), "tiny": (2, 32, 2, 16)}
 
 
 def _rope(size: Size) -> list[Benchmark]:
@@ -203,7 +205,7 @@ def _rope(size: Size) -> list[Benchmark]:
                blocks={"block_seq": 8} if size == "tiny" else None)
 
 
-_GLU = {"full": (4096, 2816), "small": (512, 704), "tiny": (64, 96)}
+_GLU = {"full": (4096, 2816), "test": (768, 512), "small": (512, 704), "tiny": (64, 96)}
 
 
 def _glu(size: Size) -> list[Benchmark]:
@@ -220,7 +222,8 @@ def _glu(size: Size) -> list[Benchmark]:
                blocks={"block_rows": 16, "block_cols": 32} if size == "tiny" else None)
 
 
-_ATTN = {"full": (1, 8, 2, 1024, 64), "small": (1, 4, 2, 256, 64), "tiny": (1, 2, 1, 64, 16)}
+_ATTN = {"full": (1, 8, 2, 1024, 64), "test": (2, 4, 2, 384, 64),
+         "small": (1, 4, 2, 256, 64), "tiny": (1, 2, 1, 64, 16)}
 
 
 def _attention(size: Size) -> list[Benchmark]:
@@ -238,7 +241,8 @@ def _attention(size: Size) -> list[Benchmark]:
   return rows
 
 
-_DECODE = {"full": (8, 32, 8, 4096, 128), "small": (4, 8, 2, 512, 64),
+_DECODE = {"full": (8, 32, 8, 4096, 128), "test": (2, 16, 4, 1024, 64),
+           "small": (4, 8, 2, 512, 64),
            "tiny": (2, 4, 2, 64, 16)}
 
 
@@ -256,7 +260,8 @@ def _decode(size: Size) -> list[Benchmark]:
                make_inputs=make_inputs, out_shapes=None, grad=False, rtol=1e-4, atol=1e-4)
 
 
-_PAGED = {"full": (8, 32, 8, 4096, 128, 16), "small": (4, 8, 2, 512, 64, 16),
+_PAGED = {"full": (8, 32, 8, 4096, 128, 16), "test": (5, 32, 2, 2048, 64, 16),
+          "small": (4, 8, 2, 512, 64, 16),
           "tiny": (2, 4, 2, 64, 16, 8)}
 
 
@@ -278,7 +283,8 @@ def _paged(size: Size) -> list[Benchmark]:
                make_inputs=make_inputs, out_shapes=None, grad=False, rtol=1e-4, atol=1e-4)
 
 
-_RAGGED = {"full": (4096, 1024, 1024), "small": (1024, 256, 256), "tiny": (512, 32, 32)}
+_RAGGED = {"full": (4096, 1024, 1024), "test": (512, 2048, 256),
+           "small": (1024, 256, 256), "tiny": (512, 32, 32)}
 _EXPERT_SHARES = (22, 7, 0, 29, 2, 15, 13, 12)   # percent of the tokens per expert
 
 
