@@ -4,12 +4,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from benchmarks import (attention, elementwise, fused, indexing, jax_op_cases, matmul, ops,
-                        reduction, rowwise, sharded, stencil)
+                        reduction, rowwise, sharded, stencil, user_kernels)
 from benchmarks.case import Benchmark, Size
 
 # `sharded` is empty unless 4 devices are present (a multi-device run of the suite).
 FAMILIES = (elementwise, matmul, rowwise, attention, stencil, reduction, indexing,
-            jax_op_cases, ops, fused, sharded)
+            user_kernels, jax_op_cases, ops, fused, sharded)
 
 
 def all_benchmarks(size: Size) -> list[Benchmark]:
