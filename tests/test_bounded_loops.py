@@ -24,7 +24,8 @@ def _plan(fn, *args):
   return plan_of(eqns[0].params["kernel"]), eqns[0].params["kernel"]
 
 
-def _split_sums(x, lengths, *, block=8, splits=4, clamp=True, gather=False, idx=None):
+def _split_sums(x, lengths, *, block=8, splits=4, clamp=True, gather=False, idx=None,
+                check=False):
   """Decode-attention shape: program (b, s) sums the rows of split s of sequence b
   that lie before lengths[b], one `block`-row block per loop step; the trip count is
   read from data and, with `clamp`, capped at the split's block count."""
@@ -46,6 +47,8 @@ def _split_sums(x, lengths, *, block=8, splits=4, clamp=True, gather=False, idx=
         picked = x_ref[rest[0][pl.ds(j * block, block)], :]
       else:
         picked = x_ref[pl.ds(start + j * block, block), :]
+      if check:
+        pl.debug_check(j * block < per_split, "a step past the split")
       return acc + jnp.where(rows < len_ref[0], picked, 0.0)
     o_ref[...] = lax.fori_loop(0, steps, step, jnp.zeros((block, width), f32))
 
@@ -161,3 +164,16 @@ def test_loop_kept_when_each_looped_step_has_enough_work(monkeypatch):
     assert_close(_split_sums(x, lengths), _split_sums_reference(x, lengths))
   finally:
     xla_backend._planned.cache_clear()
+
+
+def test_loop_with_checks_in_its_body_keeps_the_loop():
+  # a masked step past a program's trip count would run the check on values the
+  # program never computes, and fail
+  x = random_array((3, 64, 16))
+  lengths = jnp.array([5, 64, 33], jnp.int32)
+  fn = lambda x, n: _split_sums(x, n, check=True)
+  with pl.enable_debug_checks(True):
+    plan, _ = _plan(fn, x, lengths)
+    out = fn(x, lengths)
+  assert not plan.bounded_loops and "has effects" in plan.describe()
+  assert_close(out, _split_sums_reference(x, lengths))

@@ -1066,3 +1066,29 @@ def test_unrolled_steps_resolve_grid_conditions_at_trace_time():
   text = str(jax.make_jaxpr(fn)(x))
   assert "cond[" not in text and "while[" not in text   # pl.when(k == ...) folded away
   assert_close(fn(x)[0], 2.0 * jnp.max(x, axis=0))
+
+
+def test_indices_from_a_grid_axis_of_size_one_fold_into_slices():
+  # the GPU decode kernels' head-block mask: arange(block) < heads - block * program_id(0)
+  # over a single head block; with program_id(0) known to be 0 the masked accesses at
+  # integer-array indices are slices, not per-element gathers and scatters
+  from pallet import triton as plgpu
+
+  def kernel(x_ref, init_ref, o_ref):
+    del init_ref
+    rows = jnp.arange(8)
+    mask = (rows < 5 - 8 * pl.program_id(0))[:, None]
+    v = plgpu.load(x_ref.at[rows], mask=mask, other=0.0)
+    plgpu.store(o_ref.at[rows], v * 3.0, mask=mask)
+  x = random_array((4, 8, 16))
+  spec = pl.BlockSpec((None, 8, 16), lambda h, b: (b, 0, 0))
+  fn = lambda x, init: pl.pallas_call(
+      kernel, out_shape=sds(x), grid=(1, 4), in_specs=[spec, spec], out_specs=spec,
+      input_output_aliases={1: 0})(x, init)
+  init = poisoned(x.shape)
+  emitted = str(jax.make_jaxpr(xla_backend.kernel_as_function(_description(fn, x, init)))(
+      x, init))
+  assert "gather[" not in emitted and "scatter[" not in emitted
+  out = fn(x, init)
+  assert_close(out[:, :5], 3.0 * x[:, :5])
+  assert bool(jnp.all(jnp.isnan(out[:, 5:])))   # masked-off rows never written

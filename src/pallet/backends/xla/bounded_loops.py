@@ -57,6 +57,7 @@ class BoundedLoop:
   source: str
   counter: int        # the carry counting the steps
   gathers: bool       # the body gathers or scatters (at indices not known statically)
+  effects: bool       # the body has effects (checks, prints): a masked step would run them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,7 +287,8 @@ def _scan(jaxpr: Any, env: dict, found: list, unbounded: list, points: int) -> N
       else:
         found.append(BoundedLoop(eqn, int(np.max(bound)), float(np.sum(
             np.broadcast_to(bound, (points,)))), _flops(eqn.params["body_jaxpr"].jaxpr),
-            _source(eqn), form[0], _gathers_data(eqn.params["body_jaxpr"].jaxpr)))
+            _source(eqn), form[0], _gathers_data(eqn.params["body_jaxpr"].jaxpr),
+            bool(eqn.params["body_jaxpr"].jaxpr.effects or eqn.params["cond_jaxpr"].jaxpr.effects)))
       outs = [_unknown() for _ in eqn.outvars]
     elif name == "cond":
       for branch in eqn.params["branches"]:

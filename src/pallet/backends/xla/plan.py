@@ -240,9 +240,10 @@ def make_plan(kernel: KernelDescription, unbatchable: str | None = None) -> Exec
   is vectorized, summed or merged."""
   plan = _axes_plan(kernel, unbatchable)
   steps = [plan.loop_size(g) for g in plan.outer + plan.inner]
-  import os
+  # Effects (checking mode's checks, debug prints) run in grid order in a loop; unrolled,
+  # XLA may run their callbacks in any order, and the first failure reported could differ.
   if (None not in steps and 1 < math.prod(steps) <= GRID_UNROLL_STEPS
-      and os.environ.get("PALLET_UNROLL", "rule") != "never"):
+      and not discharged(kernel).jaxpr.effects):
     plan.unrolled = True
     plan.reasons.append(f"grid loops unrolled: {math.prod(steps)} steps, each traced with "
                         f"its grid indices and block starts as constants")
@@ -360,14 +361,12 @@ def _bound_loops(kernel: KernelDescription, facts: BodyFacts, parallel: list[int
   loops = bounded_loops.bounds(kernel)
   if not loops.bounded and not loops.unbounded:
     return False
-  import os
-  policy = os.environ.get("PALLET_BOUNDED", "rule")
-  if policy == "never":
-    return False
   looped_steps = math.prod(kernel.grid_mapping.grid[g] for g in feeding)
   step_flops = sum(b.steps * b.flops for b in loops.bounded) / looped_steps
   if loops.unbounded:
     why = f"{loops.unbounded[0]} has no static bound on its trip count"
+  elif any(b.effects for b in loops.bounded):
+    why = "a loop body has effects (checks, prints), which a masked step would run"
   elif any(b.gathers for b in loops.bounded):
     why = "a loop gathers at indices read from data (batched, a gather per element)"
   elif step_flops > LOOP_STEP_FLOPS:
@@ -375,7 +374,7 @@ def _bound_loops(kernel: KernelDescription, facts: BodyFacts, parallel: list[int
            f"more than the {LOOP_STEP_FLOPS:.3g} below which launching a step costs more")
   else:
     why = None
-  if why is not None and policy != "always":
+  if why is not None:
     reasons.append(f"while loops kept: {why}")
     return False
   reasons.append(f"while loops run as masked fixed-length loops ({loops.describe()}): "
