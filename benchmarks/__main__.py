@@ -1,4 +1,11 @@
-"""Command line: `python -m benchmarks [--small] [--only NAME] ...` (also `pallet bench`)."""
+"""Command line: `python -m benchmarks [--small] [--size CLASSES] [--only NAME] ...` (also
+`pallet bench`).
+
+Size classes (benchmarks/case.py): `full` (the suite's sizes) and `test` (the shapes of
+JAX's own tests for its Pallas ops) are what the results report, side by side; `small`
+and `tiny` shrink the full suite for smoke runs. The default runs `full,test`; `--small`
+runs `small,test`, the CI smoke run.
+"""
 from __future__ import annotations
 
 import argparse
@@ -13,7 +20,7 @@ from typing import Any
 import jax
 
 from benchmarks import catalog, report
-from benchmarks.case import SIZES, Size
+from benchmarks.case import MEASURED_CLASSES, SIZES, Size
 from benchmarks.runner import PeerPolicy
 from benchmarks.suite import exit_code, positive_int, run_suite
 from benchmarks.variants import CPU_VARIANTS
@@ -30,10 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
       description="Time pallet's CPU backend against jax.numpy and the "
                   "jax.experimental.pallas interpreter on the benchmark suite.")
   size = p.add_mutually_exclusive_group()
-  size.add_argument("--small", dest="size", action="store_const", const="small",
-                    help="shrunk problem sizes (a smoke run of everything, for CI)")
-  size.add_argument("--size", choices=SIZES, help="problem sizes (default: full)")
-  p.set_defaults(size="full")
+  size.add_argument("--small", dest="size", action="store_const", const="small,test",
+                    help="the full suite shrunk, then the JAX-test size class: a smoke run "
+                         "of everything, for CI (same as --size small,test)")
+  size.add_argument("--size", type=_size_classes, metavar="CLASSES",
+                    help=f"comma-separated size classes, each run and reported on its own: "
+                         f"{', '.join(SIZES)} (default: full,test)")
+  p.set_defaults(size="full,test")
   p.add_argument("--only", action="append", default=[], metavar="NAME",
                  help="run only this benchmark or family (repeatable; see --list)")
   p.add_argument("--list", action="store_true", help="list benchmarks and exit")
@@ -55,6 +65,16 @@ def build_parser() -> argparse.ArgumentParser:
                  help="total seconds the interpret peer may use (default 600)")
   p.add_argument("--seed", type=int, default=0, help="PRNG seed for the inputs")
   return p
+
+
+def _size_classes(text: str) -> str:
+  """argparse type for --size: a comma-separated list of known size classes."""
+  names = [n.strip() for n in text.split(",") if n.strip()]
+  unknown = [n for n in names if n not in SIZES]
+  if not names or unknown:
+    raise argparse.ArgumentTypeError(f"unknown size class {', '.join(map(repr, unknown))}; "
+                                     f"choose from {', '.join(SIZES)}")
+  return ",".join(dict.fromkeys(names))
 
 
 def _git_commit() -> str | None:
@@ -95,20 +115,33 @@ def _meta(args: argparse.Namespace, size: Size,
 
 
 def main(argv: list[str] | None = None) -> int:
-  """Run the suite; 0 if every variant ran and matched jax.numpy, 1 otherwise."""
+  """Run the suite once per size class; 0 if every variant ran and matched
+  jax.numpy, 1 otherwise."""
   parser = build_parser()
   args = parser.parse_args(argv)
-  size: Size = args.size
-  every = catalog.all_benchmarks(size)
+  classes: list[Size] = args.size.split(",")
   if args.list:
-    for b in every:
-      print(f"{b.name:24s} {b.family:10s} grid {b.grid} ({b.grid_steps} steps): {b.shapes}")
+    for size in classes:
+      print(f"== size class {size}")
+      for b in catalog.all_benchmarks(size):
+        print(f"{b.name:24s} {b.family:10s} grid {b.grid} ({b.grid_steps} steps): {b.shapes}")
     return 0
   try:
-    selected = catalog.select(every, args.only)
+    selections = {size: catalog.select(catalog.all_benchmarks(size), args.only)
+                  for size in classes}
   except ValueError as e:
     parser.error(str(e))
 
+  code = 0
+  for size in classes:
+    if len(classes) > 1:
+      print(f"\n===== size class {size} =====", flush=True)
+    code = max(code, _run_class(args, size, selections[size]))
+  return code
+
+
+def _run_class(args: argparse.Namespace, size: Size, selected: list) -> int:
+  """One size class: run, print the table and summaries, write JSON and chart."""
   load_at_start = _load_average()
   if load_at_start and load_at_start[0] > 0.5 * (os.cpu_count() or 1):
     print(f"note: machine busy (1-min load average {load_at_start[0]} on "
@@ -120,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                       device=jax.devices("cpu")[0], compile_reps=args.compile_reps)
 
   print()
+  print(f"size class {size}")
   print(report.format_table(results))
   for note in report.footnotes(results):
     print(note)
@@ -135,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
       for line in report.summarize(part).lines(targets=False):
         print("  " + line)
 
-  complete = size == "full" and not args.only
+  complete = size in MEASURED_CLASSES and not args.only
   out_dir = args.out or (DOCS_DIR if complete else SCRATCH_DIR)
   out_dir.mkdir(parents=True, exist_ok=True)
   stem = "perf_cpu" if size == "full" else f"perf_cpu_{size}"

@@ -20,6 +20,7 @@ from benchmarks.case import Benchmark, Size
 
 SIZES: dict[Size, dict[str, int]] = {
     "full": dict(batch_heads=8, seq=1024, head_dim=64, block_q=128, block_k=128),
+    "test": dict(batch_heads=4, seq=384, head_dim=64, block_q=64, block_k=128),
     "small": dict(batch_heads=2, seq=256, head_dim=64, block_q=64, block_k=64),
     "tiny": dict(batch_heads=2, seq=64, head_dim=16, block_q=16, block_k=16),
 }

@@ -14,8 +14,12 @@ from typing import Any, Literal
 
 import jax
 
-Size = Literal["full", "small", "tiny"]
-SIZES: tuple[Size, ...] = ("full", "small", "tiny")
+# Size classes: "full" (the suite's sizes) and "test" (the sizes of JAX's own tests for
+# its Pallas ops: what people test and develop with) are measured and reported side by
+# side; "small" and "tiny" are the full suite shrunk, for smoke runs (CI, unit tests).
+Size = Literal["full", "test", "small", "tiny"]
+SIZES: tuple[Size, ...] = ("full", "test", "small", "tiny")
+MEASURED_CLASSES: tuple[Size, ...] = ("full", "test")
 
 Program = Callable[..., Any]
 

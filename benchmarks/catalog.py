@@ -4,12 +4,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from benchmarks import (attention, elementwise, fused, indexing, jax_op_cases, matmul, ops,
-                        reduction, rowwise, sharded, stencil, user_kernels)
+                        reduction, rowwise, scratch_kernels, sharded, stencil,
+                        user_kernels)
 from benchmarks.case import Benchmark, Size
 
 # `sharded` is empty unless 4 devices are present (a multi-device run of the suite).
 FAMILIES = (elementwise, matmul, rowwise, attention, stencil, reduction, indexing,
-            jax_op_cases, ops, fused, user_kernels, sharded)
+            jax_op_cases, ops, fused, user_kernels, scratch_kernels, sharded)
 
 
 def all_benchmarks(size: Size) -> list[Benchmark]:

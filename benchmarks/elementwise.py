@@ -16,6 +16,7 @@ from benchmarks.case import Benchmark, Size
 
 SIZES: dict[Size, dict[str, Any]] = {
     "full": dict(n=4 * 1024 * 1024, blocks=(1024, 65536)),
+    "test": dict(n=256 * 1024, blocks=(1024, 65536)),
     "small": dict(n=256 * 1024, blocks=(1024, 65536)),
     "tiny": dict(n=128 * 1024, blocks=(1024, 65536)),
 }

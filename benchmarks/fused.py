@@ -23,6 +23,7 @@ from benchmarks.case import Benchmark, Size
 # read once per step and never replicated across programs.
 SIZES: dict[Size, dict[str, Any]] = {
     "full": dict(m=2048, k=1024, n=2048, bm=512, bn=2048),
+    "test": dict(m=512, k=512, n=512, bm=128, bn=512),
     "small": dict(m=512, k=512, n=512, bm=128, bn=512),
     "tiny": dict(m=256, k=128, n=256, bm=128, bn=256),
 }

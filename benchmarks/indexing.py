@@ -21,11 +21,13 @@ from benchmarks.case import Benchmark, Size
 
 GATHER_SIZES: dict[Size, dict[str, int]] = {
     "full": dict(table_rows=8192, row_width=128, num_indices=65536, block=256),
+    "test": dict(table_rows=1024, row_width=128, num_indices=8192, block=256),
     "small": dict(table_rows=1024, row_width=128, num_indices=8192, block=256),
     "tiny": dict(table_rows=64, row_width=32, num_indices=256, block=32),
 }
 HISTOGRAM_SIZES: dict[Size, dict[str, int]] = {
     "full": dict(num_values=1024 * 1024, bins=256, block=1024),
+    "test": dict(num_values=128 * 1024, bins=256, block=1024),
     "small": dict(num_values=128 * 1024, bins=256, block=1024),
     "tiny": dict(num_values=4096, bins=64, block=256),
 }

@@ -7,6 +7,12 @@ routed to pallet), as a jax.numpy twin written here, and on Pallas's interpreter
 interpret mode for the TPU ops). The op decides its own `pallas_call`s, so the
 variant's call options reach it as a backend override (pallet) or as the op's
 `interpret` flag (peer). Rows exist only where jax ships JAX 0.12's library.
+
+The "test" size class takes its shapes from JAX's own tests of each op
+(`tests/pallas/gpu_ops_test.py`, `gpu_attention_test.py`, `gpu_paged_attention_test.py`,
+`tpu_gmm_test.py`, `tpu_paged_attention_kernel_test.py`,
+`tpu_splash_attention_kernel_test.py`; float32 where they also run float16/bfloat16);
+docs/performance.md lists them.
 """
 from __future__ import annotations
 
@@ -166,7 +172,8 @@ def _softmax_f32(x):
 
 
 def _gpu_rowwise(size: Size) -> list[Benchmark]:
-  b, t, n = {"full": (4, 1024, 1024), "small": (2, 128, 256), "tiny": (2, 4, 128)}[size]
+  b, t, n = {"full": (4, 1024, 1024), "test": (2, 384, 192), "small": (2, 128, 256),
+             "tiny": (2, 4, 128)}[size]
   shapes = f"{b}x{t}x{n} f32, one kernel instance per row"
   norm_inputs = lambda key: _normal(key, 3, (b, t, n), (n,), (n,))
   bf16_inputs = lambda key: tuple(x.astype(jnp.bfloat16) for x in _normal(key, 1, (b, t, n)))
@@ -188,27 +195,49 @@ def _gpu_rowwise(size: Size) -> list[Benchmark]:
   ]
 
 
-def _gpu_mha(size: Size) -> Benchmark:
-  b, t, h, d, block = {"full": (2, 1024, 4, 64, 64), "small": (1, 256, 2, 64, 64),
-                       "tiny": (1, 64, 2, 32, 32)}[size]
+MHA_SIZES = {"full": (2, 1024, 4, 64, 64), "test": (2, 384, 2, 64, 64),
+             "small": (1, 256, 2, 64, 64), "tiny": (1, 64, 2, 32, 32)}
 
+
+def _gpu_mha(size: Size) -> list[Benchmark]:
+  """Causal at head_dim 64; head_dim 72 (padded to 128 lanes inside the kernel, masked
+  loads and stores); segment ids (two segments per sequence, not causal)."""
+  b, t, h, d, block = MHA_SIZES[size]
+  return [_mha_row("op_gpu_mha", b, t, h, d, block, causal=True, segments=False),
+          _mha_row("op_gpu_mha_d72", b, t, h, 72, block, causal=False, segments=False),
+          _mha_row("op_gpu_mha_segment_ids", b, t, h, d, block, causal=False, segments=True)]
+
+
+def _halves(b: int, t: int) -> jax.Array:
+  """Segment ids of two segments per sequence (JAX's tests: zeros then ones)."""
+  return jnp.broadcast_to((jnp.arange(t) >= t // 2).astype(jnp.int32), (b, t))
+
+
+def _mha_row(name: str, b: int, t: int, h: int, d: int, block: int, *, causal: bool,
+             segments: bool) -> Benchmark:
   def run(m, q, k, v, **kw):
     blocks = m.BlockSizes(block_q=block, block_k=block)
-    return m.mha(q, k, v, None, sm_scale=d ** -0.5, causal=True, block_sizes=blocks, **kw)
+    ids = _halves(b, t) if segments else None
+    return m.mha(q, k, v, ids, sm_scale=d ** -0.5, causal=causal, block_sizes=blocks, **kw)
 
   def twin(q, k, v):
     heads = lambda x: jnp.swapaxes(x, 1, 2)
-    return heads(_attend(heads(q), heads(k), heads(v), _causal(t, t), d ** -0.5))
+    mask = _causal(t, t) if causal else None
+    if segments:
+      ids = _halves(b, t)
+      mask = (ids[:, :, None] == ids[:, None, :])[:, None]
+    return heads(_attend(heads(q), heads(k), heads(v), mask, d ** -0.5))
 
-  return _case("op_gpu_mha", "gpu/attention", gpu=True, grid=(t // block, b, h),
-               shapes=f"causal, B{b} T{t} H{h} D{d} f32, blocks {block}",
+  what = ("causal" if causal else "not causal") + (", 2 segments" if segments else "")
+  return _case(name, "gpu/attention", gpu=True, grid=(t // block, b, h),
+               shapes=f"{what}, B{b} T{t} H{h} D{d} f32, blocks {block}",
                make_inputs=lambda key: _normal(key, 3, *[(b, t, h, d)] * 3), twin=twin, run=run)
 
 
 def _gpu_decode(size: Size) -> Benchmark:
   b, hq, hkv, s, d, splits, block_k = {
-      "full": (8, 32, 8, 4096, 128, 16, 128), "small": (2, 8, 2, 512, 64, 4, 64),
-      "tiny": (2, 8, 2, 64, 32, 4, 16)}[size]
+      "full": (8, 32, 8, 4096, 128, 16, 128), "test": (2, 16, 4, 1024, 64, 16, 128),
+      "small": (2, 8, 2, 512, 64, 4, 64), "tiny": (2, 8, 2, 64, 32, 4, 16)}[size]
 
   def make_inputs(key):
     q, k, v = _normal(key, 3, (b, hq, d), (b, s, hkv, d), (b, s, hkv, d))
@@ -232,6 +261,7 @@ def _gpu_decode(size: Size) -> Benchmark:
 
 def _gpu_decode_mqa(size: Size) -> Benchmark:
   b, h, s, d, splits, block_k = {"full": (8, 32, 4096, 128, 16, 128),
+                                 "test": (2, 8, 1024, 64, 16, 256),
                                  "small": (2, 8, 512, 64, 4, 64),
                                  "tiny": (2, 8, 64, 32, 4, 16)}[size]
 
@@ -253,7 +283,8 @@ def _gpu_decode_mqa(size: Size) -> Benchmark:
                make_inputs=make_inputs, twin=twin, run=run)
 
 
-def _paged_inputs(key, b, hq, hkv, d, pages, page, per_seq, *, bf16_exact=False):
+def _paged_inputs(key, b, hq, hkv, d, pages, page, per_seq, *, bf16_exact=False,
+                  lengths=None):
   kq, kk, kv, kt = jax.random.split(key, 4)
   q = jax.random.normal(kq, (b, hq, d), jnp.float32)
   k_pages, v_pages = (jax.random.normal(k_, (hkv, pages, page, d), jnp.float32)
@@ -262,31 +293,40 @@ def _paged_inputs(key, b, hq, hkv, d, pages, page, per_seq, *, bf16_exact=False)
     k_pages, v_pages = (x.astype(jnp.bfloat16).astype(jnp.float32) for x in (k_pages, v_pages))
   tables = jax.vmap(lambda k_: jax.random.permutation(k_, pages)[:per_seq])(
       jax.random.split(kt, b)).astype(jnp.int32)
-  lengths = (page * per_seq - jnp.arange(b, dtype=jnp.int32) * (page * per_seq // (2 * b)))
+  if lengths is None:
+    lengths = page * per_seq - jnp.arange(b, dtype=jnp.int32) * (page * per_seq // (2 * b))
+  else:
+    lengths = jnp.asarray(lengths, jnp.int32)
   return q, k_pages, v_pages, tables, lengths
 
 
-PAGED_SIZES = {"full": (8, 32, 8, 128, 1024, 16, 128), "small": (2, 8, 2, 64, 64, 16, 16),
-               "tiny": (2, 4, 2, 32, 16, 8, 8)}
+# (batch, q heads, kv heads, head_dim, pages, page size, pages per sequence)
+PAGED_SIZES = {"full": (8, 32, 8, 128, 1024, 16, 128), "test": (5, 32, 2, 64, 640, 16, 128),
+               "small": (2, 8, 2, 64, 64, 16, 16), "tiny": (2, 4, 2, 32, 16, 8, 8)}
+# JAX's tests: sequence lengths 3, 256, 513, 1023, 2048 of a 2048-token cache (the TPU
+# test also has an empty sequence, whose output it does not check: 1 token here)
+TEST_LENGTHS = (3, 256, 513, 1023, 2048)
 
 
 def _gpu_paged(size: Size) -> Benchmark:
   b, hq, hkv, d, pages, page, per_seq = PAGED_SIZES[size]
-  splits, per_block = (8, 8) if size != "tiny" else (2, 2)
+  splits, per_block = {"test": (16, 8), "tiny": (2, 2)}.get(size, (8, 8))
+  lengths = TEST_LENGTHS if size == "test" else None
   run = lambda m, q, kp, vp, tables, lengths, **kw: m.paged_attention(
       q, kp, vp, tables, lengths, block_h=16, pages_per_compute_block=per_block,
       k_splits=splits, **kw)
   return _case("op_gpu_paged_attention", "gpu/paged_attention", gpu=True,
                grid=(b, hkv, 1, splits),
                shapes=f"B{b} Hq{hq} Hkv{hkv} D{d} f32, {per_seq} pages of {page}",
-               make_inputs=lambda key: _paged_inputs(key, b, hq, hkv, d, pages, page, per_seq),
+               make_inputs=lambda key: _paged_inputs(key, b, hq, hkv, d, pages, page, per_seq,
+                                                     lengths=lengths),
                twin=_paged_twin, run=run)
 
 
 # ------------------------------------------------------------------ TPU ops
 def _tpu_matmul(size: Size) -> Benchmark:
-  m_, k_, n_, block = {"full": (1024, 1024, 1024, 256), "small": (256, 256, 256, 128),
-                       "tiny": (128, 256, 128, 64)}[size]
+  m_, k_, n_, block = {"full": (1024, 1024, 1024, 256), "test": (512, 512, 512, 128),
+                       "small": (256, 256, 256, 128), "tiny": (128, 256, 128, 64)}[size]
   run = lambda m, x, y: m.matmul(x, y, block_shape=(block, block), block_k=block)
   return _case("op_tpu_matmul", "tpu/matmul", gpu=False,
                grid=(m_ // block, n_ // block, k_ // block),
@@ -296,21 +336,39 @@ def _tpu_matmul(size: Size) -> Benchmark:
                atol=2e-4)
 
 
-def _tpu_flash(size: Size) -> Benchmark:
-  b, h, t, d = {"full": (2, 4, 1024, 128), "small": (1, 2, 256, 64),
+def _tpu_flash(size: Size) -> list[Benchmark]:
+  """Causal, plain (no mask) and with segment ids (two segments per sequence)."""
+  b, h, t, d = {"full": (2, 4, 1024, 128), "test": (2, 2, 512, 64), "small": (1, 2, 256, 64),
                 "tiny": (1, 1, 256, 64)}[size]
+  return [_tpu_flash_row(name, b, h, t, d, causal=causal, segments=segments)
+          for name, causal, segments in (("op_tpu_flash_attention", True, False),
+                                         ("op_tpu_flash_attention_plain", False, False),
+                                         ("op_tpu_flash_attention_segment_ids", False, True))]
 
+
+def _tpu_flash_row(name: str, b: int, h: int, t: int, d: int, *, causal: bool,
+                   segments: bool) -> Benchmark:
   def run(m, q, k, v):
     blocks = m.BlockSizes(block_q=128, block_k_major=128, block_k=128, block_b=1)
-    return m.flash_attention(q, k, v, causal=True, sm_scale=d ** -0.5, block_sizes=blocks)
+    ids = m.SegmentIds(q=_halves(b, t), kv=_halves(b, t)) if segments else None
+    return m.flash_attention(q, k, v, segment_ids=ids, causal=causal, sm_scale=d ** -0.5,
+                             block_sizes=blocks)
 
-  return _case("op_tpu_flash_attention", "tpu/flash_attention", gpu=False,
-               grid=(b, h, t // 128, t // 128), shapes=f"causal, B{b} H{h} T{t} D{d} f32",
-               make_inputs=lambda key: _normal(key, 3, *[(b, h, t, d)] * 3),
-               twin=lambda q, k, v: _attend(q, k, v, _causal(t, t), d ** -0.5), run=run)
+  def twin(q, k, v):
+    mask = _causal(t, t) if causal else None
+    if segments:
+      ids = _halves(b, t)
+      mask = (ids[:, :, None] == ids[:, None, :])[:, None]
+    return _attend(q, k, v, mask, d ** -0.5)
+
+  what = ("causal" if causal else "not causal") + (", 2 segments" if segments else "")
+  return _case(name, "tpu/flash_attention", gpu=False, grid=(b, h, t // 128, t // 128),
+               shapes=f"{what}, B{b} H{h} T{t} D{d} f32",
+               make_inputs=lambda key: _normal(key, 3, *[(b, h, t, d)] * 3), twin=twin, run=run)
 
 
 GMM_SIZES = {"full": (2048, 512, 512, 8, (128, 128, 128)),
+             "test": (512, 2048, 256, 8, (128, 128, 128)),
              "small": (512, 256, 256, 4, (128, 128, 128)),
              "tiny": (192, 128, 128, 4, (32, 64, 64))}
 
@@ -349,20 +407,27 @@ def _tpu_gmm(size: Size) -> list[Benchmark]:
   ]
 
 
+# JAX's test: 2048-token caches, 512-token compute blocks, head_dim 128
+TPU_PAGED_TEST = (6, 32, 8, 128, 384, 32, 64)
+
+
 def _tpu_paged(size: Size) -> Benchmark:
-  b, hq, hkv, d, pages, page, per_seq = PAGED_SIZES[size]
-  per_block = 8 if size != "tiny" else 2
+  b, hq, hkv, d, pages, page, per_seq = (TPU_PAGED_TEST if size == "test"
+                                         else PAGED_SIZES[size])
+  per_block = {"test": 16, "tiny": 2}.get(size, 8)
+  lengths = (1,) + TEST_LENGTHS if size == "test" else None
   run = lambda m, q, kp, vp, tables, lengths: m.paged_attention(
       q, kp, vp, lengths, tables, pages_per_compute_block=per_block)
   return _case("op_tpu_paged_attention", "tpu/paged_attention", gpu=False, grid=(1, b, hkv),
                shapes=f"B{b} Hq{hq} Hkv{hkv} D{d} f32, {per_seq} pages of {page}",
                make_inputs=lambda key: _paged_inputs(key, b, hq, hkv, d, pages, page, per_seq,
-                                                     bf16_exact=True),
+                                                     bf16_exact=True, lengths=lengths),
                twin=_paged_twin, run=run)
 
 
 def _tpu_splash(size: Size) -> Benchmark:
-  h, t, d = {"full": (4, 1024, 128), "small": (2, 256, 64), "tiny": (2, 256, 64)}[size]
+  h, t, d = {"full": (4, 1024, 128), "test": (2, 1024, 64), "small": (2, 256, 64),
+             "tiny": (2, 256, 64)}[size]
 
   def run(m, q, k, v):
     blocks = m.BlockSizes(block_q=128, block_kv=128, block_kv_compute=128)
@@ -377,7 +442,8 @@ def _tpu_splash(size: Size) -> Benchmark:
 
 
 def _tpu_example(size: Size) -> Benchmark:
-  shape = {"full": (1024, 1024), "small": (512, 512), "tiny": (64, 128)}[size]
+  shape = {"full": (1024, 1024), "test": (512, 512), "small": (512, 512),
+           "tiny": (64, 128)}[size]
   return _case("op_tpu_example_double", "tpu/example_kernel", gpu=False, grid=(1,),
                shapes=f"{shape[0]}x{shape[1]} f32, one grid-less call",
                make_inputs=lambda key: _normal(key, 1, shape), twin=lambda x: 2 * x,
@@ -385,7 +451,8 @@ def _tpu_example(size: Size) -> Benchmark:
 
 
 def _tpu_random(size: Size) -> list[Benchmark]:
-  shape = {"full": (1024, 1024), "small": (512, 512), "tiny": (256, 512)}[size]
+  shape = {"full": (1024, 1024), "test": (512, 512), "small": (512, 512),
+           "tiny": (256, 512)}[size]
   grid = (shape[0] // 256, shape[1] // 256)
   text = f"{shape[0]}x{shape[1]} uint32 bits"
   return [

@@ -22,6 +22,7 @@ from benchmarks.case import Benchmark, Size
 
 SIZES: dict[Size, dict[str, int]] = {
     "full": dict(m=1024, n=1024, k=1024, block=128),
+    "test": dict(m=512, n=512, k=512, block=128),
     "small": dict(m=256, n=256, k=256, block=64),
     "tiny": dict(m=64, n=32, k=64, block=16),
 }

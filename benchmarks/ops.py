@@ -1,5 +1,11 @@
-"""pallet.ops against their jax.numpy references: one row per op forward, one per op
-forward + backward (the VJP for a fixed random cotangent).
+"""pallet.ops against jax.numpy: one row per op forward, one per op forward + backward
+(the VJP for a fixed random cotangent).
+
+The twin is the fastest plain jax.numpy form of the op, which is the op's own
+`*_reference` where that is already plain; attention and decode attention get
+`plain_attention` / `plain_decode_attention` (grouped heads contracted directly, one
+`jax.nn.softmax`): their references repeat K/V per query group and guard empty rows,
+about 3x slower (docs/ops/benchmarks.md has both).
 
 The ops are written with pallet (`import pallet as pl` inside pallet/ops/*); the
 interpret peer runs the very same op source with its module's `pl` bound to
@@ -134,7 +140,7 @@ def _like(*args):
 
 
 # ------------------------------------------------------------------ families of rows
-_NORM = {"full": (4096, 1024), "small": (512, 256), "tiny": (64, 512)}
+_NORM = {"full": (4096, 1024), "test": (768, 192), "small": (512, 256), "tiny": (64, 512)}
 
 
 def _normalization(size: Size) -> list[Benchmark]:
@@ -167,7 +173,8 @@ def _softmax(size: Size) -> list[Benchmark]:
                rtol=1e-5, atol=1e-6)
 
 
-_CE = {"full": (2048, 512, 8192), "small": (256, 128, 2048), "tiny": (256, 32, 1024)}
+_CE = {"full": (2048, 512, 8192), "test": (512, 256, 4096),
+       "small": (256, 128, 2048), "tiny": (256, 32, 1024)}
 
 
 def _cross_entropy(size: Size) -> list[Benchmark]:
@@ -208,7 +215,8 @@ def _ce_mean_grad(fn: Callable) -> Callable:
   return program
 
 
-_ROPE = {"full": (4, 1024, 16, 128), "small": (2, 256, 4, 64), "tiny": (2, 32, 2, 16)}
+_ROPE = {"full": (4, 1024, 16, 128), "test": (2, 384, 2, 64),
+         "small": (2, 256, 4, 64), "tiny": (2, 32, 2, 16)}
 
 
 def _rope(size: Size) -> list[Benchmark]:
@@ -224,7 +232,7 @@ def _rope(size: Size) -> list[Benchmark]:
                blocks={"block_seq": 8} if size == "tiny" else None)
 
 
-_GLU = {"full": (4096, 2816), "small": (512, 704), "tiny": (64, 96)}
+_GLU = {"full": (4096, 2816), "test": (768, 512), "small": (512, 704), "tiny": (64, 96)}
 
 
 def _glu(size: Size) -> list[Benchmark]:
@@ -241,17 +249,42 @@ def _glu(size: Size) -> list[Benchmark]:
                blocks={"block_rows": 16, "block_cols": 32} if size == "tiny" else None)
 
 
-_ATTN = {"full": (1, 8, 2, 1024, 64), "small": (1, 4, 2, 256, 64), "tiny": (1, 2, 1, 64, 16)}
+_ATTN = {"full": (1, 8, 2, 1024, 64), "test": (2, 4, 2, 384, 64),
+         "small": (1, 4, 2, 256, 64), "tiny": (1, 2, 1, 64, 16)}
+
+
+def plain_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool) -> jax.Array:
+  """Grouped-query attention as einsum, softmax, einsum (the query groups of a kv head
+  contract against it directly, no repeated K/V)."""
+  b, h, t, d = q.shape
+  hkv = k.shape[1]
+  qg = q.reshape(b, hkv, h // hkv, t, d)
+  s = jnp.einsum("bkgtd,bksd->bkgts", qg, k) / math.sqrt(d)
+  if causal:
+    s = jnp.where(jnp.tril(jnp.ones((t, k.shape[2]), bool)), s, -jnp.inf)
+  o = jnp.einsum("bkgts,bksd->bkgtd", jax.nn.softmax(s, axis=-1), v)
+  return o.reshape(b, h, t, d)
+
+
+def plain_decode_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                           lengths: jax.Array) -> jax.Array:
+  """One query per sequence against its first `lengths` keys (lengths >= 1)."""
+  b, h, d = q.shape
+  hkv, s_len = k.shape[1], k.shape[2]
+  qg = q.reshape(b, hkv, h // hkv, d)
+  s = jnp.einsum("bkgd,bksd->bkgs", qg, k) / math.sqrt(d)
+  s = jnp.where(jnp.arange(s_len)[None, None, None, :] < lengths[:, None, None, None], s,
+                -jnp.inf)
+  return jnp.einsum("bkgs,bksd->bkgd", jax.nn.softmax(s, axis=-1), v).reshape(b, h, d)
 
 
 def _attention(size: Size) -> list[Benchmark]:
-  from pallet.ops import attention_reference
   b, h, hkv, t, d = _ATTN[size]
   block = min(128, t)
   rows = []
   for causal in (False, True):
     name = "flash_attention_causal" if causal else "flash_attention"
-    rows += _rows(name, "attention", "flash_attention", attention_reference,
+    rows += _rows(name, "attention", "flash_attention", plain_attention,
                   grid=(b, h, math.ceil(t / block)),
                   shapes=f"B{b} H{h} Hkv{hkv} T{t} D{d} f32 (GQA), {block}x{block} blocks",
                   make_inputs=lambda k: _normal(k, (b, h, t, d), (b, hkv, t, d), (b, hkv, t, d)),
@@ -259,12 +292,12 @@ def _attention(size: Size) -> list[Benchmark]:
   return rows
 
 
-_DECODE = {"full": (8, 32, 8, 4096, 128), "small": (4, 8, 2, 512, 64),
+_DECODE = {"full": (8, 32, 8, 4096, 128), "test": (2, 16, 4, 1024, 64),
+           "small": (4, 8, 2, 512, 64),
            "tiny": (2, 4, 2, 64, 16)}
 
 
 def _decode(size: Size) -> list[Benchmark]:
-  from pallet.ops import decode_attention_reference
   b, h, hkv, s, d = _DECODE[size]
 
   def make_inputs(key):
@@ -272,12 +305,13 @@ def _decode(size: Size) -> list[Benchmark]:
     return q, k, v, (jnp.arange(b, dtype=jnp.int32) * 7919) % s + 1
 
   return _rows("decode_attention", "decode_attention", "decode_attention",
-               decode_attention_reference, grid=(b, hkv),
+               plain_decode_attention, grid=(b, hkv),
                shapes=f"B{b} Hq{h} Hkv{hkv} S{s} D{d} f32, varied lengths",
                make_inputs=make_inputs, out_shapes=None, grad=False, rtol=1e-4, atol=1e-4)
 
 
-_PAGED = {"full": (8, 32, 8, 4096, 128, 16), "small": (4, 8, 2, 512, 64, 16),
+_PAGED = {"full": (8, 32, 8, 4096, 128, 16), "test": (5, 32, 2, 2048, 64, 16),
+          "small": (4, 8, 2, 512, 64, 16),
           "tiny": (2, 4, 2, 64, 16, 8)}
 
 
@@ -299,7 +333,8 @@ def _paged(size: Size) -> list[Benchmark]:
                make_inputs=make_inputs, out_shapes=None, grad=False, rtol=1e-4, atol=1e-4)
 
 
-_RAGGED = {"full": (4096, 1024, 1024), "small": (1024, 256, 256), "tiny": (512, 32, 32)}
+_RAGGED = {"full": (4096, 1024, 1024), "test": (512, 2048, 256),
+           "small": (1024, 256, 256), "tiny": (512, 32, 32)}
 _EXPERT_SHARES = (22, 7, 0, 29, 2, 15, 13, 12)   # percent of the tokens per expert
 
 

@@ -17,6 +17,7 @@ from benchmarks.case import Benchmark, Size
 
 SIZES: dict[Size, dict[str, int]] = {
     "full": dict(rows=8192, cols=1024, block_rows=256, block_cols=128),
+    "test": dict(rows=2048, cols=256, block_rows=256, block_cols=128),
     "small": dict(rows=2048, cols=256, block_rows=256, block_cols=128),
     "tiny": dict(rows=128, cols=64, block_rows=32, block_cols=32),
 }

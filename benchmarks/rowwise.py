@@ -16,12 +16,14 @@ from benchmarks.case import Benchmark, Size
 
 SIZES: dict[Size, dict[str, int]] = {
     "full": dict(rows=4096, cols=1024, block_rows=8),
+    "test": dict(rows=1024, cols=256, block_rows=8),
     "small": dict(rows=512, cols=256, block_rows=8),
     "tiny": dict(rows=32, cols=128, block_rows=8),
 }
 # Row counts that are no multiple of the block: the last block overhangs the array.
 EDGE_SIZES: dict[Size, dict[str, int]] = {
     "full": dict(rows=4100, cols=1000, block_rows=8),
+    "test": dict(rows=1028, cols=250, block_rows=8),
     "small": dict(rows=516, cols=250, block_rows=8),
     "tiny": dict(rows=37, cols=128, block_rows=8),
 }

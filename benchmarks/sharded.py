@@ -26,6 +26,8 @@ DEVICES = 4
 SIZES: dict[Size, dict[str, dict[str, int]]] = {
     "full": dict(layernorm=dict(rows=4096, cols=1024, block_rows=8),
                  pairwise=dict(rows=256, cols=256, block_rows=8)),
+    "test": dict(layernorm=dict(rows=512, cols=256, block_rows=8),
+                 pairwise=dict(rows=128, cols=384, block_rows=8)),
     "small": dict(layernorm=dict(rows=512, cols=256, block_rows=8),
                   pairwise=dict(rows=128, cols=384, block_rows=8)),
     "tiny": dict(layernorm=dict(rows=64, cols=128, block_rows=8),

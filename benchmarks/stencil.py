@@ -20,6 +20,7 @@ from benchmarks.case import Benchmark, Size
 
 SIZES: dict[Size, dict[str, int]] = {
     "full": dict(height=2048, width=2048, block_rows=32),
+    "test": dict(height=512, width=512, block_rows=32),
     "small": dict(height=512, width=512, block_rows=32),
     "tiny": dict(height=64, width=128, block_rows=16),
 }

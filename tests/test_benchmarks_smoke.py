@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 from benchmarks import catalog, report
+from helpers import assert_close, random_array
 from benchmarks.__main__ import main
 from benchmarks.checking import MismatchError, check_matches
 from benchmarks.elementwise import vector_add
@@ -263,3 +264,48 @@ def test_main_rejects_nonpositive_reps(capsys):
   with pytest.raises(SystemExit):
     main(["--reps", "0"])
   assert "must be >= 1" in capsys.readouterr().err
+
+
+def test_plain_twins_of_pallet_ops_match_the_ops_references():
+  """The ops rows time pallet.ops against the fastest plain jax.numpy form; it must
+  compute what the op's own reference computes."""
+  from benchmarks import ops as ops_rows
+  from pallet.ops import attention_reference, decode_attention_reference
+  q, k, v = (random_array(s) for s in ((2, 4, 16, 8), (2, 2, 16, 8), (2, 2, 16, 8)))
+  for causal in (False, True):
+    assert_close(ops_rows.plain_attention(q, k, v, causal=causal),
+                 attention_reference(q, k, v, causal=causal), rtol=1e-5, atol=1e-5)
+  qd = random_array((3, 4, 8))
+  lengths = jnp.array([1, 16, 9], jnp.int32)
+  assert_close(ops_rows.plain_decode_attention(qd, k[:1].repeat(3, 0), v[:1].repeat(3, 0),
+                                               lengths),
+               decode_attention_reference(qd, k[:1].repeat(3, 0), v[:1].repeat(3, 0), lengths),
+               rtol=1e-5, atol=1e-5)
+
+
+def test_gated_delta_twin_is_the_token_by_token_recurrence():
+  from benchmarks import scratch_kernels
+  args = scratch_kernels._delta_inputs(1, 2, 64, 16, 8, jax.random.key(4))
+  assert_close(scratch_kernels.gated_delta_reference(*args, chunk=16),
+               scratch_kernels.gated_delta_recurrence(*args), rtol=1e-4, atol=1e-5)
+
+
+def test_size_classes_run_one_after_another_each_with_its_json(tmp_path, capsys):
+  code = main(["--size", "tiny,test", "--only", "vadd_b65536", "--no-peer", "--reps", "2",
+               "--compile-reps", "1", "--out", str(tmp_path)])
+  assert code == 0
+  out = capsys.readouterr().out
+  assert "===== size class tiny" in out and "===== size class test" in out
+  for size, n in (("tiny", 128 * 1024), ("test", 256 * 1024)):
+    data = json.loads((tmp_path / f"perf_cpu_{size}.json").read_text())
+    assert data["meta"]["size"] == size and data["results"][0]["name"] == "vadd_b65536"
+    assert str(n) in data["results"][0]["shapes"]
+
+
+def test_small_flag_is_the_shrunk_suite_and_the_jax_test_class(capsys):
+  from benchmarks.__main__ import build_parser
+  assert build_parser().parse_args(["--small"]).size == "small,test"
+  assert build_parser().parse_args([]).size == "full,test"
+  with pytest.raises(SystemExit):
+    main(["--size", "huge"])
+  assert "unknown size class 'huge'" in capsys.readouterr().err

@@ -290,17 +290,37 @@ def test_block_terms_that_do_not_merge_keep_the_loop(name, term, reference):
   assert_close(fn(x), reference(x), rtol=1e-5, atol=1e-4)
 
 
+@pytest.fixture
+def large_step_work(monkeypatch):
+  """Every loop step counts as large enough to keep its loop (plans re-made)."""
+  monkeypatch.setattr(plan_lib, "LOOP_STEP_FLOPS", 0)
+  xla_backend._planned.cache_clear()
+  yield monkeypatch
+  xla_backend._planned.cache_clear()
+
+
 @pytest.mark.parametrize("causal", [False, True])
-def test_axis_feeding_a_loop_trip_count_stays_looped(causal):
+def test_axis_feeding_a_loop_trip_count_stays_looped(causal, large_step_work):
   q, k, v = (random_array((2, 32, 8)) for _ in range(3))
   fn = lambda q, k, v: _attention(q, k, v, causal)
   plan = _plan(fn, q, k, v)
   if causal:
-    assert (plan.vectorized, plan.outer) == ([0], [1])
-    assert "trip count" in plan.describe()
+    assert (plan.vectorized, plan.outer, plan.bounded_loops) == ([0], [1], False)
+    assert "trip count" in plan.describe() and "while loops kept" in plan.describe()
   else:
     assert (plan.vectorized, plan.outer) == ([0, 1], [])
   assert_close(fn(q, k, v), _attention_reference(q, k, v, causal), rtol=1e-4, atol=1e-4)
+
+
+def test_small_loop_with_a_static_trip_count_bound_is_masked_and_vectorized():
+  # causal: query block i runs i + 1 key blocks, at most 4; each looped step of the
+  # query axis would be far below LOOP_STEP_FLOPS, so every axis is vectorized
+  q, k, v = (random_array((2, 32, 8)) for _ in range(3))
+  fn = lambda q, k, v: _attention(q, k, v, True)
+  plan = _plan(fn, q, k, v)
+  assert (plan.vectorized, plan.outer, plan.bounded_loops) == ([0, 1], [], True)
+  assert "masked fixed-length loops" in plan.describe() and "at most 4 steps" in plan.describe()
+  assert_close(fn(q, k, v), _attention_reference(q, k, v, True), rtol=1e-4, atol=1e-4)
 
 
 def test_outputs_that_do_not_tile_keep_their_axis_looped():
@@ -374,7 +394,7 @@ def test_scalar_prefetch_loops_every_axis():
   assert_close(fn(order, x), x * 2.0)
 
 
-def test_debug_prints_the_reasons(capsys):
+def test_debug_prints_the_reasons(capsys, large_step_work):
   q, k, v = (random_array((2, 16, 8)) for _ in range(3))
   def kernel(q_ref, k_ref, v_ref, o_ref):
     n = pl.program_id(1) + 1
@@ -1004,3 +1024,73 @@ def test_fold_literals_keeps_what_is_not_constant():
   x = random_array((8,))
   for i in (1, -3):
     assert_close(jax.core.eval_jaxpr(folded.jaxpr, folded.consts, x, i)[0], f(x, i))
+
+
+# ------------------------------------------------------------------ unrolled grid loops
+def _running_max(x, k_blocks):
+  """Column maxima over row blocks: a scratch running max along a sequential axis,
+  reset by pl.when on its first step, written out by pl.when on its last."""
+  from pallet import tpu as pltpu
+
+  def kernel(x_ref, o_ref, m_ref):
+    k = pl.program_id(1)
+
+    @pl.when(k == 0)
+    def _():
+      m_ref[...] = jnp.full_like(m_ref, -jnp.inf)
+    m_ref[...] = jnp.maximum(m_ref[...], jnp.max(x_ref[...], axis=0))
+
+    @pl.when(k == pl.num_programs(1) - 1)
+    def _():
+      o_ref[...] = m_ref[...] * 2.0
+  rows, cols = x.shape
+  return pl.pallas_call(
+      kernel, out_shape=jax.ShapeDtypeStruct((cols,), f32), grid=(cols // 8, k_blocks),
+      in_specs=[pl.BlockSpec((rows // k_blocks, 8), lambda j, k: (k, j))],
+      out_specs=pl.BlockSpec((8,), lambda j, k: (j,)),
+      scratch_shapes=[pltpu.VMEM((8,), f32)])(x)
+
+
+@pytest.mark.parametrize("k_blocks, unrolled", [(4, True), (8, False)])
+def test_grid_loops_of_few_steps_are_unrolled(k_blocks, unrolled):
+  x = random_array((64, 32))
+  fn = lambda x: _running_max(x, k_blocks)
+  plan = _plan(fn, x)
+  assert plan.inner == [1] and plan.unrolled == unrolled
+  assert ("grid loops unrolled: 4 steps" in plan.describe()) == unrolled
+  assert_close(fn(x), 2.0 * jnp.max(x, axis=0))
+
+
+def test_unrolled_steps_resolve_grid_conditions_at_trace_time():
+  x = random_array((64, 32))
+  kernel = _description(lambda x: _running_max(x, 4), x)
+  fn = xla_backend.kernel_as_function(kernel)
+  text = str(jax.make_jaxpr(fn)(x))
+  assert "cond[" not in text and "while[" not in text   # pl.when(k == ...) folded away
+  assert_close(fn(x)[0], 2.0 * jnp.max(x, axis=0))
+
+
+def test_indices_from_a_grid_axis_of_size_one_fold_into_slices():
+  # the GPU decode kernels' head-block mask: arange(block) < heads - block * program_id(0)
+  # over a single head block; with program_id(0) known to be 0 the masked accesses at
+  # integer-array indices are slices, not per-element gathers and scatters
+  from pallet import triton as plgpu
+
+  def kernel(x_ref, init_ref, o_ref):
+    del init_ref
+    rows = jnp.arange(8)
+    mask = (rows < 5 - 8 * pl.program_id(0))[:, None]
+    v = plgpu.load(x_ref.at[rows], mask=mask, other=0.0)
+    plgpu.store(o_ref.at[rows], v * 3.0, mask=mask)
+  x = random_array((4, 8, 16))
+  spec = pl.BlockSpec((None, 8, 16), lambda h, b: (b, 0, 0))
+  fn = lambda x, init: pl.pallas_call(
+      kernel, out_shape=sds(x), grid=(1, 4), in_specs=[spec, spec], out_specs=spec,
+      input_output_aliases={1: 0})(x, init)
+  init = poisoned(x.shape)
+  emitted = str(jax.make_jaxpr(xla_backend.kernel_as_function(_description(fn, x, init)))(
+      x, init))
+  assert "gather[" not in emitted and "scatter[" not in emitted
+  out = fn(x, init)
+  assert_close(out[:, :5], 3.0 * x[:, :5])
+  assert bool(jnp.all(jnp.isnan(out[:, 5:])))   # masked-off rows never written

@@ -230,6 +230,78 @@ def _element_offsets(base_shape: tuple[int, ...], transforms: Sequence[Any]) -> 
   return offsets.at[positions].get(mode="fill", fill_value=-1)
 
 
+def _window(ref_shape: tuple[int, ...], transforms: Sequence[Any]) -> Any:
+  """(starts, sizes, kept dims) when the view is one rectangular window of the base
+  ref: a single indexer of unit-stride slices and scalar indices. Masked loads and
+  stores of such views (Triton-style `x_ref.at[pl.ds(i, n), :]`) then discharge to
+  a slice of the ref, not to a gather of every element at computed flat offsets,
+  which XLA runs as a per-element gather, batched under vmap."""
+  if len(transforms) != 1 or not isinstance(transforms[0], internals.NDIndexer):
+    return None
+  indexer = transforms[0]
+  if tuple(indexer.int_indexer_shape) != () or len(indexer.indices) != len(ref_shape):
+    return None
+  starts, sizes, kept = [], [], []
+  for idx in indexer.indices:
+    if isinstance(idx, internals.Slice):
+      if not (isinstance(idx.stride, int) and idx.stride == 1):
+        return None
+      starts.append(idx.start)
+      sizes.append(idx.size)
+      kept.append(True)
+    else:
+      if jnp.shape(idx) != () or not jnp.issubdtype(jnp.result_type(idx), jnp.integer):
+        return None
+      starts.append(idx)
+      sizes.append(1)
+      kept.append(False)
+  return starts, sizes, kept
+
+
+def _static(start: Any) -> bool:
+  return isinstance(start, (int, np.integer))
+
+
+def _window_place(ref_value: jax.Array, starts: Sequence[Any], sizes: Sequence[int]):
+  """(buffer, window start in it, positions valid in the ref or None, padding, whether
+  the window lies wholly outside) for a window that may overhang the ref: the ref is
+  padded with zeros by the window size where the start is not known to be inside, so
+  a start in [-size, n] is never clamped onto other elements. Only a traced start can
+  lie further out; there `valid` masks the clamped window. Nothing here makes an
+  array constant (a while loop's discharge rejects a body with constants)."""
+  pads, buf_starts, valid, outside = [], [], None, False
+  for d, (st, sz, n) in enumerate(zip(starts, sizes, ref_value.shape)):
+    if _static(st):
+      st = int(st)
+      outside = outside or st + sz <= 0 or st >= n
+      inside = 0 <= st and st + sz <= n
+      pads.append((0, 0, 0) if inside else (sz, sz, 0))
+      buf_starts.append(np.int32(st if inside else min(max(st + sz, 0), n + sz)))
+      continue
+    pads.append((sz, sz, 0))
+    st = jnp.asarray(st, jnp.int32)
+    buf_starts.append(st + sz)
+    shape = [1] * len(sizes)
+    shape[d] = sz
+    pos = lax.broadcast_in_dim(st, (sz,), ()) + lax.iota(jnp.int32, sz)
+    pos = lax.broadcast_in_dim(pos, tuple(sizes), (d,))
+    ok = (pos >= 0) & (pos < n)
+    valid = ok if valid is None else valid & ok
+  buf = ref_value if all(p == (0, 0, 0) for p in pads) else lax.pad(
+      ref_value, lax.full((), 0, ref_value.dtype), pads)
+  return buf, buf_starts, valid, pads, outside
+
+
+def _as_window(x: Any, sizes: Sequence[int]) -> Any:
+  """`x` (a traced value of the window's size, or a concrete scalar) shaped as the
+  window, or None where that would need an array constant."""
+  if internals.is_tracer(x):
+    return lax.reshape(x, tuple(sizes))
+  if np.ndim(x) == 0:
+    return lax.broadcast_in_dim(x, tuple(sizes), ())
+  return None
+
+
 def _gather(ref_value: jax.Array, offsets: jax.Array) -> jax.Array:
   """Values at flat `offsets` (negative offsets read 0)."""
   flat = ref_value.reshape(-1)
@@ -280,8 +352,21 @@ load_p.def_effectful_abstract_eval(_load_abstract_eval)
 @internals.register_discharge_rule(load_p)
 def _load_discharge(in_avals, out_avals, ref_value, *args, tree, has_other):
   flat, (mask, *other) = _split(args, [tree.num_leaves, 1 + has_other])
-  offsets = _element_offsets(ref_value.shape, jax.tree_util.tree_unflatten(tree, flat))
-  view = _gather(ref_value, offsets)
+  transforms = jax.tree_util.tree_unflatten(tree, flat)
+  window = _window(ref_value.shape, transforms)
+  if window is not None:
+    starts, sizes, kept = window
+    buf, buf_starts, valid, _, outside = _window_place(ref_value, starts, sizes)
+    if outside:   # elements outside the ref read 0, as the gather's fill
+      view = lax.full(tuple(sizes), 0, ref_value.dtype)
+    else:
+      view = lax.dynamic_slice(buf, buf_starts, sizes)
+      if valid is not None:
+        view = lax.select(valid, view, lax.full_like(view, 0))
+    view = lax.reshape(view, tuple(n for n, k in zip(sizes, kept) if k))
+  else:
+    offsets = _element_offsets(ref_value.shape, transforms)
+    view = _gather(ref_value, offsets)
   fill = other[0] if other else lax.full_like(view, 0)
   return (None,) * len(in_avals), lax.select(mask, view, fill)
 
@@ -328,7 +413,25 @@ def _scatter_into(ref_value, offsets, mask, update_fn):
 @internals.register_discharge_rule(store_p)
 def _store_discharge(in_avals, out_avals, ref_value, *args, tree):
   flat, (value, mask) = _split(args, [tree.num_leaves, 2])
-  offsets = _element_offsets(ref_value.shape, jax.tree_util.tree_unflatten(tree, flat))
+  transforms = jax.tree_util.tree_unflatten(tree, flat)
+  window = _window(ref_value.shape, transforms)
+  if window is not None:
+    sizes = window[1]
+    write = _as_window(mask, sizes)
+    update = _as_window(value, sizes)
+  if window is not None and write is not None and update is not None:
+    buf, buf_starts, valid, pads, outside = _window_place(ref_value, window[0], sizes)
+    if outside:   # every write lands outside the ref: dropped
+      return (ref_value,) + (None,) * (len(in_avals) - 1), []
+    old = lax.dynamic_slice(buf, buf_starts, sizes)
+    write = write if valid is None else write & valid
+    new = lax.dynamic_update_slice(
+        buf, lax.select(write, update.astype(buf.dtype), old), buf_starts)
+    if buf is not ref_value:
+      new = lax.slice(new, [lo for lo, _, _ in pads],
+                      [lo + n for (lo, _, _), n in zip(pads, ref_value.shape)])
+    return (new,) + (None,) * (len(in_avals) - 1), []
+  offsets = _element_offsets(ref_value.shape, transforms)
   new = _scatter_into(ref_value, offsets, mask,
                       lambda at: at.set(jnp.ravel(value), mode="drop"))
   return (new,) + (None,) * (len(in_avals) - 1), []

@@ -103,13 +103,32 @@ def _binds(jaxpr: Any, name: str) -> bool:
 
 
 def max_intermediate_bytes(jaxpr: Any) -> int:
-  """Size of the largest value any equation (nested ones included) creates."""
+  """Size of the largest value any equation (nested ones included) creates; a loop
+  or branch result that is one of its operands, unchanged (a ref the kernel only
+  reads, threaded through by state discharge), creates nothing."""
   best = 0
   for eqn in jaxpr.eqns:
-    best = max([best] + [_nbytes(v.aval) for v in eqn.outvars])
+    passed = _passed_through(eqn)
+    best = max([best] + [_nbytes(v.aval) for k, v in enumerate(eqn.outvars)
+                         if k not in passed])
     for sub in _nested_jaxprs(eqn):
       best = max(best, max_intermediate_bytes(sub))
   return best
+
+
+def _passed_through(eqn: Any) -> set[int]:
+  """Results of a while loop or cond that are always one of its operands."""
+  name = eqn.primitive.name
+  if name == "while":
+    nb = eqn.params["body_nconsts"]
+    body = eqn.params["body_jaxpr"].jaxpr
+    return {k for k, (v, out) in enumerate(zip(body.invars[nb:], body.outvars)) if out is v}
+  if name == "cond":
+    branches = [b.jaxpr for b in eqn.params["branches"]]
+    return {k for k in range(len(eqn.outvars))
+            if len({b.invars.index(b.outvars[k]) if b.outvars[k] in b.invars else -1 - i
+                    for i, b in enumerate(branches)}) == 1}
+  return set()
 
 
 # ------------------------------------------------------------------ trip counts
@@ -356,15 +375,22 @@ def discharged(kernel: KernelDescription) -> Any:
   return internals.discharge_state(primitives.unread_atomics_as_updates(kernel.jaxpr))
 
 
+def trip_count_axes(jaxpr: Any, num_axes: int) -> frozenset[int]:
+  """Grid axes whose index reaches the condition of a while loop in `jaxpr` (a
+  discharged body whose first `num_axes` inputs are the grid indices)."""
+  feeds: set[int] = set()
+  in_deps = ([frozenset({g}) for g in range(num_axes)]
+             + [frozenset()] * (len(jaxpr.invars) - num_axes))
+  _grid_dependencies(jaxpr, in_deps, feeds)
+  return frozenset(feeds)
+
+
 def analyse_body(kernel: KernelDescription) -> BodyFacts:
   gm = kernel.grid_mapping
-  G = len(gm.grid)
   pure = discharged(kernel)
-  feeds: set[int] = set()
-  in_deps = [frozenset({g}) for g in range(G)] + [frozenset()] * (len(pure.jaxpr.invars) - G)
-  _grid_dependencies(pure.jaxpr, in_deps, feeds)
   accumulators, not_accumulators = _accumulators(kernel, pure)
-  return BodyFacts(trip_count_axes=frozenset(feeds), accumulators=accumulators,
+  return BodyFacts(trip_count_axes=trip_count_axes(pure.jaxpr, len(gm.grid)),
+                   accumulators=accumulators,
                    not_accumulators=not_accumulators,
                    intermediate_bytes=max_intermediate_bytes(pure.jaxpr),
                    has_matrix_product=_binds(pure.jaxpr, "dot_general"))

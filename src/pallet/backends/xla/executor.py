@@ -21,7 +21,7 @@ from jax import lax
 from pallet import _internals as internals
 from pallet import checks
 from pallet.backends.xla.plan import ExecutionPlan, OperandPlan, element_scale, make_plan
-from pallet.backends.xla import body_analysis, literal_folding, widening
+from pallet.backends.xla import body_analysis, bounded_loops, literal_folding, widening
 from pallet.backends.xla.static_indices import fold_static_indices
 from pallet.backends.xla.widening import Widening
 from pallet.tracing import KernelDescription
@@ -30,7 +30,7 @@ Body = Callable[..., tuple[list[Any], list[Any]]]
 
 
 def discharged_body(kernel: KernelDescription, widened: Widening | None = None,
-                    vectorized: Sequence[int] = ()) -> Body:
+                    vectorized: Sequence[int] = (), bounded: bool = False) -> Body:
   """`body(ids, prefetch, ins, outs, state) -> (outs, state)`, a pure function;
   `ids` holds the grid indices, then the traced grid sizes if any.
 
@@ -38,7 +38,8 @@ def discharged_body(kernel: KernelDescription, widened: Widening | None = None,
   operands (kernels may write them, as SMEM on a TPU: ragged paged attention
   keeps its buffer index there), then the scratch buffers. The `prefetch`
   argument is unused once the prefetch values travel in `state`. With `widened`,
-  the blocks of that axis arrive side by side and the body runs on all of them.
+  the blocks of that axis arrive side by side and the body runs on all of them;
+  with `bounded`, its while loops run as masked fixed-length loops.
   """
   gm = kernel.grid_mapping
   n_pre, n_in, n_out = len(gm.prefetch_avals), len(gm.inputs), len(gm.outputs)
@@ -46,11 +47,15 @@ def discharged_body(kernel: KernelDescription, widened: Widening | None = None,
     pure = widened.pure
     evaluate = lambda *args: widening.evaluate(pure.jaxpr, pure.consts, args, widened.tags)
   else:
-    pure = literal_folding.fold_literals(body_analysis.discharged(kernel))
+    pure = body_analysis.discharged(kernel)
+    if bounded:
+      pure = bounded_loops.bounded_body(kernel)
+    pure = literal_folding.fold_literals(pure)
     # what differs between the programs vmapped together: their ids and every block
     G = len(gm.grid) + len(gm.dynamic_axes)
     varying = [g in vectorized for g in range(G)] + [True] * (len(pure.jaxpr.invars) - G)
-    pure = fold_static_indices(pure, varying if vectorized else None)
+    pure = fold_static_indices(pure, varying if vectorized else None,
+                               {g: 0 for g, n in enumerate(gm.grid) if n == 1})
     evaluate = lambda *args: literal_folding.evaluate(pure.jaxpr, pure.consts, args)
 
   def body(ids, prefetch, ins, outs, state):
@@ -176,6 +181,7 @@ class _Starts:
       return
     self.n_outer = math.prod(plan.loop_size(g) for g in plan.outer)
     self.n_inner = math.prod(plan.loop_size(g) for g in plan.inner)
+    self.known = None   # the table in NumPy: unrolled steps read their starts from it
     if runtime_table is not None:
       self.table = runtime_table.reshape(self.n_outer, self.n_inner, -1)
       self.static = None
@@ -183,7 +189,8 @@ class _Starts:
     G = len(plan.grid)
     if op.gathered:
       self.static = None
-      self.table = jnp.asarray(_gather_table(op.table, plan), jnp.int32)
+      self.known = _gather_table(op.table, plan).astype(np.int32)
+      self.table = jnp.asarray(self.known)
       return
     # first program of each chunk along vectorized axes, every program along looped ones
     t = op.table[tuple(slice(None, None, plan.chunk.get(g, 1)) for g in range(G))]
@@ -193,6 +200,7 @@ class _Starts:
     t = np.transpose(t, loop_axes + rest + [G]).reshape(self.n_outer, self.n_inner, ndim)
     flat = t.reshape(self.n_outer * self.n_inner, ndim)
     self.static = tuple(int(v) for v in flat[0]) if len(flat) and np.all(flat == flat[0]) else None
+    self.known = t
     self.table = jnp.asarray(t, jnp.int32)
 
   def at(self, s: Any, r: Any, ids: Sequence[Any] = ()) -> Any:
@@ -200,6 +208,9 @@ class _Starts:
       return self.per_step(*ids)
     if self.static is not None:
       return self.static
+    if self.known is not None and isinstance(s, int) and isinstance(r, int):
+      row = self.known[s, r]   # an unrolled step: starts known at trace time
+      return tuple(int(v) for v in row) if row.ndim == 1 else jnp.asarray(row, jnp.int32)
     row = self.table[s, r]
     return row if row.ndim == 2 else [row[d] for d in range(row.shape[0])]
 
@@ -231,6 +242,9 @@ def _unravel(flat: Any, axes: Sequence[int], sizes: Sequence[int]) -> dict[int, 
   for g, n in zip(reversed(axes), reversed(sizes)):
     if isinstance(n, int) and n == 1:
       ids[g] = 0
+      continue
+    if isinstance(flat, int) and isinstance(n, int):   # an unrolled step
+      flat, ids[g] = divmod(flat, n)
       continue
     n = np.int32(n) if isinstance(n, int) else n
     ids[g], flat = lax.rem(flat, n), lax.div(flat, n)
@@ -304,7 +318,8 @@ def build(kernel: KernelDescription, plan: ExecutionPlan | None = None) -> Calla
   """A pure function `(*prefetch, *inputs) -> outputs` computing the kernel's result."""
   plan = plan or make_plan(kernel)
   gm = kernel.grid_mapping
-  body = discharged_body(kernel, widening.of_plan(kernel, plan), plan.vectorized)
+  body = discharged_body(kernel, widening.of_plan(kernel, plan), plan.vectorized,
+                         plan.bounded_loops)
   grid = plan.grid
   n_dyn, n_pre = len(gm.dynamic_axes), len(gm.prefetch_avals)
   aliases = dict((o, i) for i, o in kernel.input_output_aliases)
@@ -380,12 +395,12 @@ def build(kernel: KernelDescription, plan: ExecutionPlan | None = None) -> Calla
           partials, _ = step(s, r, zeros, [])
           return [x + sl.summed_raw(p, len(plan.summed), x.dtype)
                   for x, p, sl in zip(slabs, partials, out_slabs)]
-        slabs = _loop(n_inner, inner_step, slabs)
+        slabs = _loop(n_inner, inner_step, slabs, plan.unrolled)
         return [sl.put(b, x, st.at(s, 0))
                 for b, x, sl, st in zip(bufs, slabs, out_slabs, out_starts)], scratch
       if plan.resident_outputs:
         slabs, scratch = _loop(n_inner, lambda r, c: step(s, r, *c),
-                               (load(bufs, s, 0), scratch))
+                               (load(bufs, s, 0), scratch), plan.unrolled)
         return store(bufs, slabs, s, 0), scratch
 
       def inner_step(r, c):
@@ -393,9 +408,9 @@ def build(kernel: KernelDescription, plan: ExecutionPlan | None = None) -> Calla
         ids = base_ids(s, r)   # once per step: load, body and store share it
         slabs, scratch = step(s, r, load(bufs, s, r, ids), scratch, ids)
         return store(bufs, slabs, s, r, ids), scratch
-      return _loop(n_inner, inner_step, (bufs, scratch))
+      return _loop(n_inner, inner_step, (bufs, scratch), plan.unrolled)
 
-    bufs, _ = _loop(n_outer, outer_step, (bufs, scratch))
+    bufs, _ = _loop(n_outer, outer_step, (bufs, scratch), plan.unrolled)
     return _unpad(bufs, plan)
 
   return run
@@ -421,9 +436,15 @@ def _pad_by_concatenation(x: jax.Array, pad: Sequence[tuple[int, int]]) -> jax.A
   return x
 
 
-def _loop(n: Any, step: Callable, carry: Any) -> Any:
-  """`step` over range(n); n may be traced (a grid size computed at run time)."""
+def _loop(n: Any, step: Callable, carry: Any, unrolled: bool = False) -> Any:
+  """`step` over range(n); n may be traced (a grid size computed at run time).
+  `unrolled`: the steps are traced one by one with their index a Python int, so
+  their grid indices and block starts are constants (pl.when on them resolves)."""
   as_tuple = lambda c: tuple(c) if isinstance(c, (list, tuple)) else c
+  if unrolled and isinstance(n, int):
+    for i in range(n):
+      carry = as_tuple(step(i, carry))
+    return as_tuple(carry)
   if isinstance(n, int) and n == 1:
     return as_tuple(step(jnp.int32(0), carry))
   return lax.fori_loop(0, n, lambda i, c: as_tuple(step(i, c)), as_tuple(carry))

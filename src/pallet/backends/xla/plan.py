@@ -47,9 +47,11 @@ from jax.interpreters import batching
 from pallet import _internals as internals
 from pallet import grid_analysis, grid_eval
 from pallet.dma import DMA_PRIMITIVE_NAMES
+from pallet.backends.xla import bounded_loops
 from pallet.backends.xla.body_analysis import (BodyFacts, analyse_body, itemsize,
                                                 blocks_merge_along, discharged,
-                                                evaluate_resets)
+                                                evaluate_resets, max_intermediate_bytes,
+                                                trip_count_axes)
 from pallet.grid_mapping import BlockMapping, GridMapping
 from pallet.tracing import KernelDescription
 
@@ -63,6 +65,13 @@ KNOWN_UNBATCHABLE = ("threefry2x32",)
 # A pl.when around a matrix product, decided by program ids alone, that this share of
 # the grid's steps skip keeps the axes deciding it looped (see _skipping_axes).
 SKIPPED_WORK_TO_LOOP = 0.25
+# Loops with a static trip-count bound run as masked fixed-length loops, and the axes
+# feeding their trip counts are vectorized, when looping those axes would leave each
+# grid step less arithmetic than this (bounded_loops.py; measured in
+# docs/performance.md: below it a step's launches cost more than its work).
+LOOP_STEP_FLOPS = 4e6
+# Grid loops of at most this many steps in all are unrolled (executor._loop).
+GRID_UNROLL_STEPS = 4
 MEMORY_MULTIPLE = 4
 MEMORY_FLOOR_BYTES = 32 << 20
 
@@ -92,6 +101,8 @@ class ExecutionPlan:
   resident_outputs: bool     # outputs carried across the inner loop
   keep_initial: list[bool]   # summed plans: output starts from its initial value (no reset)
   reasons: list[str]
+  bounded_loops: bool = False   # while loops run as masked fixed-length loops (bounded_loops.py)
+  unrolled: bool = False        # the grid loops are unrolled (GRID_UNROLL_STEPS)
 
   def loop_size(self, g: int) -> int | None:
     """Iterations axis `g` contributes to the loop it belongs to (None: traced)."""
@@ -227,6 +238,19 @@ def make_plan(kernel: KernelDescription, unbatchable: str | None = None) -> Exec
   `unbatchable` says why the body cannot run under vmap (a batching rule failed
   when the vectorized plan was traced, see `vectorization_failure`): then no axis
   is vectorized, summed or merged."""
+  plan = _axes_plan(kernel, unbatchable)
+  steps = [plan.loop_size(g) for g in plan.outer + plan.inner]
+  # Effects (checking mode's checks, debug prints) run in grid order in a loop; unrolled,
+  # XLA may run their callbacks in any order, and the first failure reported could differ.
+  if (None not in steps and 1 < math.prod(steps) <= GRID_UNROLL_STEPS
+      and not discharged(kernel).jaxpr.effects):
+    plan.unrolled = True
+    plan.reasons.append(f"grid loops unrolled: {math.prod(steps)} steps, each traced with "
+                        f"its grid indices and block starts as constants")
+  return plan
+
+
+def _axes_plan(kernel: KernelDescription, unbatchable: str | None) -> ExecutionPlan:
   gm: GridMapping = kernel.grid_mapping
   grid, G = gm.grid, len(gm.grid)
   dynamic = bool(gm.prefetch_avals) or bool(gm.dynamic_axes)
@@ -281,6 +305,11 @@ def make_plan(kernel: KernelDescription, unbatchable: str | None = None) -> Exec
                          _resident(outputs, sequential), [True] * len(outputs), reasons)
 
   facts = analyse_body(kernel)
+  bounded = _bound_loops(kernel, facts, parallel, reasons)
+  if bounded:
+    body = bounded_loops.bounded_body(kernel).jaxpr
+    facts = dataclasses.replace(facts, trip_count_axes=trip_count_axes(body, G),
+                                intermediate_bytes=max_intermediate_bytes(body))
   skipping = _skipping_axes(kernel)
   vectorized = []
   for g in parallel:
@@ -319,7 +348,39 @@ def make_plan(kernel: KernelDescription, unbatchable: str | None = None) -> Exec
   outer = [g for g in parallel if g not in vectorized or chunk[g] < grid[g]]
   inner = [g for g in sequential if g not in summed + merged or chunk[g] < grid[g]]
   return ExecutionPlan(grid, summed + vectorized, chunk, summed, merged, outer, inner, inputs,
-                       outputs, _resident(outputs, inner), keep_initial, reasons)
+                       outputs, _resident(outputs, inner), keep_initial, reasons, bounded)
+
+
+def _bound_loops(kernel: KernelDescription, facts: BodyFacts, parallel: list[int],
+                 reasons: list[str]) -> bool:
+  """Whether to run the body's while loops as masked fixed-length loops, so that the
+  parallel axes feeding their trip counts can be vectorized (see bounded_loops.py)."""
+  feeding = [g for g in parallel if g in facts.trip_count_axes]
+  if not feeding:
+    return False
+  loops = bounded_loops.bounds(kernel)
+  if not loops.bounded and not loops.unbounded:
+    return False
+  looped_steps = math.prod(kernel.grid_mapping.grid[g] for g in feeding)
+  step_flops = sum(b.steps * b.flops for b in loops.bounded) / looped_steps
+  if loops.unbounded:
+    why = f"{loops.unbounded[0]} has no static bound on its trip count"
+  elif any(b.effects for b in loops.bounded):
+    why = "a loop body has effects (checks, prints), which a masked step would run"
+  elif any(b.gathers for b in loops.bounded):
+    why = "a loop gathers at indices read from data (batched, a gather per element)"
+  elif step_flops > LOOP_STEP_FLOPS:
+    why = (f"looped, each step of axes {feeding} computes about {step_flops:.3g} flops, "
+           f"more than the {LOOP_STEP_FLOPS:.3g} below which launching a step costs more")
+  else:
+    why = None
+  if why is not None:
+    reasons.append(f"while loops kept: {why}")
+    return False
+  reasons.append(f"while loops run as masked fixed-length loops ({loops.describe()}): "
+                 f"looped, each step of axes {feeding} would compute only about "
+                 f"{step_flops:.3g} flops")
+  return True
 
 
 def _skipping_axes(kernel: KernelDescription) -> dict[int, float]:
