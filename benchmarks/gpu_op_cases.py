@@ -227,7 +227,7 @@ def decode_cases(size: str) -> list[OpCase]:
       ops.decode_attention, ops.decode_attention_reference,
       (Baseline("XLA", _xla_decode, _decode_layout),),
       flops, cache + _nbytes(((b, h, d), BF16)) * 2, "GB/s",
-      kernels=(("decode_attention", "fwd", flops),))]
+      kernels=(("decode_attention", "fwd", flops), ("flash_decoding_combine", "combine", 0.0)))]
   page = 16
   pages = s // page
 
@@ -241,7 +241,7 @@ def decode_cases(size: str) -> list[OpCase]:
       "paged_attention", "paged_attention", f"b{b} h{h}/{hkv} s{s} d{d} page{page} bf16",
       paged_inputs, ops.paged_attention, ops.paged_attention_reference, (),
       flops, cache + _nbytes(((b, h, d), BF16)) * 2, "GB/s",
-      kernels=(("paged_attention", "fwd", flops),)))
+      kernels=(("paged_attention", "fwd", flops), ("flash_decoding_combine", "combine", 0.0))))
   return cases
 
 

@@ -124,8 +124,9 @@ paged_attention = _tuned(
     [{"pages_per_compute_block": p, "k_splits": k}
      for p, k in ((None, None), (1, None), (4, None), (16, None), (64, None), (None, 1),
                   (None, 16))],
-    [_fwd(block_tokens=t, programs=p, num_warps=w, num_stages=2)
-     for t, p, w in ((16, 512, 4), (32, 256, 4), (16, 1024, 2))])
+    [_fwd(block_tokens=t, query_rows=16, programs_per_sm=p, split_keys=256, num_warps=w,
+          num_stages=s)
+     for t, p, w, s in ((32, 4, 4, 3), (128, 4, 4, 2), (64, 8, 4, 3), (64, 2, 8, 3))])
 ragged_dot = _tuned(
     _ragged_dot, "ragged_dot", ("lhs", "rhs"),
     [{"block_m": None, "block_k": None, "block_n": None},
