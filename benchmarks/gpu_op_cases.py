@@ -193,8 +193,7 @@ def cross_entropy_cases(size: str) -> list[OpCase]:
       3 * product, _nbytes(((n, hid), BF16), ((hid, vocab), BF16)) * 2, "TFLOP/s",
       tolerance=5e-2,
       kernels=(("linear_cross_entropy_fwd", "fwd", product),
-               ("linear_cross_entropy_dh", "dh", 2 * product),
-               ("linear_cross_entropy_dw", "dw", 2 * product)))]
+               ("linear_cross_entropy_dlogits", "dlogits", 0.0)))]
 
 
 # ------------------------------------------------------------------ decode and paged attention

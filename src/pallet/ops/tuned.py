@@ -99,8 +99,9 @@ linear_cross_entropy = _tuned(
      {"block_n": 64, "block_v": 256, "block_h": None},
      {"block_n": 256, "block_v": 1024, "block_h": None},
      {"block_n": 512, "block_v": 512, "block_h": None}],
-    [_fwd(block_n=n, block_v=v, block_h=64, num_warps=w, num_stages=3)
-     for n, v, w in ((32, 128, 4), (64, 128, 4), (16, 256, 8), (128, 128, 8))])
+    [_fwd(block_n=n, block_v=v, block_h=h, num_warps=w, num_stages=s)
+     for n, v, h, w, s in ((128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 64, 4, 3),
+                           (128, 128, 32, 8, 4))])
 rotary_embedding = _tuned(_rotary_embedding, "rotary_embedding", ("x",),
                           [{"block_seq": b} for b in (None, 1, 16, 64, 256)],
                           [_fwd(elements=e, num_warps=w, num_stages=None)
