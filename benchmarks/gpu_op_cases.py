@@ -193,8 +193,7 @@ def cross_entropy_cases(size: str) -> list[OpCase]:
       3 * product, _nbytes(((n, hid), BF16), ((hid, vocab), BF16)) * 2, "TFLOP/s",
       tolerance=5e-2,
       kernels=(("linear_cross_entropy_fwd", "fwd", product),
-               ("linear_cross_entropy_dh", "dh", 2 * product),
-               ("linear_cross_entropy_dw", "dw", 2 * product)))]
+               ("linear_cross_entropy_dlogits", "dlogits", 0.0)))]
 
 
 # ------------------------------------------------------------------ decode and paged attention
@@ -227,7 +226,7 @@ def decode_cases(size: str) -> list[OpCase]:
       ops.decode_attention, ops.decode_attention_reference,
       (Baseline("XLA", _xla_decode, _decode_layout),),
       flops, cache + _nbytes(((b, h, d), BF16)) * 2, "GB/s",
-      kernels=(("decode_attention", "fwd", flops),))]
+      kernels=(("decode_attention", "fwd", flops), ("flash_decoding_combine", "combine", 0.0)))]
   page = 16
   pages = s // page
 
@@ -241,7 +240,7 @@ def decode_cases(size: str) -> list[OpCase]:
       "paged_attention", "paged_attention", f"b{b} h{h}/{hkv} s{s} d{d} page{page} bf16",
       paged_inputs, ops.paged_attention, ops.paged_attention_reference, (),
       flops, cache + _nbytes(((b, h, d), BF16)) * 2, "GB/s",
-      kernels=(("paged_attention", "fwd", flops),)))
+      kernels=(("paged_attention", "fwd", flops), ("flash_decoding_combine", "combine", 0.0))))
   return cases
 
 

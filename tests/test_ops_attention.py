@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import random_array
+from helpers import current_test_backend, random_array
 from pallet import PalletError, ops
 from ops_testing import DTYPES, check_op
 
@@ -74,3 +74,67 @@ def test_errors_name_the_op_and_argument():
     ops.flash_attention(q[:, :2], k, v, q_segment_ids=jnp.zeros((1, 8), jnp.int32))
   with pytest.raises(PalletError, match="window must be a positive int"):
     ops.flash_attention(q[:, :2], k, v, window=0)
+
+
+def _config(causal, window, q_len, kv_len, block_q, block_k):
+  from pallet.ops import attention
+  return attention._Config(scale=1.0, causal=causal, window=window, softcap=None, q_len=q_len,
+                           kv_len=kv_len, groups=1, block_q=block_q, block_k=block_k,
+                           segments=False, fwd=None, dq=None, dkv=None)
+
+
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (True, 5), (False, 7),
+                                           (True, 40)])
+@pytest.mark.parametrize("q_len,kv_len,block_q,block_k", [
+    (37, 37, 16, 16), (20, 45, 32, 16), (45, 20, 16, 32), (64, 64, 16, 32), (50, 70, 8, 16)])
+def test_visited_blocks_are_the_visible_ones_and_unmasked_blocks_fully_visible(
+    causal, window, q_len, kv_len, block_q, block_k):
+  """The loop bounds of every pass against a brute-force mask: a block with any visible
+  (query, key) pair is visited, one visited without a mask has every pair visible, and
+  one visited with a mask has not (only the blocks on a mask's edge are masked)."""
+  from pallet.ops import attention
+  c = _config(causal, window, q_len, kv_len, block_q, block_k)
+  nq, nk = -(-q_len // block_q) + 1, -(-kv_len // block_k) + 1   # one block of padding
+  q_pos = np.arange(nq * block_q)[:, None]
+  k_pos = np.arange(nk * block_k)[None, :]
+  visible = np.asarray(attention._mask(q_pos, k_pos, causal, window)) & (k_pos < kv_len)
+
+  def block(i, j):
+    return visible[i * block_q:(i + 1) * block_q, j * block_k:(j + 1) * block_k]
+
+  for i in range(nq):
+    lo, full_lo, full_hi, hi = attention._key_ranges(c, i, nk)
+    assert lo <= full_lo <= full_hi <= hi
+    for j in range(nk):
+      if block(i, j).any():
+        assert lo <= j < hi, (i, j)
+      if full_lo <= j < full_hi:
+        assert block(i, j).all(), (i, j)
+      elif lo <= j < hi:
+        assert not block(i, j).all(), (i, j)
+  for j in range(nk):
+    lo, full_lo, full_hi, hi = (int(x) for x in attention._query_ranges(c, j, nq, nk))
+    assert lo <= full_lo <= full_hi <= hi
+    for i in range(nq):
+      if block(i, j)[:max(0, q_len - i * block_q)].any():   # rows past q_len add nothing
+        assert lo <= i < hi, (i, j)
+      if full_lo <= i < full_hi:
+        assert block(i, j).all(), (i, j)
+      elif lo <= i < hi:
+        assert not block(i, j).all(), (i, j)
+
+
+@pytest.mark.skipif(current_test_backend() != "triton",
+                    reason="per-pass blocks come from the launch table, read on Triton only")
+@pytest.mark.parametrize("kwargs", [dict(), dict(causal=True), dict(causal=True, window=20)],
+                         ids=["plain", "causal", "window"])
+def test_passes_with_different_blocks(kwargs):
+  # Every pass pads to whole blocks of every pass: the forward's last key block and
+  # the dk/dv pass's last query block lie wholly in padding and are skipped.
+  from pallet.ops import launch_table
+  q, k, v = _qkv(1, 4, 2, 40, 70, 16, jnp.float32)
+  sections = {"fwd": dict(block_q=16, block_k=32), "dq": dict(block_q=32, block_k=16),
+              "dkv": dict(block_q=16, block_k=64)}
+  with launch_table.overriding("flash_attention", sections):
+    check_op(ops.flash_attention, ops.attention_reference, (q, k, v), argnums=(0, 1, 2),
+             **kwargs)

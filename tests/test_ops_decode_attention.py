@@ -1,28 +1,87 @@
 """pallet.ops decode attention (one query per sequence, per-sequence KV lengths, GQA)
-against its jax.numpy reference."""
+against its jax.numpy reference, and its flash-decoding plan on a GPU."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import pytest
 
+import pallet as pl
 from helpers import random_array
 from pallet import PalletError, ops
+from pallet.ops import flash_decoding, launch_table
+from pallet.pallas_call import pallas_call_p
 from ops_testing import DTYPES, check_op
 
 DTYPE_IDS = lambda d: jnp.dtype(d).name  # noqa: E731
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("heads,kv_heads,max_len,block_k", [(8, 2, 100, 32), (4, 1, 64, 16),
-                                                            (2, 2, 37, 64)])
-def test_decode_attention(heads, kv_heads, max_len, block_k, dtype):
-  b, d = 3, 32
+@pytest.mark.parametrize("heads,kv_heads,max_len,block_k,splits", [
+    (8, 2, 100, 32, None), (4, 1, 64, 16, 3), (2, 2, 37, 64, None), (8, 2, 100, 16, 4),
+    (6, 2, 50, 8, 2)])
+def test_decode_attention(heads, kv_heads, max_len, block_k, splits, dtype):
+  b, d = 4, 32
   q = random_array((b, heads, d), dtype)
   k, v = random_array((b, kv_heads, max_len, d), dtype), random_array((b, kv_heads, max_len, d),
                                                                        dtype)
-  lengths = jnp.asarray([max_len, max_len // 3, 0], jnp.int32)
+  # full, partial, empty and a single key
+  lengths = jnp.asarray([max_len, max_len // 3, 0, 1], jnp.int32)
   check_op(ops.decode_attention, ops.decode_attention_reference, (q, k, v, lengths),
-           grad=False, blocks=dict(block_k=block_k))
+           grad=False, blocks=dict(block_k=block_k, k_splits=splits))
+
+
+def test_more_splits_than_a_sequence_has_blocks_and_an_empty_cache():
+  q = random_array((2, 4, 16))
+  k, v = random_array((2, 2, 40, 16)), random_array((2, 2, 40, 16))
+  lengths = jnp.asarray([40, 9], jnp.int32)    # 9 keys: one block of 16, split 5 ways
+  check_op(ops.decode_attention, ops.decode_attention_reference, (q, k, v, lengths),
+           grad=False, blocks=dict(block_k=16, k_splits=5))
+  out = ops.decode_attention(q, k[:, :, :0], v[:, :, :0], jnp.zeros(2, jnp.int32))
+  assert out.shape == q.shape and float(jnp.abs(out).max()) == 0.0
+
+
+def _launched(fn, *args):
+  """(kernel name, grid) of each pallas_call fn(*args) launches (traced only)."""
+  found = []
+
+  def visit(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive is pallas_call_p:
+        kd = eqn.params["kernel"]
+        found.append((kd.name, kd.grid_mapping.grid))
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        visit(sub.jaxpr if hasattr(sub, "jaxpr") else sub)
+
+  visit(jax.make_jaxpr(fn)(*args).jaxpr)
+  return found
+
+
+@pytest.mark.parametrize("device,splits", [("sm_90", 3), ("sm_80", 2), ("gfx942", 5)])
+def test_gpu_plan_splits_the_cache_to_fill_the_gpu(device, splits):
+  # b32 h32/8 s8192: 256 (sequence, kv head) pairs; 4 programs per SM of the device's
+  # reference part (132, 108, 304) need 3, 2, 5 splits; then a combine kernel.
+  q = jax.ShapeDtypeStruct((32, 32, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((32, 8, 8192, 128), jnp.bfloat16)
+  lengths = jax.ShapeDtypeStruct((32,), jnp.int32)
+  with pl.default_backend("triton"), launch_table.using_device(device):
+    launched = _launched(ops.decode_attention, q, kv, kv, lengths)
+  assert launched == [("decode_attention", (32, 8, splits)),
+                      ("flash_decoding_combine", (32, 8))]
+
+
+def test_split_count_fills_the_gpu_but_keeps_splits_long():
+  with pl.default_backend("triton"), launch_table.using_device("sm_90"):
+    launch = launch_table.lookup("decode_attention", head_dim=128, groups=4, itemsize=2)
+    assert launch_table.multiprocessors() == 132
+    per_sm, least = launch.get("fwd", "programs_per_sm"), launch.get("fwd", "split_keys")
+    target = per_sm * 132
+    assert flash_decoding.split_count(launch, 8, 1 << 20) == -(-target // 8)
+    assert flash_decoding.split_count(launch, 8, 3 * least) == 3     # splits stay long
+    assert flash_decoding.split_count(launch, 10 * target, 1 << 20) == 1
+  with pl.default_backend("xla"):   # the CPU runs one program per pair
+    cpu = launch_table.lookup("decode_attention", head_dim=128, groups=4, itemsize=2)
+    assert flash_decoding.split_count(cpu, 8, 1 << 20) == 1
 
 
 def test_errors_name_the_op_and_argument():
@@ -31,3 +90,5 @@ def test_errors_name_the_op_and_argument():
     ops.decode_attention(q, k, k, jnp.zeros(2, jnp.int32))
   with pytest.raises(PalletError, match=r"lengths must be \(2,\) ints"):
     ops.decode_attention(q[:, :2], k, k, jnp.zeros(2))
+  with pytest.raises(PalletError, match="k_splits must be a positive int"):
+    ops.decode_attention(q[:, :2], k, k, jnp.zeros(2, jnp.int32), k_splits=0)

@@ -32,9 +32,10 @@ def _problem(heads, kv_heads, page_size, pages_per_sequence, dtype, batch=3, d=3
     (6, 2, 6, 7, 2, 3),           # group, page size, 12-token block not powers of two; 3 splits
 ])
 def test_paged_attention(heads, kv_heads, page_size, pages_per_sequence, block, splits, dtype):
-  q, k, v, table = _problem(heads, kv_heads, page_size, pages_per_sequence, dtype)
+  q, k, v, table = _problem(heads, kv_heads, page_size, pages_per_sequence, dtype, batch=4)
   capacity = page_size * pages_per_sequence
-  lengths = jnp.asarray([capacity, capacity // 3 + 1, 0], jnp.int32)  # full, partial page, empty
+  # full, a partial page, empty, one token
+  lengths = jnp.asarray([capacity, capacity // 3 + 1, 0, 1], jnp.int32)
   check_op(ops.paged_attention, ops.paged_attention_reference, (q, k, v, lengths, table),
            grad=False, blocks=dict(pages_per_compute_block=block, k_splits=splits))
 

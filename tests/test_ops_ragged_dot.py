@@ -32,6 +32,8 @@ def _check(m, k, n, sizes, dtype=jnp.float32, blocks=(None, None, None), **kwarg
     (100, 48, 40, [0, 30, 37, 0, 20, 13], (16, 16, 16)),
     # default tiles, rows no multiple of them
     (300, 70, 40, [120, 0, 90, 41], (None, None, None)),
+    # no rows in any group: all zeros (and zero gradients)
+    (20, 8, 8, [0, 0], (8, 8, 8)),
 ])
 def test_ragged_dot(m, k, n, sizes, blocks, dtype):
   _check(m, k, n, sizes, dtype, blocks)
@@ -99,3 +101,56 @@ def test_errors_name_the_op_and_argument():
     ops.ragged_dot(lhs, rhs, sizes, block_m=-4)
   with pytest.raises(PalletError, match="preferred_element_type must be a floating-point"):
     ops.ragged_dot(lhs, rhs, sizes, preferred_element_type=jnp.int32)
+
+
+def _module():
+  import sys
+  return sys.modules["pallet.ops.ragged_dot"]
+
+
+@pytest.mark.parametrize("sizes,m,block_m", [([5, 0, 13, 7, 3], 37, 8), ([0, 30, 37, 0, 20, 13], 100, 16),
+                                             ([20, 30, 10], 40, 16), ([64], 64, 64), ([0, 0], 20, 8),
+                                             ([129, 1, 0, 126], 256, 128)])
+def test_tile_table_cuts_each_group_into_its_own_tiles(sizes, m, block_m):
+  rd = _module()
+  ends = np.minimum(np.cumsum(sizes), m)
+  offsets = np.concatenate([[0], ends])
+  table = np.asarray(rd.tile_table(jnp.asarray(offsets, jnp.int32), m, block_m))
+  assert table.shape == (-(-m // block_m) + len(sizes), 3)
+  owner = np.full(m, -2)
+  for group, first, end in table:
+    assert end - first <= block_m
+    if end <= first:
+      continue
+    assert (owner[first:end] == -2).all(), "a row in two tiles"
+    owner[first:end] = group
+  expected = np.full(m, -1)          # rows after the last group: tiles of zeros
+  for g in range(len(sizes)):
+    expected[offsets[g]:offsets[g + 1]] = g
+  np.testing.assert_array_equal(owner, expected)
+  # rows computed: each group's rows rounded up to whole tiles, never another group's
+  live = table[table[:, 2] > table[:, 1]]
+  groups = live[live[:, 0] >= 0]
+  assert len(groups) == sum(-(-(e - s) // block_m) for s, e in zip(offsets[:-1], offsets[1:]))
+
+
+@pytest.mark.parametrize("m,k,n,sizes,blocks", [(37, 20, 12, [5, 0, 13, 7, 3], (8, 8, 5)),
+                                                (100, 48, 40, [0, 30, 37, 0, 20, 13], (16, 16, 16)),
+                                                (40, 16, 8, [20, 30, 10], (16, 16, 8))])
+def test_tile_table_kernels_on_the_backend_under_test(m, k, n, sizes, blocks):
+  # The GPU form of gmm (a tile table, masked stores) forced on whichever backend runs
+  # the tests, forward and both gradients against lax.ragged_dot.
+  rd = _module()
+  lhs, rhs = random_array((m, k)), random_array((len(sizes), k, n))
+  group_sizes = jnp.asarray(sizes, jnp.int32)
+  offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32),
+                             jnp.clip(jnp.cumsum(group_sizes), 0, m)])
+  tiles = rd._Tiles(*blocks)
+  config = rd._Config(jnp.dtype(jnp.float32), tiles, tiles, tiles, tile_table=True)
+  cot = random_array((m, n))
+  with on_test_backend():
+    out, pull = jax.vjp(lambda a, b: rd._ragged_dot(a, b, offsets, config), lhs, rhs)
+    grads = pull(cot)
+  expected, expected_pull = jax.vjp(
+      lambda a, b: ops.ragged_dot_reference(a, b, group_sizes), lhs, rhs)
+  assert_close_scaled((out, *grads), (expected, *expected_pull(cot)))

@@ -93,6 +93,63 @@ def test_linear_cross_entropy_large_vocabulary(reduction):
            (h, w), argnums=(0, 1), reduction=reduction)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_linear_cross_entropy_large_logits(dtype):
+  # Logits of magnitude ~50: the GPU plan keeps exp(logits - tile max), at most 1, and
+  # rescales it per tile, so nothing overflows and small probabilities stay accurate.
+  n, hidden, vocab = 37, 48, 300
+  h = random_array((n, hidden), dtype)
+  w = (random_array((hidden, vocab), jnp.float32) * 8 / np.sqrt(hidden)).astype(dtype)
+  labels = _labels(n, vocab, seed=11)
+  check_op(lambda h, w, **k: ops.linear_cross_entropy(h, w, labels, **k),
+           lambda h, w, **k: ops.linear_cross_entropy_reference(h, w, labels, **k),
+           (h, w), argnums=(0, 1), blocks=dict(block_n=16, block_v=64, block_h=16),
+           scale=1 if dtype == jnp.float32 else 2, reduction="mean")
+
+
+def _pallas_calls_and_dots(fn, *args):
+  from pallet.pallas_call import pallas_call_p
+  calls, dots = [], []
+
+  def visit(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive is pallas_call_p:
+        calls.append(eqn)
+      elif eqn.primitive.name == "dot_general":
+        dots.append(eqn)
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        visit(sub.jaxpr if hasattr(sub, "jaxpr") else sub)
+
+  visit(jax.make_jaxpr(fn)(*args).jaxpr)
+  return calls, dots
+
+
+def test_linear_cross_entropy_gpu_plan_does_the_twins_work():
+  # On a GPU (traced for sm_90): one logits pass that keeps exp(logits - tile max) in
+  # bf16, one elementwise kernel turning it into d logits in place, and the two
+  # products dh and dW: 6 n h v FLOPs, as the twin holding float32 logits.
+  from pallet.ops import launch_table
+  n, hidden, vocab = 512, 256, 4096
+  h = jax.ShapeDtypeStruct((n, hidden), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((hidden, vocab), jnp.bfloat16)
+  labels = jnp.zeros((n,), jnp.int32)
+  grad = jax.value_and_grad(
+      lambda h, w: ops.linear_cross_entropy(h, w, labels, reduction="mean"), argnums=(0, 1))
+  with pl.default_backend("triton"), launch_table.using_device("sm_90"):
+    calls, dots = _pallas_calls_and_dots(grad, h, w)
+  fwd, dlogits = calls
+  assert [c.params["kernel"].name for c in calls] == ["linear_cross_entropy_fwd",
+                                                      "linear_cross_entropy_dlogits"]
+  e = fwd.outvars[0].aval
+  assert (e.shape, e.dtype) == ((n, vocab), jnp.bfloat16)
+  assert dlogits.params["kernel"].input_output_aliases == ((0, 0),)   # d overwrites e
+  grid = fwd.params["kernel"].grid_mapping.grid
+  tile = 128   # sm_90's table: 128x128 tiles over 64-wide steps of the hidden axis
+  assert grid == (vocab // tile, n // tile)
+  shapes = sorted(tuple(d.outvars[0].aval.shape) for d in dots)
+  assert shapes == [(hidden, vocab), (n, hidden)]          # dW, dh
+
+
 def test_linear_cross_entropy_mean_counts_only_rows_not_ignored():
   h, w = random_array((16, 8)), random_array((8, 40))
   labels = _labels(16, 40, seed=3)

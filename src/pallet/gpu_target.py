@@ -110,6 +110,15 @@ def is_gpu_device() -> bool:
   return _default_device().platform in ("gpu", "cuda", "rocm")
 
 
+def multiprocessor_count() -> int | None:
+  """SMs (NVIDIA) or compute units (AMD) of the default device, where it is a GPU whose
+  runtime reports them (jaxlib's `core_count`); None elsewhere."""
+  if not is_gpu_device():
+    return None
+  count = getattr(_default_device(), "core_count", None)
+  return count if isinstance(count, int) and count > 0 else None
+
+
 def gpu_version_of(device_kind: str) -> GpuVersion | None:
   """The GpuVersion a device kind names (the longest match: "A100" before "A10")."""
   matches = [v for v in GpuVersion if v.value in device_kind]

@@ -84,9 +84,9 @@ CASES = {
 
 _NORM = ("fwd", "bwd")
 SECTIONS = {
-    "softmax": _NORM, "linear_cross_entropy": ("fwd", "dh", "dw"),
+    "softmax": _NORM, "linear_cross_entropy": ("fwd", "dlogits"),
     "flash_attention": ("fwd", "dq", "dkv"), "flash_attention_segments_window": ("fwd", "dq", "dkv"),
-    "decode_attention": ("fwd",), "paged_attention": ("fwd",), "rotary_embedding": ("fwd", "fwd"),
+    "decode_attention": ("fwd", "combine"), "paged_attention": ("fwd", "combine"), "rotary_embedding": ("fwd", "fwd"),
     "swiglu": _NORM, "geglu": _NORM, "layer_norm": _NORM, "layer_norm_residual": _NORM,
     "rms_norm": _NORM, "rms_norm_residual": _NORM, "ragged_dot": ("fwd", "dlhs", "drhs"),
 }

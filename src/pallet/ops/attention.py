@@ -10,9 +10,17 @@ segment; rows with no visible key give 0. Positions count from 0 in q and in k.
 Forward: grid (batch, heads, query blocks), every step independent; a loop over the
 key blocks the masks leave visible keeps a running max, sum and output (online
 softmax) and saves the row log-sum-exp. Backward (FlashAttention-2): a dq kernel over
-query blocks and a dk/dv kernel over (batch, kv head, key block) looping over the
-query blocks of every query head in the group; both recompute the probabilities
-from the saved log-sum-exp, and delta = rowsum(o * do) is formed in the kernels.
+(batch, head, query block) looping over key blocks, which also forms delta = rowsum(o *
+do) once per query block and saves it, and a dk/dv kernel over (batch, kv head, key
+block) looping over the query blocks of every query head in the group, its scores
+computed transposed (keys along the rows, as its products p^T do and ds^T q take
+them); both recompute the probabilities from the saved log-sum-exp.
+Every pass visits only the blocks a causal mask or window leaves visible (loop bounds
+from the block indices), and masks only the blocks on a mask's edge (the diagonal,
+the window's far edge, the block holding the last key; every block with segment ids):
+the blocks in between run without building a mask.
+FLOPs per visible (query, key) pair, head_dim d: forward 4d (q k^T, p v); dq 6d
+(q k^T and do v^T recomputed, ds k); dk/dv 8d (k q^T, v do^T, p^T do, ds^T q).
 Sequences that the blocks do not divide are padded (and masked) to whole blocks.
 """
 from __future__ import annotations
@@ -103,47 +111,128 @@ def _mask(q_pos, k_pos, causal, window):
 
 
 # ------------------------------------------------------------------ shared in-kernel math
-def _scores(q, k, c: _Config, q_start, k_start, q_seg=None, k_seg=None):
-  """Masked (soft-capped) scores of a (block_q, d) x (block_k, d) tile, plus the
-  soft-cap's tanh (for the backward pass; None without a cap)."""
-  s = lax.dot_general(q, k, _NT, preferred_element_type=F32) * c.scale
-  t = None
-  if c.softcap is not None:
-    t = jnp.tanh(s / c.softcap)
-    s = c.softcap * t
-  shape = s.shape
-  q_pos = q_start + lax.broadcasted_iota(jnp.int32, shape, 0)
-  k_pos = k_start + lax.broadcasted_iota(jnp.int32, shape, 1)
+def _capped(s, c: _Config):
+  """Scaled scores, soft-capped, and the cap's tanh (for the backward; None without a cap)."""
+  s = s * c.scale
+  if c.softcap is None:
+    return s, None
+  t = jnp.tanh(s / c.softcap)
+  return c.softcap * t, t
+
+
+def _visible(q_pos, k_pos, c: _Config, q_seg, k_seg):
   mask = _mask(q_pos, k_pos, c.causal, c.window) & (k_pos < c.kv_len)
   if c.segments:
-    mask = mask & (q_seg[:, None] == k_seg[None, :])
-  return jnp.where(mask, s, -jnp.inf), t
+    mask = mask & (q_seg == k_seg)
+  return mask
 
 
-def _key_blocks(c: _Config, q_block, num_k_blocks):
-  """[lo, hi) of the key blocks a query block can see."""
-  hi = num_k_blocks
+def _scores(q, k, c: _Config, masked: bool, q_start, k_start, q_seg=None, k_seg=None):
+  """The (block_q, block_k) scores of q against k, soft-capped, and the cap's tanh;
+  `masked`: -inf where a key is not visible (only blocks on a mask's edge need it)."""
+  s, t = _capped(lax.dot_general(q, k, _NT, preferred_element_type=F32), c)
+  if masked:
+    q_pos = q_start + lax.broadcasted_iota(jnp.int32, s.shape, 0)
+    k_pos = k_start + lax.broadcasted_iota(jnp.int32, s.shape, 1)
+    segs = (q_seg[:, None], k_seg[None, :]) if c.segments else (None, None)
+    s = jnp.where(_visible(q_pos, k_pos, c, *segs), s, -jnp.inf)
+  return s, t
+
+
+def _scores_t(k, q, c: _Config, masked: bool, k_start, q_start, k_seg=None, q_seg=None):
+  """The same scores transposed, (block_k, block_q): keys along the rows, so that the
+  dk/dv pass's products (p^T do, ds^T q) take them as they are (no register transpose)."""
+  s, t = _capped(lax.dot_general(k, q, _NT, preferred_element_type=F32), c)
+  if masked:
+    k_pos = k_start + lax.broadcasted_iota(jnp.int32, s.shape, 0)
+    q_pos = q_start + lax.broadcasted_iota(jnp.int32, s.shape, 1)
+    segs = (q_seg[None, :], k_seg[:, None]) if c.segments else (None, None)
+    s = jnp.where(_visible(q_pos, k_pos, c, *segs), s, -jnp.inf)
+  return s, t
+
+
+# Block ranges. Python ints where they do not depend on the program (no causal mask or
+# window): the loops then have static trip counts, and an empty one is not emitted.
+def _static(*xs) -> bool:
+  return all(isinstance(x, int) for x in xs)
+
+
+def _min(a, b):
+  return min(a, b) if _static(a, b) else jnp.minimum(a, b)
+
+
+def _max(a, b):
+  return max(a, b) if _static(a, b) else jnp.maximum(a, b)
+
+
+def _ceil(a, b: int):
+  """ceil(a / b) for an int or traced int a of any sign."""
+  return -((-a) // b)
+
+
+def _ordered(lo, full_lo, full_hi, hi):
+  """The ranges clamped so that lo <= full_lo <= full_hi <= hi."""
+  hi = _max(hi, lo)
+  full_lo = _min(_max(full_lo, lo), hi)
+  full_hi = _min(_max(full_hi, full_lo), hi)
+  return lo, full_lo, full_hi, hi
+
+
+def _key_ranges(c: _Config, i, num_k_blocks: int):
+  """(lo, full_lo, full_hi, hi) for query block i: it sees key blocks [lo, hi), and
+  every query of it sees every key of blocks [full_lo, full_hi) (no mask needed);
+  blocks past the last key are skipped."""
+  bq, bk = c.block_q, c.block_k
+  lo, full_lo = 0, 0
+  hi, full_hi = min(num_k_blocks, cdiv(c.kv_len, bk)), c.kv_len // bk
+  if c.causal:      # keys at or before the query: up to the block's last row
+    hi = _min(hi, _ceil((i + 1) * bq, bk))
+    full_hi = _min(full_hi, (i * bq + 1) // bk)
+  if c.window is not None:   # keys after query - window: from the block's first row
+    lo = _max(0, (i * bq - c.window + 1) // bk)
+    full_lo = _max(0, _ceil(i * bq + bq - c.window, bk))
+  if c.segments:    # segment ids can hide any key: every block is masked
+    full_lo = full_hi = hi
+  return _ordered(lo, full_lo, full_hi, hi)
+
+
+def _query_ranges(c: _Config, j, num_q_blocks: int, num_k_blocks: int):
+  """(lo, full_lo, full_hi, hi) for key block j: the query blocks that see any of its
+  keys are [lo, hi), those whose every query sees all of them [full_lo, full_hi).
+  Query blocks wholly past q_len and key blocks wholly past kv_len (padding) are
+  skipped."""
+  bq, bk = c.block_q, c.block_k
+  lo, full_lo = 0, 0
+  hi = full_hi = min(num_q_blocks, cdiv(c.q_len, bq))
   if c.causal:
-    hi = jnp.minimum(hi, cdiv_traced((q_block + 1) * c.block_q, c.block_k))
-  lo = 0
+    lo = (j * bk) // bq
+    full_lo = _ceil(j * bk + bk - 1, bq)
   if c.window is not None:
-    lo = jnp.maximum(0, (q_block * c.block_q - c.window + 1) // c.block_k)
-  return lo, hi
+    hi = _min(hi, _ceil(j * bk + bk + c.window - 1, bq))
+    full_hi = _min(full_hi, _ceil(j * bk + c.window - bq + 1, bq))
+  if c.kv_len % bk:   # the block holding the last key: masked for every query
+    full_hi = jnp.where((j + 1) * bk > c.kv_len, 0, full_hi)
+  if num_k_blocks > cdiv(c.kv_len, bk):   # blocks of padding only: seen by none
+    hi = jnp.where(j * bk >= c.kv_len, lo, hi)
+  if c.segments:
+    full_lo = full_hi = hi
+  return _ordered(lo, full_lo, full_hi, hi)
 
 
-def _query_blocks(c: _Config, k_block, num_q_blocks):
-  """[lo, hi) of the query blocks that can see a key block."""
-  lo = 0
-  if c.causal:
-    lo = (k_block * c.block_k) // c.block_q
-  hi = num_q_blocks
-  if c.window is not None:
-    hi = jnp.minimum(hi, cdiv_traced((k_block + 1) * c.block_k + c.window - 1, c.block_q))
-  return lo, hi
+def _loop(lo, hi, body, carry):
+  """fori_loop(lo, hi, body, carry), nothing where the range is statically empty."""
+  if _static(lo, hi) and hi <= lo:
+    return carry
+  return lax.fori_loop(lo, hi, body, carry)
 
 
-def cdiv_traced(a, b: int):
-  return (a + b - 1) // b
+def _masked_loops(ranges, step, carry):
+  """step(masked)'s body over the blocks of `ranges`: masked on the edges, unmasked
+  in between."""
+  lo, full_lo, full_hi, hi = ranges
+  carry = _loop(lo, full_lo, step(True), carry)
+  carry = _loop(full_lo, full_hi, step(False), carry)
+  return _loop(full_hi, hi, step(True), carry)
 
 
 # ------------------------------------------------------------------ forward
@@ -158,14 +247,16 @@ def _forward_kernel(c: _Config):
     q_seg = qs_ref[...] if c.segments else None
     bq, d = q.shape
 
-    def step(j, carry):
-      keys = pl.ds(j * c.block_k, c.block_k)
-      s, _ = _scores(q, k_ref[keys, :], c, i * c.block_q, j * c.block_k, q_seg,
-                     ks_ref[keys] if c.segments else None)
-      return online_softmax_step(carry, s, v_ref[keys, :])
+    def step(masked):
+      def body(j, carry):
+        keys = pl.ds(j * c.block_k, c.block_k)
+        s, _ = _scores(q, k_ref[keys, :], c, masked, i * c.block_q, j * c.block_k, q_seg,
+                       ks_ref[keys] if c.segments else None)
+        return online_softmax_step(carry, s, v_ref[keys, :])
+      return body
 
-    lo, hi = _key_blocks(c, i, k_ref.shape[0] // c.block_k)
-    m, l, acc = lax.fori_loop(lo, hi, step, online_softmax_start(bq, d))
+    ranges = _key_ranges(c, i, k_ref.shape[0] // c.block_k)
+    m, l, acc = _masked_loops(ranges, step, online_softmax_start(bq, d))
     empty = l == 0.0
     o_ref[...] = (acc / jnp.where(empty, 1.0, l)[:, None]).astype(o_ref.dtype)
     # Rows with no visible key: +inf makes every recomputed probability exp(s - lse) 0.
@@ -201,30 +292,33 @@ def _forward(q, k, v, q_seg, kv_seg, c: _Config):
 # ------------------------------------------------------------------ backward
 def _dq_kernel(c: _Config):
   def kernel(*refs):
-    refs = list(refs)
     q_ref, k_ref, v_ref, o_ref, do_ref, lse_ref = refs[:6]
     qs_ref, ks_ref = (refs[6], refs[7]) if c.segments else (None, None)
-    dq_ref = refs[-1]
+    dq_ref, delta_ref = refs[-2:]
     i = pl.program_id(2)
     q, do = q_ref[...], do_ref[...]
+    # delta = rowsum(do * o), once per query block; the dk/dv pass reads it from here.
     delta = jnp.sum(o_ref[...].astype(F32) * do.astype(F32), axis=1)
+    delta_ref[...] = delta
     lse = lse_ref[...]
     q_seg = qs_ref[...] if c.segments else None
 
-    def step(j, dq):
-      keys = pl.ds(j * c.block_k, c.block_k)
-      k = k_ref[keys, :]
-      s, t = _scores(q, k, c, i * c.block_q, j * c.block_k, q_seg,
-                     ks_ref[keys] if c.segments else None)
-      p = jnp.exp(s - lse[:, None])
-      dp = lax.dot_general(do, v_ref[keys, :], _NT, preferred_element_type=F32)
-      ds = p * (dp - delta[:, None])
-      if t is not None:
-        ds = ds * (1.0 - t * t)
-      return dq + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=F32)
+    def step(masked):
+      def body(j, dq):
+        keys = pl.ds(j * c.block_k, c.block_k)
+        k = k_ref[keys, :]
+        s, t = _scores(q, k, c, masked, i * c.block_q, j * c.block_k, q_seg,
+                       ks_ref[keys] if c.segments else None)
+        p = jnp.exp(s - lse[:, None])
+        dp = lax.dot_general(do, v_ref[keys, :], _NT, preferred_element_type=F32)
+        ds = p * (dp - delta[:, None])
+        if t is not None:
+          ds = ds * (1.0 - t * t)
+        return dq + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=F32)
+      return body
 
-    lo, hi = _key_blocks(c, i, k_ref.shape[0] // c.block_k)
-    dq = lax.fori_loop(lo, hi, step, jnp.zeros(q.shape, F32))
+    ranges = _key_ranges(c, i, k_ref.shape[0] // c.block_k)
+    dq = _masked_loops(ranges, step, jnp.zeros(q.shape, F32))
     dq_ref[...] = (dq * c.scale).astype(dq_ref.dtype)
 
   return kernel
@@ -232,36 +326,39 @@ def _dq_kernel(c: _Config):
 
 def _dkv_kernel(c: _Config):
   def kernel(*refs):
-    refs = list(refs)
-    q_ref, k_ref, v_ref, o_ref, do_ref, lse_ref = refs[:6]
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
     qs_ref, ks_ref = (refs[6], refs[7]) if c.segments else (None, None)
     dk_ref, dv_ref = refs[-2:]
     j = pl.program_id(2)
     k, v = k_ref[...], v_ref[...]
     k_seg = ks_ref[...] if c.segments else None
-    num_q_blocks = q_ref.shape[1] // c.block_q
-    lo, hi = _query_blocks(c, j, num_q_blocks)
+    ranges = _query_ranges(c, j, q_ref.shape[1] // c.block_q,
+                            pl.num_programs(2))
 
-    def step(n, carry):
-      dk, dv = carry
-      span = jnp.maximum(hi - lo, 1)   # (the loop runs no step when hi == lo)
-      g, i = n // span, lo + n % span
-      rows = pl.ds(i * c.block_q, c.block_q)
-      q, do = q_ref[g, rows, :], do_ref[g, rows, :]
-      delta = jnp.sum(o_ref[g, rows, :].astype(F32) * do.astype(F32), axis=1)
-      s, t = _scores(q, k, c, i * c.block_q, j * c.block_k,
-                     qs_ref[rows] if c.segments else None, k_seg)
-      p = jnp.exp(s - lse_ref[g, rows][:, None])
-      dv = dv + lax.dot_general(p.astype(do.dtype), do, _TN, preferred_element_type=F32)
-      dp = lax.dot_general(do, v, _NT, preferred_element_type=F32)
-      ds = p * (dp - delta[:, None])
-      if t is not None:
-        ds = ds * (1.0 - t * t)
-      dk = dk + lax.dot_general(ds.astype(q.dtype), q, _TN, preferred_element_type=F32)
-      return dk, dv
+    def step(g, masked):
+      def body(i, carry):
+        dk, dv = carry
+        rows = pl.ds(i * c.block_q, c.block_q)
+        q, do = q_ref[g, rows, :], do_ref[g, rows, :]
+        st, tt = _scores_t(k, q, c, masked, j * c.block_k, i * c.block_q, k_seg,
+                           qs_ref[rows] if c.segments else None)
+        pt = jnp.exp(st - lse_ref[g, rows][None, :])
+        dv = dv + jnp.dot(pt.astype(do.dtype), do, preferred_element_type=F32)
+        dpt = lax.dot_general(v, do, _NT, preferred_element_type=F32)
+        dst = pt * (dpt - delta_ref[g, rows][None, :])
+        if tt is not None:
+          dst = dst * (1.0 - tt * tt)
+        return dk + jnp.dot(dst.astype(q.dtype), q, preferred_element_type=F32), dv
+      return body
+
+    def group(g, carry):   # the query heads sharing this kv head, one after another
+      return _masked_loops(ranges, functools.partial(step, g), carry)
 
     zeros = jnp.zeros(k.shape, F32)
-    dk, dv = lax.fori_loop(0, c.groups * (hi - lo), step, (zeros, zeros))
+    if c.groups == 1:
+      dk, dv = group(0, (zeros, zeros))
+    else:
+      dk, dv = lax.fori_loop(0, c.groups, group, (zeros, zeros))
     dk_ref[...] = (dk * c.scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
@@ -273,23 +370,25 @@ def _backward(q, k, v, o, lse, do, q_seg, kv_seg, config: _Config):
   hkv, s = k.shape[1], k.shape[2]
   g = config.groups
   c = config.for_pass(config.dq)
-  # dq: one program per (batch, head, query block), looping over key blocks.
+  # dq (and delta): one program per (batch, head, query block), looping over key blocks.
   q_spec = pl.BlockSpec((None, None, c.block_q, d), lambda bi, hi, i: (bi, hi, i, 0))
   kv_spec = pl.BlockSpec((None, None, s, d), lambda bi, hi, i: (bi, hi // g, 0, 0))
-  lse_spec = pl.BlockSpec((None, None, c.block_q), lambda bi, hi, i: (bi, hi, i))
+  row_spec = pl.BlockSpec((None, None, c.block_q), lambda bi, hi, i: (bi, hi, i))
   seg_args, seg_specs = _segment_args(
       c, q_seg, kv_seg, pl.BlockSpec((None, c.block_q), lambda bi, hi, i: (bi, i)),
       pl.BlockSpec((None, s), lambda bi, hi, i: (bi, 0)))
-  dq = pl.pallas_call(
-      _dq_kernel(c), out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), grid=(b, h, t // c.block_q),
-      in_specs=[q_spec, kv_spec, kv_spec, q_spec, q_spec, lse_spec, *seg_specs],
-      out_specs=q_spec, name="flash_attention_dq",
+  dq, delta = pl.pallas_call(
+      _dq_kernel(c), out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                                jax.ShapeDtypeStruct((b, h, t), F32)],
+      grid=(b, h, t // c.block_q),
+      in_specs=[q_spec, kv_spec, kv_spec, q_spec, q_spec, row_spec, *seg_specs],
+      out_specs=[q_spec, row_spec], name="flash_attention_dq",
       compiler_params=c.dq.params)(q, k, v, o, do, lse, *seg_args)
   # dk, dv: one program per (batch, kv head, key block), looping over the group's
-  # query heads and query blocks.
+  # query heads and the query blocks that see the key block.
   c = config.for_pass(config.dkv)
   group_spec = pl.BlockSpec((None, g, t, d), lambda bi, hi, j: (bi, hi, 0, 0))
-  group_lse = pl.BlockSpec((None, g, t), lambda bi, hi, j: (bi, hi, 0))
+  group_rows = pl.BlockSpec((None, g, t), lambda bi, hi, j: (bi, hi, 0))
   kv_block = pl.BlockSpec((None, None, c.block_k, d), lambda bi, hi, j: (bi, hi, j, 0))
   seg_args, seg_specs = _segment_args(
       c, q_seg, kv_seg, pl.BlockSpec((None, t), lambda bi, hi, j: (bi, 0)),
@@ -298,9 +397,10 @@ def _backward(q, k, v, o, lse, do, q_seg, kv_seg, config: _Config):
       _dkv_kernel(c), out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
                                  jax.ShapeDtypeStruct(v.shape, v.dtype)],
       grid=(b, hkv, s // c.block_k),
-      in_specs=[group_spec, kv_block, kv_block, group_spec, group_spec, group_lse, *seg_specs],
+      in_specs=[group_spec, kv_block, kv_block, group_spec, group_rows, group_rows,
+                *seg_specs],
       out_specs=[kv_block, kv_block], name="flash_attention_dkv",
-      compiler_params=c.dkv.params)(q, k, v, o, do, lse, *seg_args)
+      compiler_params=c.dkv.params)(q, k, v, do, lse, delta, *seg_args)
   return dq, dk, dv
 
 

@@ -1,27 +1,34 @@
 """Fused linear + cross-entropy: loss_i = logsumexp(h_i W) - (h_i W)[label_i], without
-ever holding the (rows, vocabulary) logits.
+ever holding the float32 (rows, vocabulary) logits.
 
-Forward: grid (row blocks, vocabulary blocks); each step multiplies a block of rows of
-h by one (hidden, block_v) slab of W and folds it into a running max, a running sum
-of exponentials (online logsumexp) and the label's logit, all kept per row across the
-vocabulary axis (sequential; row blocks are independent).
 Backward, with p = softmax(logits) and d logits = (p - onehot(label)) * g:
   dh = d logits @ W^T  and  dW = h^T @ d logits.
-On the CPU one kernel (grid: row blocks, in order) recomputes each block's logits
-over the whole vocabulary (`block_n` rows at a time, fewer for a large vocabulary:
-never the whole (rows, vocabulary) array) with their log-sum-exp, and gives that
-block's dh and its term of dW (resident across the grid): four matrix products with
-the forward, against the three of a twin that holds the logits. The VJP saves only the
-inputs, so where only the gradients are used XLA drops the forward kernel.
-A GPU program holds no whole vocabulary row: there the forward saves the
-log-sum-exp and two kernels each recompute the logits slab by slab: one for dh
-(grid: row blocks x vocabulary slabs, slabs in order), one for dW (vocabulary slabs
-x row blocks, rows in order).
-With reduction="sum" or "mean" the cotangent is one scalar, so on the CPU the forward
-pass under differentiation runs the CPU kernel above for a cotangent of one, giving
-loss and gradients in one pass, and the backward pass only scales them: three
-products, as the twin. Plain forward calls (no differentiation) run the forward
-kernel alone.
+
+CPU: the forward has grid (row blocks, vocabulary blocks); each step multiplies a
+block of rows of h by one (hidden, block_v) slab of W and folds it into a running max,
+a running sum of exponentials (online logsumexp) and the label's logit, kept per row
+across the vocabulary axis (sequential; row blocks are independent). One gradient
+kernel (grid: row blocks, in order) recomputes each block's logits over the whole
+vocabulary (`block_n` rows at a time, fewer for a large vocabulary) with their
+log-sum-exp, and gives that block's dh and its term of dW (resident across the grid):
+four matrix products with the forward, against the three of a twin that holds the
+logits. The VJP saves only the inputs, so where only the gradients are used XLA drops
+the forward kernel. With reduction="sum" or "mean" the cotangent is one scalar, so the
+forward pass under differentiation runs the gradient kernel for a cotangent of one,
+giving loss and gradients in one pass, and the backward pass only scales them: three
+products, as the twin.
+
+GPU (6nhv FLOPs for n rows, hidden h, vocabulary v, as the logits-holding twin):
+the forward is a tiled matmul h @ W (grid: vocabulary tiles x row tiles, every tile
+independent) whose epilogue reduces each (rows, block_v) tile of logits to per-row
+statistics (max m, sum of e = exp(logits - m), the label's logit), combined after the
+kernel into the log-sum-exp; under differentiation it also stores e, rounded to the
+inputs' dtype (values in (0, 1]: the same relative error as the rounded gradient
+itself), a (rows, vocabulary) array at a quarter (bf16) of the float32 logits the twin
+holds, and nothing else of that size. The backward turns e into d logits in place with
+one elementwise kernel (d = e * exp(m - lse) * g - onehot * g: no exponential, no
+recomputed product) and takes dh and dW as two dense XLA dots (cuBLAS on NVIDIA GPUs).
+A plain forward call stores no e.
 Labels < 0 are ignored (loss 0, no gradient), as with ignore_index=-100 elsewhere.
 """
 from __future__ import annotations
@@ -127,63 +134,39 @@ def _forward_kernel(vocab: int, block_v: int, block_h: int):
   return kernel
 
 
-def _dlogits(h_ref, w_ref, labels_ref, lse_ref, g_ref, v_step, block_v, block_h):
-  """(p - onehot) * g for one (rows, vocabulary slab) block, and its column indices."""
-  s = _logits(h_ref, w_ref, block_h)
-  cols = _columns(s.shape[0], block_v, v_step)
-  p = jnp.exp(s - lse_ref[...][:, None])
-  onehot = (cols == labels_ref[...][:, None]).astype(F32)
-  return (p - onehot) * g_ref[...][:, None], cols
-
-
-def _dh_kernel(vocab: int, block_v: int, block_h: int):
-  def kernel(h_ref, w_ref, labels_ref, lse_ref, g_ref, dh_ref):
-    j = pl.program_id(1)
-
-    @pl.when(j == 0)
-    def _():
-      dh_ref[...] = jnp.zeros(dh_ref.shape, F32)
-
-    d, cols = _dlogits(h_ref, w_ref, labels_ref, lse_ref, g_ref, j, block_v, block_h)
-    ragged = vocab % block_v != 0
-    if ragged:  # the slab's columns past the vocabulary are unspecified
-      d = jnp.where(cols < vocab, d, 0.0)
-    d = d.astype(w_ref.dtype)
-
-    def update(part):
-      w = w_ref[part, :]
-      if ragged:
-        w = jnp.where(cols[:1] < vocab, w, jnp.zeros_like(w))
-      dh_ref[:, part] += lax.dot_general(d, w, _CONTRACT_LAST, preferred_element_type=F32)
-
-    _over_hidden(block_h, h_ref.shape[1], update)
+def _tile_kernel(vocab: int, block_v: int, block_h: int, store: bool):
+  """GPU forward: one (rows, vocabulary) tile of logits in float32 from h @ W, `block_h`
+  hidden units a step, reduced to the tile's row max m, sum of e = exp(logits - m) and
+  label logit; `store`: e is written too (rounded to the inputs' dtype: values in (0,
+  1], as exact as the gradient's own rounding), the backward's softmax up to a factor
+  exp(m - lse) per row and tile."""
+  def kernel(h_ref, w_ref, labels_ref, *outs):
+    e_ref, (m_ref, l_ref, t_ref) = (outs[0], outs[1:]) if store else (None, outs)
+    j = pl.program_id(0)
+    s = _logits(h_ref, w_ref, block_h)
+    cols = _columns(s.shape[0], block_v, j)
+    if vocab % block_v:
+      s = jnp.where(cols < vocab, s, -jnp.inf)
+    m = jnp.max(s, axis=1)
+    e = jnp.exp(s - m[:, None])
+    m_ref[...] = m
+    l_ref[...] = jnp.sum(e, axis=1)
+    t_ref[...] = jnp.sum(jnp.where(cols == labels_ref[...][:, None], s, 0.0), axis=1)
+    if store:
+      e_ref[...] = e.astype(e_ref.dtype)
 
   return kernel
 
 
-def _dw_kernel(rows: int, block_n: int, block_v: int, block_h: int):
-  def kernel(h_ref, w_ref, labels_ref, lse_ref, g_ref, dw_ref):
-    i = pl.program_id(1)
-
-    @pl.when(i == 0)
-    def _():
-      dw_ref[...] = jnp.zeros(dw_ref.shape, F32)
-
-    d, _ = _dlogits(h_ref, w_ref, labels_ref, lse_ref, g_ref, pl.program_id(0), block_v,
-                    block_h)
-    ragged = rows % block_n != 0
-    valid = i * block_n + lax.broadcasted_iota(jnp.int32, (block_n, 1), 0) < rows
-    if ragged:  # the block's rows past the array are unspecified
-      d = jnp.where(valid, d, 0.0)
-
-    def update(part):
-      h = h_ref[:, part]
-      if ragged:
-        h = jnp.where(valid, h, jnp.zeros_like(h))
-      dw_ref[part, :] += lax.dot_general(h, d.astype(h.dtype), _CONTRACT_FIRST,
-                                         preferred_element_type=F32)
-
-    _over_hidden(block_h, h_ref.shape[1], update)
+def _dlogits_kernel(block_v: int):
+  """d logits = softmax - onehot(label), times the row's cotangent g, from the stored
+  e = exp(logits - m) of a tile: e * exp(m - lse) * g (`scale`, per row and tile)."""
+  def kernel(e_ref, scale_ref, labels_ref, g_ref, d_ref):
+    cols = _columns(e_ref.shape[0], block_v, pl.program_id(1))
+    onehot = cols == labels_ref[...][:, None]
+    d = e_ref[...].astype(F32) * scale_ref[...][:, None] - jnp.where(
+        onehot, g_ref[...][:, None], 0.0)
+    d_ref[...] = d.astype(d_ref.dtype)
 
   return kernel
 
@@ -240,6 +223,8 @@ def _specs(n_axis: int, v_axis: int, block_n: int, block_v: int, hidden: int):
 
 
 def _forward(h, w, labels, plan):
+  """(per-row losses, log-sum-exp) on the CPU: grid (row blocks, vocabulary blocks),
+  the vocabulary axis folded in order into a running max, sum and label logit."""
   t = plan.fwd
   block_n, block_v, block_h = t.block_n, t.block_v, t.block_h
   n, hidden = h.shape
@@ -254,6 +239,57 @@ def _forward(h, w, labels, plan):
   )(h, w, labels)
   lse = m + jnp.log(l)
   return jnp.where(labels >= 0, lse - t, 0.0), lse
+
+
+def _tiles(h, w, labels, plan, store: bool):
+  """GPU forward: (per-row losses, e tiles or None, per-tile row max m (tiles, rows),
+  log-sum-exp). Grid (vocabulary tiles, row tiles), every tile independent (rows
+  fastest, so programs running together share a slab of W and h stays in L2); the
+  tiles' statistics are combined after the kernel (a few MB)."""
+  t = plan.fwd
+  n, hidden = h.shape
+  vocab = w.shape[1]
+  tiles = cdiv(vocab, t.block_v)
+  rows = pl.BlockSpec((t.block_n, hidden), lambda j, i: (i, 0))
+  slab = pl.BlockSpec((hidden, t.block_v), lambda j, i: (0, j))
+  vector = pl.BlockSpec((t.block_n,), lambda j, i: (i,))
+  stat = pl.BlockSpec((None, t.block_n), lambda j, i: (j, i))
+  stats = [jax.ShapeDtypeStruct((tiles, n), F32)] * 3
+  out_shape, out_specs = stats, [stat] * 3
+  if store:
+    out_shape = [jax.ShapeDtypeStruct((n, vocab), jnp.result_type(h, w))] + out_shape
+    out_specs = [pl.BlockSpec((t.block_n, t.block_v), lambda j, i: (i, j))] + out_specs
+  outs = pl.pallas_call(
+      _tile_kernel(vocab, t.block_v, t.block_h, store), out_shape=out_shape,
+      grid=(tiles, cdiv(n, t.block_n)), in_specs=[rows, slab, vector],
+      out_specs=out_specs, name="linear_cross_entropy_fwd", compiler_params=t.params,
+  )(h, w, labels)
+  e, (m, l, picked) = (outs[0], outs[1:]) if store else (None, outs)
+  top = jnp.max(m, axis=0)
+  lse = top + jnp.log(jnp.sum(l * jnp.exp(m - top[None, :]), axis=0))
+  return jnp.where(labels >= 0, lse - jnp.sum(picked, axis=0), 0.0), e, m, lse
+
+
+def _gpu_gradients(h, w, labels, e, m, lse, g, plan):
+  """dh, dW from the forward's e tiles: d logits (in place of e, in the inputs' dtype)
+  by one elementwise kernel, then dh = d W^T and dW = h^T d as XLA dots (cuBLAS on
+  NVIDIA GPUs, float32 accumulation)."""
+  n, vocab = e.shape
+  block_v = plan.fwd.block_v          # e's tiles: one scale per row and tile
+  block_n = plan.dlogits.block_n
+  scale = jnp.exp(m - lse[None, :]) * g[None, :]
+  tile = pl.BlockSpec((block_n, block_v), lambda i, j: (i, j))
+  vector = pl.BlockSpec((block_n,), lambda i, j: (i,))
+  d = pl.pallas_call(
+      _dlogits_kernel(block_v), out_shape=jax.ShapeDtypeStruct(e.shape, e.dtype),
+      grid=(cdiv(n, block_n), cdiv(vocab, block_v)),
+      in_specs=[tile, pl.BlockSpec((None, block_n), lambda i, j: (j, i)), vector, vector],
+      out_specs=tile, input_output_aliases={0: 0}, name="linear_cross_entropy_dlogits",
+      compiler_params=plan.dlogits.params,
+  )(e, scale, labels, g)
+  dh = lax.dot_general(d, w.astype(d.dtype), _CONTRACT_LAST)
+  dw = lax.dot_general(h.astype(d.dtype), d, _CONTRACT_FIRST)
+  return dh, dw
 
 
 def _by_rows(h, w, labels, g, plan):
@@ -279,43 +315,27 @@ def _by_rows(h, w, labels, g, plan):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _loss(h, w, labels, plan):
+  if plan.gpu:
+    return _tiles(h, w, labels, plan, store=False)[0]
   return _forward(h, w, labels, plan)[0]
 
 
 def _loss_fwd(h, w, labels, plan):
-  loss, lse = _forward(h, w, labels, plan)
+  if plan.gpu:
+    loss, e, m, lse = _tiles(h, w, labels, plan, store=True)
+    return loss, (h, w, labels, (e, m, lse))
   # The CPU backward recomputes the log-sum-exp along with the logits: saving only the
   # inputs lets XLA drop this forward kernel where only the gradients are used.
-  return loss, (h, w, labels, lse if plan.gpu else None)
+  return _forward(h, w, labels, plan)[0], (h, w, labels, None)
 
 
 def _loss_bwd(plan, saved, g):
-  h, w, labels, lse = saved
-  n, hidden = h.shape
-  vocab = w.shape[1]
+  h, w, labels, tiles = saved
   g = jnp.where(labels >= 0, g.astype(F32), 0.0)
-  if lse is None:
+  if tiles is None:
     _, dh, dw = _by_rows(h, w, labels, g, plan)
-    return dh.astype(h.dtype), dw.astype(w.dtype), None
-  t = plan.dh
-  rows, slab, vector = _specs(0, 1, t.block_n, t.block_v, hidden)
-  dh = pl.pallas_call(
-      _dh_kernel(vocab, t.block_v, t.block_h),
-      out_shape=jax.ShapeDtypeStruct((n, hidden), F32),
-      grid=(cdiv(n, t.block_n), cdiv(vocab, t.block_v)),
-      in_specs=[rows, slab, vector, vector, vector], out_specs=rows,
-      name="linear_cross_entropy_dh", compiler_params=t.params,
-  )(h, w, labels, lse, g)
-  t = plan.dw
-  dw_block_v = _gpu_dw_block(hidden, t.block_v, plan.dw_slab)
-  rows, slab, vector = _specs(1, 0, t.block_n, dw_block_v, hidden)
-  dw = pl.pallas_call(
-      _dw_kernel(n, t.block_n, dw_block_v, t.block_h),
-      out_shape=jax.ShapeDtypeStruct((hidden, vocab), F32),
-      grid=(cdiv(vocab, dw_block_v), cdiv(n, t.block_n)),
-      in_specs=[rows, slab, vector, vector, vector], out_specs=slab,
-      name="linear_cross_entropy_dw", compiler_params=t.params,
-  )(h, w, labels, lse, g)
+  else:
+    dh, dw = _gpu_gradients(h, w, labels, *tiles, g, plan)
   return dh.astype(h.dtype), dw.astype(w.dtype), None
 
 
@@ -349,14 +369,6 @@ _reduced.defvjp(_reduced_fwd, _reduced_bwd)
 _ROWS_OF_LOGITS = 1 << 20
 
 
-def _gpu_dw_block(hidden: int, block_v: int, slab: int) -> int:
-  """The vocabulary block of the dW kernel on a GPU: block_v, halved until its
-  (hidden, block_v) float32 slab of dW, held in registers, has at most `slab` elements."""
-  while block_v > 16 and hidden * block_v > slab:
-    block_v //= 2
-  return block_v
-
-
 @dataclasses.dataclass(frozen=True)
 class _Tiles:
   """The blocks and compiler params of one kernel (its launch-table section)."""
@@ -372,36 +384,36 @@ class _Plan:
   argument). On the CPU every kernel takes the same blocks."""
   gpu: bool
   fwd: _Tiles
-  dh: _Tiles
-  dw: _Tiles       # block_v: before halving to fit dw_slab
-  dw_slab: int
+  dlogits: _Tiles   # GPU: block_n rows of the forward's block_v-wide tiles
 
 
 def _plan(launch: launch_table.Launch, hidden: int, block_n, block_v, block_h) -> _Plan:
   explicit = any(b is not None for b in (block_n, block_v, block_h))
 
-  def tiles(section: str) -> _Tiles:
+  def tiles(section: str, semantics: tuple[str, ...]) -> _Tiles:
     bn = block_n or launch.get(section, "block_n", 128)
     bv = block_v or launch.get(section, "block_v", 512)
     bh = block_h or launch.get(section, "block_h", hidden)
     for name, value in (("block_n", bn), ("block_v", bv), ("block_h", bh)):
       check_block("linear_cross_entropy", name, value)
-    # dW's slab is the table's whatever blocks the caller chose: so are its warps.
-    semantics = ("parallel", "arbitrary")
-    params = (launch.compiler_params(section, explicit=explicit and section != "dw",
+    params = (launch.compiler_params(section, explicit=explicit,
                                      dimension_semantics=semantics) if launch.on_gpu
               else pl.CompilerParams(dimension_semantics=semantics))
     return _Tiles(bn, bv, hidden if hidden % bh else bh, params)
 
-  return _Plan(launch.on_gpu, tiles("fwd"), tiles("dh"), tiles("dw"),
-               launch.get("dw", "max_slab", 0))
+  if not launch.on_gpu:   # the vocabulary axis folds in order into running statistics
+    cpu = tiles("fwd", ("parallel", "arbitrary"))
+    return _Plan(False, cpu, cpu)
+  fwd = tiles("fwd", ("parallel", "parallel"))
+  dlogits = tiles("dlogits", ("parallel", "parallel"))
+  return _Plan(True, fwd, dlogits)
 
 
 def linear_cross_entropy(h: jax.Array, w: jax.Array, labels: jax.Array, *,
                          reduction: str = "none", block_n: int | None = None,
                          block_v: int | None = None, block_h: int | None = None) -> jax.Array:
   """Cross-entropy loss (float32) of logits h @ w against integer `labels`, computed
-  without materializing the logits.
+  without materializing the float32 logits.
 
   h: (rows, hidden); w: (hidden, vocabulary); labels: (rows,) ints, < 0 to ignore a row.
   `reduction`: "none" (the loss per row, shape (rows,)), "sum", or "mean" (over the
@@ -413,8 +425,9 @@ def linear_cross_entropy(h: jax.Array, w: jax.Array, labels: jax.Array, *,
   once if not). Defaults: (128, 512, hidden) on the CPU; on Triton from the GPU's launch
   table (pallet.ops.launch_table, with each kernel's num_warps/num_stages). On the CPU
   the gradient kernel takes `block_n` rows (fewer for a vocabulary over 8K)
-  over the whole vocabulary per step. Differentiable in h and w (the backward pass
-  recomputes the logits: once on the CPU, once per gradient on a GPU).
+  over the whole vocabulary per step. Differentiable in h and w (on the CPU the
+  backward pass recomputes the logits; on a GPU the forward under differentiation
+  keeps exp(logits - tile max) in the inputs' dtype for it).
   """
   op = "linear_cross_entropy"
   if reduction not in REDUCTIONS:

@@ -2,9 +2,13 @@
 a per-sequence length, with grouped-query heads.
 
 q (batch, heads, d); k, v (batch, kv_heads, max_len, d); lengths (batch,) ints: keys at
-positions >= lengths[b] are ignored. One program per (batch, kv head) takes the
-group's heads // kv_heads query rows together (so the scores are a matrix product)
-and loops over only the key blocks below the sequence's length (online softmax).
+positions >= lengths[b] are ignored. One program per (batch, kv head, split) takes the
+group's heads // kv_heads query rows together (so the scores are a matrix product,
+padded to a tensor-core tile on a GPU) and loops over its share of the key blocks
+below the sequence's length (online softmax; only the block holding the last key is
+masked); the splits are combined by a second kernel (flash decoding, see
+pallet.ops.flash_decoding). Reads K and V once: 4 * heads * length * d FLOPs and
+2 * kv_heads * length * d * itemsize bytes per sequence.
 Inference only: no VJP.
 """
 from __future__ import annotations
@@ -16,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import pallet as pl
-from pallet.ops import launch_table
+from pallet.ops import flash_decoding, launch_table
 from pallet.ops._common import (F32, cdiv, check_block, check_float, fail,
                                 online_softmax_start, online_softmax_step)
 
@@ -39,35 +43,42 @@ def decode_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, lengths
   return (o / jnp.where(l == 0, 1.0, l)).astype(q.dtype)
 
 
-def _kernel(scale: float, block_k: int, max_len: int):
-  def kernel(len_ref, q_ref, k_ref, v_ref, o_ref):
+def _kernel(scale: float, block_k: int, max_len: int, splits: int):
+  def kernel(len_ref, q_ref, k_ref, v_ref, *out_refs):
     length = jnp.minimum(len_ref[0], max_len)
     q = q_ref[...]
-    g, d = q.shape
+    rows, d = q.shape
 
-    def step(j, carry):
-      keys = pl.ds(j * block_k, block_k)
-      s = lax.dot_general(q, k_ref[keys, :], (((1,), (1,)), ((), ())),
-                          preferred_element_type=F32) * scale
-      pos = j * block_k + lax.broadcasted_iota(jnp.int32, s.shape, 1)
-      s = jnp.where(pos < length, s, -jnp.inf)
-      return online_softmax_step(carry, s, v_ref[keys, :])
+    def step(masked):
+      def body(j, carry):
+        keys = pl.ds(j * block_k, block_k)
+        s = lax.dot_general(q, k_ref[keys, :], (((1,), (1,)), ((), ())),
+                            preferred_element_type=F32) * scale
+        if masked:
+          pos = j * block_k + lax.broadcasted_iota(jnp.int32, s.shape, 1)
+          s = jnp.where(pos < length, s, -jnp.inf)
+        return online_softmax_step(carry, s, v_ref[keys, :])
+      return body
 
-    _, l, acc = lax.fori_loop(0, (length + block_k - 1) // block_k, step,
-                              online_softmax_start(g, d))
-    o_ref[...] = (acc / jnp.where(l == 0, 1.0, l)[:, None]).astype(o_ref.dtype)
+    first, last = flash_decoding.split_blocks((length + block_k - 1) // block_k, splits)
+    carry = flash_decoding.masked_blocks(first, last, length // block_k, step,
+                                         online_softmax_start(rows, d))
+    flash_decoding.write(out_refs, carry, splits)
 
   return kernel
 
 
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *,
-                     scale: float | None = None, block_k: int | None = None) -> jax.Array:
+                     scale: float | None = None, block_k: int | None = None,
+                     k_splits: int | None = None) -> jax.Array:
   """Attention of one query per sequence over its first `lengths[b]` cached keys.
 
   q (batch, heads, d); k, v (batch, kv_heads, max_len, d), heads a multiple of
   kv_heads; lengths (batch,) ints. `block_k` keys per loop step (default 256 on the
-  CPU; on Triton from the GPU's launch table, pallet.ops.launch_table). Default scale
-  1/sqrt(d).
+  CPU; on Triton from the GPU's launch table, pallet.ops.launch_table). `k_splits`:
+  programs that share one sequence's keys, their partial softmaxes combined by a
+  second kernel (default: 1 on the CPU; on Triton enough to fill the GPU, see
+  pallet.ops.flash_decoding). Default scale 1/sqrt(d).
   """
   op = "decode_attention"
   for name, x in (("q", q), ("k", k), ("v", v)):
@@ -83,22 +94,33 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
     raise fail(op, f"lengths must be ({b},) ints, got {lengths.shape} {lengths.dtype}")
   hkv, max_len = k.shape[1], k.shape[2]
   groups = h // hkv
+  if max_len == 0:   # an empty cache attends to nothing
+    return jnp.zeros(q.shape, q.dtype)
   launch = launch_table.lookup(op, head_dim=d, groups=groups,
                                itemsize=jnp.dtype(q.dtype).itemsize)
   params = launch.compiler_params("fwd", explicit=block_k is not None)
   block_k = block_k or launch.get("fwd", "block_k", 256)
   check_block(op, "block_k", block_k)
+  if k_splits is None:
+    k_splits = flash_decoding.split_count(launch, b * hkv, max_len)
+  check_block(op, "k_splits", k_splits)
+  splits = min(k_splits, cdiv(max_len, block_k))
   padded = cdiv(max_len, block_k) * block_k
   if padded != max_len:
     widths = ((0, 0), (0, 0), (0, padded - max_len), (0, 0))
     k, v = jnp.pad(k, widths), jnp.pad(v, widths)
-  qg = q.reshape(b, hkv, groups, d)
-  kv_spec = pl.BlockSpec((None, None, padded, d), lambda bi, hi: (bi, hi, 0, 0))
-  q_spec = pl.BlockSpec((None, None, groups, d), lambda bi, hi: (bi, hi, 0, 0))
+  rows = flash_decoding.query_rows(launch, groups)
+  qg = flash_decoding.pad_rows(q.reshape(b, hkv, groups, d), rows)
+  grid = (b, hkv, splits) if splits > 1 else (b, hkv)
+  kv_spec = pl.BlockSpec((None, None, padded, d), lambda bi, hi, *_: (bi, hi, 0, 0))
+  q_spec = pl.BlockSpec((None, None, rows, d), lambda bi, hi, *_: (bi, hi, 0, 0))
+  out_shape, out_specs = flash_decoding.outputs(b, hkv, splits, rows, d, q.dtype)
   out = pl.pallas_call(
-      _kernel(float(1.0 / math.sqrt(d) if scale is None else scale), block_k, max_len),
-      out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype), grid=(b, hkv),
-      in_specs=[pl.BlockSpec((1,), lambda bi, hi: (bi,)), q_spec, kv_spec, kv_spec],
-      out_specs=q_spec, name="decode_attention",
+      _kernel(float(1.0 / math.sqrt(d) if scale is None else scale), block_k, max_len, splits),
+      out_shape=out_shape, grid=grid,
+      in_specs=[pl.BlockSpec((1,), lambda bi, *_: (bi,)), q_spec, kv_spec, kv_spec],
+      out_specs=out_specs, name="decode_attention",
       compiler_params=params)(lengths.astype(jnp.int32), qg, k, v)
-  return out.reshape(b, h, d)
+  if splits > 1:
+    out = flash_decoding.combine(*out, q.dtype, launch.compiler_params("combine"))
+  return out[:, :, :groups].reshape(b, h, d)

@@ -105,6 +105,23 @@ def current_device() -> str:
   return NO_GPU_DEVICE
 
 
+# Streaming multiprocessors (NVIDIA) / compute units (AMD) of each table's reference
+# part (H100 SXM, A100, MI300X): what ops that size their grid to the GPU (split-K
+# decoding) assume where the kernel is traced for a GPU that is not present.
+REFERENCE_MULTIPROCESSORS = {"sm_90": 132, "sm_80": 108, "gfx942": 304}
+
+
+def multiprocessors() -> int:
+  """SMs (CUs) of the GPU the ops are traced for: device 0's own count where that GPU
+  is the one present (no other device named), else the reference part's of its
+  table's family."""
+  named = _device.value or any(os.environ.get(env) for env in (
+      "PALLET_TRITON_COMPUTE_CAPABILITY", "PALLET_TRITON_GPU_ARCH"))
+  from pallet import gpu_target
+  count = None if named else gpu_target.multiprocessor_count()
+  return count or REFERENCE_MULTIPROCESSORS[family(current_device())]
+
+
 @contextlib.contextmanager
 def using_device(name: str) -> Iterator[None]:
   """Ops traced inside read the launch table of GPU `name` (e.g. "sm_80", "gfx942"),

@@ -4,11 +4,13 @@ stored in fixed-size pages shared by all sequences, addressed through block tabl
 q (batch, heads, d); k_pages, v_pages (kv_heads, total_pages, page_size, d); lengths
 (batch,) ints; page_indices (batch, pages_per_sequence) ints: token t of sequence b is
 row t % page_size of page page_indices[b, t // page_size]. One program per (batch, kv
-head, split) takes the group's heads // kv_heads query rows together and loops over
-only the compute blocks (pages_per_compute_block pages each) of its split below the
-sequence's length, gathering each block's key/value rows through the block table
-(online softmax); the splits' partial results are combined after the kernel (flash
-decoding: enough GPU programs at small batch). Inference only: no VJP.
+head, split) takes the group's heads // kv_heads query rows together (padded to a
+tensor-core tile on a GPU) and loops over its share of the compute blocks
+(pages_per_compute_block pages each) below the sequence's length, gathering each
+block's key/value rows through the block table (online softmax; only the block
+holding the last token is masked); a second kernel combines the splits (flash
+decoding, pallet.ops.flash_decoding: enough programs to fill a GPU). Reads each used
+page of K and V once. Inference only: no VJP.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import pallet as pl
-from pallet.ops import launch_table
+from pallet.ops import flash_decoding, launch_table
 from pallet.ops._common import (F32, cdiv, check_block, check_float, fail,
                                 online_softmax_start, online_softmax_step)
 
@@ -66,38 +68,31 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
 
 
 def _kernel(scale: float, softcap: float | None, page_size: int, block: int, capacity: int,
-            blocks_per_split: int | None):
-  def kernel(len_ref, table_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref):
+            splits: int):
+  def kernel(len_ref, table_ref, q_ref, k_ref, v_ref, *out_refs):
     length = jnp.minimum(len_ref[0], capacity)
-    first, last = 0, (length + block - 1) // block
-    if blocks_per_split is not None:   # this program's share of the blocks
-      first = pl.program_id(2) * blocks_per_split
-      last = jnp.minimum(last, first + blocks_per_split)
     q = q_ref[...]
-    g, d = q.shape
+    rows, d = q.shape
 
-    def step(j, carry):
-      pos = j * block + lax.broadcasted_iota(jnp.int32, (block,), 0)
-      rows = table_ref[pos // page_size] * page_size + pos % page_size
-      s = lax.dot_general(q, k_ref[rows, :], (((1,), (1,)), ((), ())),
-                          preferred_element_type=F32) * scale
-      if softcap is not None:
-        s = softcap * jnp.tanh(s / softcap)
-      s = jnp.where((pos < length)[None, :], s, -jnp.inf)
-      return online_softmax_step(carry, s, v_ref[rows, :])
+    def step(masked):
+      def body(j, carry):
+        pos = j * block + lax.broadcasted_iota(jnp.int32, (block,), 0)
+        tokens = table_ref[pos // page_size] * page_size + pos % page_size
+        s = lax.dot_general(q, k_ref[tokens, :], (((1,), (1,)), ((), ())),
+                            preferred_element_type=F32) * scale
+        if softcap is not None:
+          s = softcap * jnp.tanh(s / softcap)
+        if masked:
+          s = jnp.where((pos < length)[None, :], s, -jnp.inf)
+        return online_softmax_step(carry, s, v_ref[tokens, :])
+      return body
 
-    m_ref[...], l_ref[...], acc_ref[...] = lax.fori_loop(first, last, step,
-                                                         online_softmax_start(g, d))
+    first, last = flash_decoding.split_blocks((length + block - 1) // block, splits)
+    carry = flash_decoding.masked_blocks(first, last, length // block, step,
+                                         online_softmax_start(rows, d))
+    flash_decoding.write(out_refs, carry, splits)
 
   return kernel
-
-
-def _combine(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
-  """The splits' partial softmaxes (axis 2) as one: each rescaled to the common max."""
-  top = jnp.max(m, axis=2, keepdims=True)
-  w = jnp.exp(m - jnp.where(top == -jnp.inf, 0.0, top))    # 0 for a split with no keys
-  total = jnp.sum(w * l, axis=2)
-  return jnp.sum(w[..., None] * acc, axis=2) / jnp.where(total == 0, 1.0, total)[..., None]
 
 
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lengths: jax.Array,
@@ -115,9 +110,9 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, length
   softcap * tanh(s / softcap). Default scale 1/sqrt(d). `pages_per_compute_block`:
   pages per loop step (default: 128 tokens' worth on the CPU; on Triton the launch
   table's `block_tokens`, see pallet.ops.launch_table). `k_splits`: programs that
-  share one sequence's blocks, their partial softmaxes combined after the kernel, so a
-  GPU has enough programs at small batch (default: 1 on the CPU; on Triton enough
-  for the launch table's `programs` in all).
+  share one sequence's blocks, their partial softmaxes combined by a second kernel, so
+  a GPU has enough programs (default: 1 on the CPU; on Triton enough to fill the GPU,
+  see pallet.ops.flash_decoding).
   """
   op = "paged_attention"
   for name, x in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
@@ -149,37 +144,32 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, length
   pages_per_block = min(pages, pages_per_compute_block)
   blocks = cdiv(pages, pages_per_block)
   if k_splits is None:
-    k_splits = cdiv(launch.get("fwd", "programs", 1), b * hkv)
+    k_splits = flash_decoding.split_count(launch, b * hkv, pages * page_size)
   check_block(op, "k_splits", k_splits)
-  per_split = cdiv(blocks, min(k_splits, blocks))
-  splits = cdiv(blocks, per_split)
+  splits = min(k_splits, blocks)
   lengths = lengths.astype(jnp.int32)
   table = jnp.clip(page_indices.astype(jnp.int32), 0, total_pages - 1)
   if blocks * pages_per_block != pages:
     table = jnp.pad(table, ((0, 0), (0, blocks * pages_per_block - pages)))
   groups = h // hkv
+  rows = flash_decoding.query_rows(launch, groups)
   kernel = _kernel(float(1.0 / math.sqrt(d) if scale is None else scale),
                    None if softcap is None else float(softcap), page_size,
-                   pages_per_block * page_size, pages * page_size,
-                   per_split if splits > 1 else None)
+                   pages_per_block * page_size, pages * page_size, splits)
   grid = (b, hkv, splits) if splits > 1 else (b, hkv)
-  part = lambda bi, hi, si=0: (bi, hi, si, 0)           # noqa: E731  (b, kv head, split)
   whole = pl.BlockSpec((None, total_pages * page_size, d), lambda bi, hi, *_: (hi, 0, 0))
-  acc, m, l = pl.pallas_call(
-      kernel, grid=grid,
-      out_shape=[jax.ShapeDtypeStruct((b, hkv, splits, groups, d), F32),
-                 jax.ShapeDtypeStruct((b, hkv, splits, groups), F32),
-                 jax.ShapeDtypeStruct((b, hkv, splits, groups), F32)],
+  out_shape, out_specs = flash_decoding.outputs(b, hkv, splits, rows, d, q.dtype)
+  out = pl.pallas_call(
+      kernel, grid=grid, out_shape=out_shape,
       in_specs=[pl.BlockSpec((1,), lambda bi, *_: (bi,)),
                 pl.BlockSpec((None, blocks * pages_per_block), lambda bi, *_: (bi, 0)),
-                pl.BlockSpec((None, None, groups, d), lambda bi, hi, *_: (bi, hi, 0, 0)),
+                pl.BlockSpec((None, None, rows, d), lambda bi, hi, *_: (bi, hi, 0, 0)),
                 whole, whole],
-      out_specs=[pl.BlockSpec((None, None, None, groups, d), lambda *i: part(*i) + (0,)),
-                 pl.BlockSpec((None, None, None, groups), part),
-                 pl.BlockSpec((None, None, None, groups), part)],
-      name="paged_attention", compiler_params=params,
-  )(lengths, table, q.reshape(b, hkv, groups, d), k_pages.reshape(hkv, -1, d),
-    v_pages.reshape(hkv, -1, d))
-  out = _combine(acc, m, l).reshape(b, h, d)
+      out_specs=out_specs, name="paged_attention", compiler_params=params,
+  )(lengths, table, flash_decoding.pad_rows(q.reshape(b, hkv, groups, d), rows),
+    k_pages.reshape(hkv, -1, d), v_pages.reshape(hkv, -1, d))
+  if splits > 1:
+    out = flash_decoding.combine(*out, q.dtype, launch.compiler_params("combine"))
+  out = out[:, :, :groups].reshape(b, h, d)
   bad = _invalid(lengths, page_indices, total_pages, page_size)
-  return jnp.where(bad[:, None, None], jnp.nan, out).astype(q.dtype)
+  return jnp.where(bad[:, None, None], jnp.nan, out)

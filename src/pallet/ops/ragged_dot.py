@@ -5,21 +5,31 @@ lhs (m, k) holds the rows of `num_groups` groups one after another: group g owns
 and out[rows of g] = lhs[rows of g] @ rhs[g]; rows after the last group give 0 (what
 `jax.lax.ragged_dot` computes, also when the sizes sum past m).
 
-Kernels (the group offsets are a small whole-array input read inside the body; no
+Kernels (the group offsets are small whole-array inputs read inside the body; no
 index map depends on them, so every backend keeps a static grid):
-- gmm, grid (row tiles, column tiles): a tile of rows finds the range of groups its
-  rows touch from the offsets and loops over the non-empty ones, each group's
-  product taken over the tile's rows with the other groups' rows zeroed, so a tile
-  that straddles a group boundary is computed once per group it touches (about
-  m / block_m + groups tile products for m / block_m dense ones). Every program owns
-  its output tile: no revisits, no races where programs run concurrently.
+- gmm on a GPU, grid (tile table entries, column tiles): the row tiles are cut per
+  group, `block_m` rows from each group's first row, so a tile never holds another
+  group's rows, and listed before the kernel in a tile table (group, first row, end
+  row), with the rows after the last group as tiles of zeros. A program reads its
+  entry and runs a plain k-loop matmul (lhs rows x rhs[group], no mask inside the
+  loop) and stores its rows (a masked store: the tile's last rows may belong to the
+  next tile). At most cdiv(m, block_m) + num_groups entries are live (the grid's
+  static size; the rest exit at once): FLOPs executed are sum over groups of
+  cdiv(size, block_m) * block_m * 2kn, against m * 2kn useful, so at most
+  num_groups * block_m rows of padding in all. Every program owns its rows: no
+  revisits, no races.
+- gmm on the CPU, grid (row tiles, column tiles): a row tile finds the range of
+  groups its rows touch from the offsets and loops over the non-empty ones, each
+  group's product taken over the tile's rows with the other groups' rows zeroed
+  (vectorized over the tiles by the CPU backend, where the masked stores of the GPU
+  form would be scatters).
 - tgmm, grid (groups, k tiles, n tiles): the gradient of rhs, per group the sum over
-  its row tiles of lhs_tile^T @ dout_tile; a group without rows loops zero times and
-  writes zeros.
-The backward pass is gmm(dout, rhs^T) for lhs (the same kernel reading rhs transposed)
-and tgmm for rhs; group_sizes get no gradient. Contraction and row loops whose tile
-does not divide the length clamp the last tile to end at the edge and mask the rows or
-columns an earlier tile already counted, so nothing is padded.
+  its row tiles (cut from the group's first row) of lhs_tile^T @ dout_tile, the last,
+  partial one masked; a group without rows loops zero times and writes zeros.
+The backward pass is gmm(dout, rhs^T) for lhs (the same kernels reading rhs
+transposed) and tgmm for rhs; group_sizes get no gradient. Contraction and row loops
+whose tile does not divide the length clamp the last tile to end at the edge and mask
+the rows or columns an earlier tile already counted, so nothing is padded.
 """
 from __future__ import annotations
 
@@ -55,11 +65,14 @@ class _Tiles:
 
 @dataclasses.dataclass(frozen=True)
 class _Config:
-  """Static facts of one call (hashable: a custom_vjp non-differentiable argument)."""
+  """Static facts of one call (hashable: a custom_vjp non-differentiable argument).
+  `tile_table`: gmm runs over per-group row tiles listed in a tile table (the GPU
+  form) rather than over fixed row tiles looping over groups (the CPU form)."""
   out_dtype: Any
   fwd: _Tiles
   dlhs: _Tiles
   drhs: _Tiles
+  tile_table: bool = False
 
 
 # ------------------------------------------------------------------ reference
@@ -119,27 +132,96 @@ def _gmm_kernel(block_m: int, block_c: int, contraction: int, transpose_rhs: boo
   return kernel
 
 
+def _contract(block_c: int, contraction: int, product, acc):
+  """acc + the sum over `block_c` pieces of the contraction of product(start, keep):
+  whole pieces unmasked, then the last, clamped to end at the edge, with `keep` the
+  columns no earlier piece counted (None: all)."""
+  whole = contraction // block_c
+  acc = lax.fori_loop(0, whole, lambda c, acc: acc + product(c * block_c, None), acc)
+  if contraction % block_c:
+    start = contraction - block_c
+    cols = start + lax.broadcasted_iota(jnp.int32, (1, block_c), 1)
+    acc = acc + product(start, cols >= whole * block_c)
+  return acc
+
+
+def _gmm_tiles_kernel(block_m: int, block_c: int, rows_total: int, contraction: int,
+                      transpose_rhs: bool):
+  """out rows of one tile-table entry = lhs rows @ rhs[group] (rhs[group]^T with
+  transpose_rhs), the contraction in `block_c` pieces; a group of -1 writes zeros."""
+  dims = _NT if transpose_rhs else _NN
+
+  def kernel(table_ref, lhs_ref, rhs_ref, o_ref):
+    t = pl.program_id(0)
+    g, first, end = table_ref[t, 0], table_ref[t, 1], table_ref[t, 2]
+
+    @pl.when(end > first)   # entries past the live tiles: nothing to do
+    def _():
+      start = jnp.minimum(first, rows_total - block_m)   # read inside the array
+      rows = start + lax.broadcasted_iota(jnp.int32, (block_m, 1), 0)
+
+      def product(c0, keep):
+        x = lhs_ref[pl.ds(start, block_m), pl.ds(c0, block_c)]
+        if keep is not None:
+          x = jnp.where(keep, x, jnp.zeros_like(x))
+        w = rhs_ref[jnp.maximum(g, 0), :, pl.ds(c0, block_c)] if transpose_rhs else \
+            rhs_ref[jnp.maximum(g, 0), pl.ds(c0, block_c), :]
+        return lax.dot_general(x, w, dims, preferred_element_type=F32)
+
+      acc = jnp.zeros((block_m, o_ref.shape[1]), F32)
+      acc = lax.cond(g >= 0, lambda acc: _contract(block_c, contraction, product, acc),
+                     lambda acc: acc, acc)
+      pl.store(o_ref, (pl.ds(start, block_m), slice(None)), acc.astype(o_ref.dtype),
+               mask=(rows >= first) & (rows < end))
+
+  return kernel
+
+
+def tile_table(offsets: jax.Array, rows_total: int, block_m: int) -> jax.Array:
+  """(cdiv(rows_total, block_m) + groups, 3) int32 rows (group, first row, end row):
+  each group's rows cut into tiles of `block_m` from its first row, then the rows after
+  the last group as tiles of group -1 (zeros), then empty entries (first = end = 0)
+  up to the static size (the most tiles any group sizes can need)."""
+  groups = offsets.shape[0] - 1
+  size = cdiv(rows_total, block_m) + groups
+  seg_first = offsets                                            # groups, then the tail
+  seg_end = jnp.concatenate([offsets[1:], jnp.full((1,), rows_total, jnp.int32)])
+  seg_group = jnp.concatenate([jnp.arange(groups, dtype=jnp.int32),
+                               jnp.full((1,), -1, jnp.int32)])
+  seg_tiles = (seg_end - seg_first + block_m - 1) // block_m
+  ends = jnp.cumsum(seg_tiles)                                   # tiles before each end
+  t = jnp.arange(size, dtype=jnp.int32)
+  seg = jnp.minimum(jnp.sum(ends[None, :] <= t[:, None], axis=1), groups)
+  first = seg_first[seg] + (t - (ends[seg] - seg_tiles[seg])) * block_m
+  end = jnp.minimum(first + block_m, seg_end[seg])
+  live = t < ends[-1]
+  return jnp.stack([seg_group[seg], jnp.where(live, first, 0), jnp.where(live, end, 0)],
+                   axis=1).astype(jnp.int32)
+
+
 def _tgmm_kernel(block_m: int, rows_total: int):
-  """out[g] tile = sum over group g's row tiles of lhs_tile^T @ dout_tile."""
-  ragged_m = rows_total % block_m != 0
+  """out[g] tile = sum over group g's row tiles (cut from its first row) of
+  lhs_tile^T @ dout_tile; the last, partial tile masked."""
 
   def kernel(off_ref, lhs_ref, dout_ref, o_ref):
     g = pl.program_id(0)
     start, end = off_ref[g], off_ref[g + 1]
-    t_lo = start // block_m
-    t_hi = jnp.where(end > start, (end + block_m - 1) // block_m, t_lo)
 
-    def tile(t, acc):
-      r0 = _clamped(t, block_m, rows_total) if ragged_m else t * block_m
-      rows = r0 + lax.broadcasted_iota(jnp.int32, (block_m, 1), 0)
-      first = jnp.maximum(start, t * block_m) if ragged_m else start
-      mine = (rows >= first) & (rows < end)
-      x = lhs_ref[pl.ds(r0, block_m), :]
-      x = jnp.where(mine, x, jnp.zeros_like(x))
-      return acc + lax.dot_general(x, dout_ref[pl.ds(r0, block_m), :], _TN,
-                                   preferred_element_type=F32)
+    def tile(masked):
+      def body(t, acc):
+        first = start + t * block_m
+        r0 = jnp.minimum(first, rows_total - block_m) if masked else first
+        x = lhs_ref[pl.ds(r0, block_m), :]
+        if masked:   # rows of the next group, or counted by an earlier tile: zero
+          rows = r0 + lax.broadcasted_iota(jnp.int32, (block_m, 1), 0)
+          x = jnp.where((rows >= first) & (rows < end), x, jnp.zeros_like(x))
+        return acc + lax.dot_general(x, dout_ref[pl.ds(r0, block_m), :], _TN,
+                                     preferred_element_type=F32)
+      return body
 
-    acc = lax.fori_loop(t_lo, t_hi, tile, jnp.zeros(o_ref.shape, F32))
+    whole = (end - start) // block_m
+    acc = lax.fori_loop(0, whole, tile(False), jnp.zeros(o_ref.shape, F32))
+    acc = lax.fori_loop(whole, (end - start + block_m - 1) // block_m, tile(True), acc)
     o_ref[...] = acc.astype(o_ref.dtype)
 
   return kernel
@@ -167,6 +249,28 @@ def _gmm(lhs, rhs, offsets, block_m, block_c, block_cols, out_dtype, transpose_r
       name="ragged_dot_gmm", compiler_params=params)(offsets, lhs, rhs)
 
 
+def _gmm_tiles(lhs, rhs, offsets, block_m, block_c, block_cols, out_dtype,
+               transpose_rhs=False, params=None):
+  """The GPU form of _gmm: per-group row tiles from a tile table."""
+  m, c = lhs.shape
+  groups = rhs.shape[0]
+  cols = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  block_c = min(block_c, c)
+  table = tile_table(offsets, m, block_m)
+  if transpose_rhs:
+    rhs_spec = pl.BlockSpec((groups, block_cols, c), lambda i, j: (0, j, 0))
+  else:
+    rhs_spec = pl.BlockSpec((groups, c, block_cols), lambda i, j: (0, 0, j))
+  return pl.pallas_call(
+      _gmm_tiles_kernel(block_m, block_c, m, c, transpose_rhs),
+      out_shape=jax.ShapeDtypeStruct((m, cols), out_dtype),
+      grid=(table.shape[0], cdiv(cols, block_cols)),
+      in_specs=[pl.BlockSpec(table.shape, lambda i, j: (0, 0)),
+                pl.BlockSpec((m, c), lambda i, j: (0, 0)), rhs_spec],
+      out_specs=pl.BlockSpec((m, block_cols), lambda i, j: (0, j)),
+      name="ragged_dot_gmm", compiler_params=params)(table, lhs, rhs)
+
+
 def _tgmm(lhs, dout, offsets, block_m, block_k, block_n, out_dtype, params=None):
   """(G, k, n): per group, lhs[rows of g]^T @ dout[rows of g]."""
   m, k = lhs.shape
@@ -187,8 +291,8 @@ def _tgmm(lhs, dout, offsets, block_m, block_k, block_n, out_dtype, params=None)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _ragged_dot(lhs, rhs, offsets, c: _Config):
   t = c.fwd
-  return _gmm(lhs, rhs, offsets, t.block_m, t.block_k, t.block_n, c.out_dtype,
-              params=t.params)
+  gmm = _gmm_tiles if c.tile_table else _gmm
+  return gmm(lhs, rhs, offsets, t.block_m, t.block_k, t.block_n, c.out_dtype, params=t.params)
 
 
 def _ragged_dot_fwd(lhs, rhs, offsets, c):
@@ -198,7 +302,8 @@ def _ragged_dot_fwd(lhs, rhs, offsets, c):
 def _ragged_dot_bwd(c, saved, dout):
   lhs, rhs, offsets = saved
   t = c.dlhs
-  dlhs = _gmm(dout, rhs, offsets, t.block_m, t.block_n, t.block_k, lhs.dtype,
+  gmm = _gmm_tiles if c.tile_table else _gmm
+  dlhs = gmm(dout, rhs, offsets, t.block_m, t.block_n, t.block_k, lhs.dtype,
               transpose_rhs=True, params=t.params)
   t = c.drhs
   drhs = _tgmm(lhs, dout, offsets, t.block_m, t.block_k, t.block_n, rhs.dtype,
@@ -220,8 +325,12 @@ def _tiles(launch: launch_table.Launch, section: str, m: int, k: int, n: int,
   block_m, block_k, block_n = (g or d for g, d in zip(given, defaults))
   for name, value in (("block_m", block_m), ("block_k", block_k), ("block_n", block_n)):
     check_block("ragged_dot", name, value)
+  # Every axis parallel: the GPU gmm's output is a column strip that does not move
+  # along the tile-table axis (each program stores its own rows, masked).
+  semantics = ("parallel",) * (3 if section == "drhs" else 2)
   return _Tiles(min(block_m, m), min(block_k, k), min(block_n, n),
-                launch.compiler_params(section, explicit=any(g is not None for g in given)))
+                launch.compiler_params(section, explicit=any(g is not None for g in given),
+                                       dimension_semantics=semantics))
 
 
 def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
@@ -267,7 +376,7 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     return jnp.zeros((m, n), out_dtype)
   ends = jnp.clip(jnp.cumsum(group_sizes.astype(jnp.int32)), 0, m)
   offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
-  c = _Config(out_dtype, **tiles)
+  c = _Config(out_dtype, **tiles, tile_table=launch.on_gpu)
   return _ragged_dot(lhs.astype(dtype), rhs.astype(dtype), offsets, c)
 
 

@@ -99,8 +99,9 @@ linear_cross_entropy = _tuned(
      {"block_n": 64, "block_v": 256, "block_h": None},
      {"block_n": 256, "block_v": 1024, "block_h": None},
      {"block_n": 512, "block_v": 512, "block_h": None}],
-    [_fwd(block_n=n, block_v=v, block_h=64, num_warps=w, num_stages=3)
-     for n, v, w in ((32, 128, 4), (64, 128, 4), (16, 256, 8), (128, 128, 8))])
+    [_fwd(block_n=n, block_v=v, block_h=h, num_warps=w, num_stages=s)
+     for n, v, h, w, s in ((128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 64, 4, 3),
+                           (128, 128, 32, 8, 4))])
 rotary_embedding = _tuned(_rotary_embedding, "rotary_embedding", ("x",),
                           [{"block_seq": b} for b in (None, 1, 16, 64, 256)],
                           [_fwd(elements=e, num_warps=w, num_stages=None)
@@ -124,8 +125,9 @@ paged_attention = _tuned(
     [{"pages_per_compute_block": p, "k_splits": k}
      for p, k in ((None, None), (1, None), (4, None), (16, None), (64, None), (None, 1),
                   (None, 16))],
-    [_fwd(block_tokens=t, programs=p, num_warps=w, num_stages=2)
-     for t, p, w in ((16, 512, 4), (32, 256, 4), (16, 1024, 2))])
+    [_fwd(block_tokens=t, query_rows=16, programs_per_sm=p, split_keys=256, num_warps=w,
+          num_stages=s)
+     for t, p, w, s in ((32, 4, 4, 3), (128, 4, 4, 2), (64, 8, 4, 3), (64, 2, 8, 3))])
 ragged_dot = _tuned(
     _ragged_dot, "ragged_dot", ("lhs", "rhs"),
     [{"block_m": None, "block_k": None, "block_n": None},
