@@ -177,3 +177,15 @@ def test_loop_with_checks_in_its_body_keeps_the_loop():
     out = fn(x, lengths)
   assert not plan.bounded_loops and "has effects" in plan.describe()
   assert_close(out, _split_sums_reference(x, lengths))
+
+
+def test_select_of_per_grid_point_and_scalar_bounds_broadcasts():
+  # A select between a bound known per grid point (an array) and a constant (a
+  # scalar): the bounds combine elementwise (flash attention's windowed dk/dv pass).
+  jaxpr = jax.make_jaxpr(lambda p, x: lax.select(p, x, 3))(True, 1).jaxpr
+  per_point = (np.array([0.0, 2.0, 5.0]), np.array([1.0, 4.0, 9.0]))
+  lo, hi = bounded_loops._interval_of_eqn(
+      jaxpr.eqns[-1], [(np.float64(0), np.float64(1)), per_point,
+                       (np.float64(3), np.float64(3))])[0]
+  np.testing.assert_array_equal(lo, [0.0, 2.0, 3.0])
+  np.testing.assert_array_equal(hi, [3.0, 4.0, 9.0])

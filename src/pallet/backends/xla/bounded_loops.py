@@ -28,6 +28,7 @@ only reads) are never selected, so they stay unbatched.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Sequence
 
@@ -127,8 +128,9 @@ def _interval_of_eqn(eqn: Any, ins: list) -> list:
     return [(np.maximum(lo[0], np.minimum(x[0], hi[0])),
              np.maximum(lo[1], np.minimum(x[1], hi[1])))]
   if name == "select_n":
-    return [(np.minimum.reduce([c[0] for c in ins[1:]]),
-             np.maximum.reduce([c[1] for c in ins[1:]]))]
+    # Pairwise, so that per-grid-point bounds broadcast against scalar ones.
+    return [(functools.reduce(np.minimum, [c[0] for c in ins[1:]]),
+             functools.reduce(np.maximum, [c[1] for c in ins[1:]]))]
   if name in ("convert_element_type", "copy", "copy_p", "reshape", "squeeze",
               "broadcast_in_dim", "reduce_precision"):
     return [ins[0] if _integer_scalar(eqn.invars[0].aval) else _unknown()]
