@@ -63,9 +63,9 @@ def _kind(module: types.ModuleType, value: object) -> str | None:
 
 
 def public_api() -> dict[str, dict[str, str]]:
-  api = {}
-  for path in PUBLIC_MODULES:
-    module = _module(path)
+  modules = {path: _module(path) for path in PUBLIC_MODULES}   # all first: the same
+  api = {}                                                     # names in any order
+  for path, module in modules.items():
     names = {}
     for name in dir(module):
       if name.startswith("_"):
