@@ -7,7 +7,7 @@ internal modules around must leave it unchanged; a deliberate change of the publ
 API updates the snapshot with `python tests/test_public_api.py --write`.
 
 Submodules that Python's import system sets as attributes of their package (for
-example `pallet.specs` after anything imported it) are recorded only when they are
+example `pallet.core.specs` after anything imported it) are recorded only when they are
 themselves public modules, so the snapshot does not depend on import order; modules
 from outside pallet (jax, numpy, the standard library) are not recorded.
 """
@@ -51,7 +51,7 @@ def _kind(module: types.ModuleType, value: object) -> str | None:
     if not value.__name__.startswith("pallet"):
       return None   # jax, numpy, the standard library: the module's own business
     public = value.__name__ in PUBLIC_MODULES or (
-        value.__name__ == "pallet.tpu_core")   # today's home of pltpu.core
+        value.__name__ == "pallet.tpu.core")   # today's home of pltpu.core
     if value.__name__.startswith(module.__name__ + ".") and not public:
       return None   # set by the import system, not part of the API
     return "module"
