@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import pytest
 
 import pallet as pl
-from pallet import cli, demo
+from pallet import cli
+from pallet.cli import demo
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -154,7 +155,7 @@ def test_tune_confirm_times_default_and_choice_again(capsys, monkeypatch):
 
 
 def test_tune_reaches_the_benchmark_suite(capsys):
-  from pallet import tune
+  from pallet.cli import tune
   assert tune.block_configs({"block": 128}) == [
       {"block": 128}, {"block": 32}, {"block": 64}, {"block": 256}, {"block": 512}]
   both = tune.block_configs({"block_q": 2, "block_k": 64})
@@ -218,7 +219,7 @@ def test_bench_and_tune_work_from_an_installed_wheel(tmp_path):
     return done.stdout
 
   where = subprocess.run([venv / "bin" / "python", "-c", "import pallet, benchmarks; "
-                          "print(pallet.__file__, benchmarks.__file__)"], cwd=work, env=env,
+                          "print(pallet.__file__, pallet.bench.__file__)"], cwd=work, env=env,
                          capture_output=True, text=True, check=True).stdout
   assert str(REPO) not in where and str(venv) in where
   assert "--only NAME" in pallet("bench", "--help")

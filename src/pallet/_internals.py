@@ -36,7 +36,7 @@ internal_ref_effect = _core.internal_mutable_array_effect
 api_boundary = _traceback_util.api_boundary   # filters a traceback passing through it
 hide_from_tracebacks = _traceback_util.register_exclusion   # (a directory)
 
-# --- lowering with devices known (automatic partitioning, pallet/partitioning.py) ---
+# --- lowering with devices known (automatic partitioning, pallet/distributed/partitioning.py) ---
 def require_devices_during_lowering(primitive: Any) -> None:
   """jit then lowers programs using `primitive` with their devices and mesh known,
   which a custom-partitioned lowering needs."""

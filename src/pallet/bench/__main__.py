@@ -1,7 +1,7 @@
 """Command line: `python -m benchmarks [--small] [--size CLASSES] [--only NAME] ...` (also
 `pallet bench`).
 
-Size classes (benchmarks/case.py): `full` (the suite's sizes) and `test` (the shapes of
+Size classes (src/pallet/bench/case.py): `full` (the suite's sizes) and `test` (the shapes of
 JAX's own tests for its Pallas ops) are what the results report, side by side; `small`
 and `tiny` shrink the full suite for smoke runs. The default runs `full,test`; `--small`
 runs `small,test`, the CI smoke run.
@@ -19,11 +19,11 @@ from typing import Any
 
 import jax
 
-from benchmarks import catalog, report
-from benchmarks.case import MEASURED_CLASSES, SIZES, Size
-from benchmarks.runner import PeerPolicy
-from benchmarks.suite import exit_code, positive_int, run_suite
-from benchmarks.variants import CPU_VARIANTS
+from pallet.bench import catalog, report
+from pallet.bench.case import MEASURED_CLASSES, SIZES, Size
+from pallet.bench.runner import PeerPolicy
+from pallet.bench.suite import exit_code, positive_int, run_suite
+from pallet.bench.variants import CPU_VARIANTS
 
 DEFAULT_REPS = 21
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from benchmarks.case import Benchmark, Size
+from pallet.bench.case import Benchmark, Size
 
 SIZES: dict[Size, dict[str, int]] = {
     "full": dict(batch_heads=8, seq=1024, head_dim=64, block_q=128, block_k=128),

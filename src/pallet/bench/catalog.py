@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from benchmarks import (attention, elementwise, fused, indexing, jax_op_cases, matmul, ops,
+from pallet.bench import (attention, elementwise, fused, indexing, jax_op_cases, matmul, ops,
                         reduction, rowwise, scratch_kernels, sharded, stencil,
                         user_kernels)
-from benchmarks.case import Benchmark, Size
+from pallet.bench.case import Benchmark, Size
 
 # `sharded` is empty unless 4 devices are present (a multi-device run of the suite).
 FAMILIES = (elementwise, matmul, rowwise, attention, stencil, reduction, indexing,

@@ -1,5 +1,5 @@
 """Checking benchmark results: a variant's output against the jax.numpy result, and
-(`python -m benchmarks.checking`) what pallet's checking mode costs."""
+(`python -m pallet.bench.checking`) what pallet's checking mode costs."""
 from __future__ import annotations
 
 import argparse
@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from benchmarks.case import Benchmark
+from pallet.bench.case import Benchmark
 
 
 class MismatchError(AssertionError):
@@ -43,9 +43,9 @@ def check_matches(bench: Benchmark, variant: str, actual: Any, expected: Any) ->
 
 
 # ------------------------------------------------------------------ checking-mode cost
-# `python -m benchmarks.checking`: what pallet's checking mode costs (docs/checking.md).
+# `python -m pallet.bench.checking`: what pallet's checking mode costs (docs/checking.md).
 # Every kernel of the suite runs unchecked on pallet, checked on pallet, and under
-# Pallas's own checked (TPU) interpreter, interleaved by benchmarks.runner. (The
+# Pallas's own checked (TPU) interpreter, interleaved by pallet.bench.runner. (The
 # runner imports this module for check_matches: suite modules are imported late.)
 CHECKED_PARAMS = dict(detect_races=True, out_of_bounds_reads="raise",
                       uninitialized_memory="nan")
@@ -68,7 +68,7 @@ def _pallet_checked_opt_in(bench: Benchmark):
 def _pallas_checked(bench: Benchmark):
   from jax.experimental.pallas import tpu as pallas_tpu
 
-  from benchmarks.peer import peer_pallas
+  from pallet.bench.peer import peer_pallas
   return bench.build_pallas(peer_pallas(),
                             interpret=pallas_tpu.InterpretParams(**CHECKED_PARAMS))
 
@@ -76,7 +76,7 @@ def _pallas_checked(bench: Benchmark):
 def checking_variants(opt_in: bool = False, peer: bool = True):
   """jnp (the runner's reference), pallet unchecked, pallet checked, (with `opt_in`)
   pallet checked with the opt-in NaN and overflow checks too, Pallas checked."""
-  from benchmarks.variants import JNP, Variant, cpu_variant
+  from pallet.bench.variants import JNP, Variant, cpu_variant
   variants = [JNP, cpu_variant("pallet"), Variant("checked", _pallet_checked)]
   if opt_in:
     variants.append(Variant("checked_opt_in", _pallet_checked_opt_in))
@@ -86,7 +86,7 @@ def checking_variants(opt_in: bool = False, peer: bool = True):
 
 
 def checking_columns():
-  from benchmarks.report import Columns
+  from pallet.bench.report import Columns
   return Columns(reference="pallet", subject="checked", peer="pallas_checked")
 
 
@@ -128,8 +128,8 @@ def checking_summary(results) -> list[str]:
 def suite_benchmarks(size: str) -> list[Benchmark]:
   """The suite's own Pallas kernels. JAX's kernel library and pallet.ops choose their
   own pallas_call options (no per-call `interpret=`); the sharded rows need devices."""
-  from benchmarks import catalog
-  from benchmarks.report import LIBRARY_FAMILY_PREFIX
+  from pallet.bench import catalog
+  from pallet.bench.report import LIBRARY_FAMILY_PREFIX
   return [b for b in catalog.all_benchmarks(size)
           if not b.family.startswith(LIBRARY_FAMILY_PREFIX)
           and b.family not in ("ops", "sharded")]
@@ -137,7 +137,7 @@ def suite_benchmarks(size: str) -> list[Benchmark]:
 
 def markdown_table(results) -> str:
   """The cost table as docs/checking.md shows it."""
-  from benchmarks.report import time_cell
+  from pallet.bench.report import time_cell
 
   def ratio(value, suffix=""):
     return "-" if value is None else f"{value:.2f}{suffix}" if value < 10 else f"{value:.0f}{suffix}"
@@ -161,12 +161,12 @@ def markdown_table(results) -> str:
 
 def main(argv: list[str] | None = None) -> int:
   """Time the suite unchecked, checked, and under Pallas's checked interpreter."""
-  from benchmarks import catalog, report
-  from benchmarks.case import SIZES
-  from benchmarks.runner import PeerPolicy
-  from benchmarks.suite import exit_code, positive_int, run_suite
+  from pallet.bench import catalog, report
+  from pallet.bench.case import SIZES
+  from pallet.bench.runner import PeerPolicy
+  from pallet.bench.suite import exit_code, positive_int, run_suite
 
-  p = argparse.ArgumentParser(prog="python -m benchmarks.checking",
+  p = argparse.ArgumentParser(prog="python -m pallet.bench.checking",
                               description="Cost of pallet's checking mode (docs/checking.md).")
   p.add_argument("--size", choices=SIZES, default="small")
   p.add_argument("--only", action="append", default=[], metavar="NAME")

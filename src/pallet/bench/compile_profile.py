@@ -1,6 +1,6 @@
 """First-call cost of every suite row, split into phases, pallet against jax.numpy.
 
-    python -m benchmarks.compile_profile [--size tiny|small|full] [--only NAME] [--rounds N]
+    python -m pallet.bench.compile_profile [--size tiny|small|full] [--only NAME] [--rounds N]
 
 Per row and variant (`jnp`, `pallet`), each compile starts without any cached
 program (JAX's lowered and compiled modules, pallet's traced kernels and plans are
@@ -22,7 +22,7 @@ geomean over rows. On a busy machine only ratios from one run mean anything;
 on the machine disturb far less.
 
 `--targets` also times the Pallas interpret peer's first call and, for kernels with
-a loop listed in `benchmarks/loop_twins.py`, their algorithm written as a jax.numpy
+a loop listed in `src/pallet/bench/loop_twins.py`, their algorithm written as a jax.numpy
 loop, and reports the first-call targets: loop-free kernels <= 2x jax.numpy's first
 call, kernels with loops <= 1.3x their jax.numpy loop, every row faster than the
 interpret peer.
@@ -40,12 +40,12 @@ from typing import Any, Callable
 import jax
 import jax.extend.core
 
-from benchmarks import catalog
-from benchmarks.case import SIZES, Benchmark
-from benchmarks.loop_twins import LOOP_TWINS
-from benchmarks.runner import fresh_compile_caches
-from benchmarks.suite import positive_int
-from benchmarks.variants import cpu_variant
+from pallet.bench import catalog
+from pallet.bench.case import SIZES, Benchmark
+from pallet.bench.loop_twins import LOOP_TWINS
+from pallet.bench.runner import fresh_compile_caches
+from pallet.bench.suite import positive_int
+from pallet.bench.variants import cpu_variant
 
 PHASES = ("kernel", "trace", "plan", "emit", "lower", "xla")
 # Wall-clock seconds by default; `--cpu-time` switches to the process's CPU seconds (all
@@ -84,7 +84,7 @@ class _Clock:
 @contextlib.contextmanager
 def _instrumented(clock: _Clock):
   """Wraps pallet's kernel tracing and the XLA backend's planning with `clock`."""
-  from pallet import tracing
+  from pallet.core import tracing
   from pallet.backends import xla
   trace_kernel, planned = tracing.trace_kernel, xla._planned
 
@@ -244,7 +244,7 @@ def report(samples: dict[str, dict[str, list[dict]]]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-  p = argparse.ArgumentParser(prog="python -m benchmarks.compile_profile",
+  p = argparse.ArgumentParser(prog="python -m pallet.bench.compile_profile",
                               description=__doc__.split("\n\n")[0])
   p.add_argument("--size", choices=SIZES, default="full")
   p.add_argument("--only", action="append", default=[], metavar="NAME",
@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
                  help="clear every JAX cache before each compile (a fresh process)")
   p.add_argument("--targets", action="store_true",
                  help="also time the Pallas interpret peer and the jax.numpy loop twins "
-                      "(benchmarks/loop_twins.py) and report the first-call targets")
+                      "(src/pallet/bench/loop_twins.py) and report the first-call targets")
   p.add_argument("--cpu-time", action="store_true",
                  help="measure CPU seconds of this process (all threads) instead of wall "
                       "time: far less noisy on a shared machine")

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from benchmarks.case import Benchmark, Size
+from pallet.bench.case import Benchmark, Size
 
 SIZES: dict[Size, dict[str, Any]] = {
     "full": dict(n=4 * 1024 * 1024, blocks=(1024, 65536)),

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from benchmarks.case import Benchmark, Size
+from pallet.bench.case import Benchmark, Size
 
 # Row panels (bn = n): each grid step multiplies one panel of rows by all of y, so y is
 # read once per step and never replicated across programs.

@@ -1,11 +1,11 @@
-"""GPU benchmarks, in one go: `python -m benchmarks.gpu`.
+"""GPU benchmarks, in one go: `python -m pallet.bench.gpu`.
 
-By default it times every pallet.ops program of issue 24 (`benchmarks.gpu_op_cases`:
+By default it times every pallet.ops program of issue 24 (`pallet.bench.gpu_op_cases`:
 flash attention forward and forward+backward, causal and not; linear cross-entropy;
 decode and paged attention; ragged_dot; a user's k-loop matmul; the row-wise ops) at
 the issue's shapes and two smaller ones against cuDNN, XLA and cuBLAS, results
 checked against jax.numpy first, and prints TFLOP/s or GB/s, the time ratio and each
-side's share of the device's peak (`benchmarks.gpu_ops`). JAX's GPU memory
+side's share of the device's peak (`pallet.bench.gpu_ops`). JAX's GPU memory
 preallocation is turned off ($XLA_PYTHON_CLIENT_PREALLOCATE=false) so the baselines'
 temporaries and pallet's compete for nothing reserved up front. `--size tiny` runs
 the same programs at toy sizes, also on the CPU (a smoke run); other sizes without a
@@ -34,11 +34,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from benchmarks import catalog, gpu_op_cases, gpu_ops, jax_op_cases, matmul, reduction, report
-from benchmarks.case import Benchmark, Size
-from benchmarks.runner import PeerPolicy
-from benchmarks.suite import exit_code, positive_int, run_suite
-from benchmarks.variants import JNP, Variant
+from pallet.bench import catalog, gpu_op_cases, gpu_ops, jax_op_cases, matmul, reduction, report
+from pallet.bench.case import Benchmark, Size
+from pallet.bench.runner import PeerPolicy
+from pallet.bench.suite import exit_code, positive_int, run_suite
+from pallet.bench.variants import JNP, Variant
 
 GRID_REDUCTION_BENCHMARKS = ("matmul", "colsumsq")
 SCRATCH_DIR = Path(__file__).resolve().parent.parent / "bench_out"
@@ -136,7 +136,7 @@ def _pallet_triton(bench: Benchmark):
 def _pallas_triton(bench: Benchmark):
   from jax.experimental.pallas import triton as pallas_triton
 
-  from benchmarks.peer import peer_pallas
+  from pallet.bench.peer import peer_pallas
   return bench.build_pallas(peer_pallas(), compiler_params=pallas_triton.CompilerParams())
 
 
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
   """Run the op benchmark (or the kernel suite, --suite); 0 if every variant ran and
   matched (or there is no GPU), 1 otherwise."""
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-  p = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__.split("\n")[0])
+  p = argparse.ArgumentParser(prog="python -m pallet.bench.gpu", description=__doc__.split("\n")[0])
   p.add_argument("--size", action="append", choices=gpu_op_cases.SIZES, default=[],
                  help="op benchmark sizes (repeatable; default: full, medium and small; "
                       "tiny also runs on the CPU)")
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
   sizes = args.size or list(OP_SIZES)
   device = gpu_device()
   if device is None and sizes != ["tiny"]:
-    print("benchmarks.gpu: no GPU visible to JAX; skipping the GPU benchmarks "
+    print("pallet.bench.gpu: no GPU visible to JAX; skipping the GPU benchmarks "
           "(--size tiny runs them on the CPU as a smoke test).")
     return 0
   if args.matmul_precision:
@@ -225,7 +225,7 @@ def _suite(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     p.error(str(e))
   device = gpu_device()
   if device is None:
-    print("benchmarks.gpu: no GPU visible to JAX; skipping the GPU benchmarks.")
+    print("pallet.bench.gpu: no GPU visible to JAX; skipping the GPU benchmarks.")
     return 0
   reps = args.reps or 21
   results = run_suite(selected, GPU_VARIANTS, reps=reps, peer=PeerPolicy(), seed=0,

@@ -1,11 +1,11 @@
 """Compile statistics of every pallet.ops kernel, without a GPU.
 
-    python -m benchmarks.gpu_compile_stats            # print the table
-    python -m benchmarks.gpu_compile_stats --write    # into docs/performance.md and
+    python -m pallet.bench.gpu_compile_stats            # print the table
+    python -m pallet.bench.gpu_compile_stats --write    # into docs/performance.md and
                                                       # docs/ops/gpu_defaults.md
-    python -m benchmarks.gpu_compile_stats --check    # CI: exit 1 if either is stale
+    python -m pallet.bench.gpu_compile_stats --check    # CI: exit 1 if either is stale
 
-For each op program of `benchmarks.gpu_op_cases` at the issue's shapes (bf16), traced
+For each op program of `pallet.bench.gpu_op_cases` at the issue's shapes (bf16), traced
 with the launch table of each target (`pallet.ops.launch_table.using_device`), every
 kernel is compiled by Triton for sm_90, sm_80 and gfx942 and reported with: its
 launch parameters, registers per thread, spilled bytes, shared memory (LDS), the
@@ -31,9 +31,9 @@ from typing import Any
 
 import jax
 
-BEGIN = "<!-- gpu-compile-stats: begin (python -m benchmarks.gpu_compile_stats --write) -->"
+BEGIN = "<!-- gpu-compile-stats: begin (python -m pallet.bench.gpu_compile_stats --write) -->"
 END = "<!-- gpu-compile-stats: end -->"
-TABLES_BEGIN = "<!-- launch-tables: begin (python -m benchmarks.gpu_compile_stats --write) -->"
+TABLES_BEGIN = "<!-- launch-tables: begin (python -m pallet.bench.gpu_compile_stats --write) -->"
 TABLES_END = "<!-- launch-tables: end -->"
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 STATS_PAGE = "performance.md"
@@ -208,7 +208,7 @@ def _params_text(launch: Any, section: str) -> str:
 
 def compile_cases() -> list:
   """The programs whose kernels are reported: one per kernel kind, at the issue's shapes."""
-  from benchmarks import gpu_op_cases
+  from pallet.bench import gpu_op_cases
   cases = [c for c in gpu_op_cases.all_cases("full") if c.kernels]
   with_backward = {c.op for c in cases if "fwd+bwd" in c.name}
   return [c for c in cases if "fwd+bwd" in c.name or c.op not in with_backward]
@@ -286,7 +286,7 @@ def splice(text: str, block: str, begin: str = BEGIN, end: str = END) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-  p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_compile_stats",
+  p = argparse.ArgumentParser(prog="python -m pallet.bench.gpu_compile_stats",
                               description=__doc__.splitlines()[0])
   p.add_argument("--write", action="store_true",
                  help=f"replace the tables between the markers in {STATS_PAGE} and "
@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
       page.write_text(new)
       print(f"wrote {page}", file=sys.stderr)
     elif args.check and new != old:
-      print(f"{page}: stale; regenerate with python -m benchmarks.gpu_compile_stats "
+      print(f"{page}: stale; regenerate with python -m pallet.bench.gpu_compile_stats "
             f"--write", file=sys.stderr)
       code = 1
   return code

@@ -2,8 +2,8 @@
 the issue's shapes and two smaller ones, with what a user would call instead (cuDNN,
 XLA, cuBLAS), a jax.numpy reference, and the FLOPs and bytes one call must move.
 
-Shared by `python -m benchmarks.gpu` (times them) and `python -m
-benchmarks.gpu_compile_stats` (compiles their kernels for sm_90, sm_80 and gfx942
+Shared by `python -m pallet.bench.gpu` (times them) and `python -m
+pallet.bench.gpu_compile_stats` (compiles their kernels for sm_90, sm_80 and gfx942
 without a GPU). Everything here is plain JAX 0.10-0.12 (the GPU machine runs 0.11).
 """
 from __future__ import annotations

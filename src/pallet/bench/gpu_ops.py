@@ -1,4 +1,4 @@
-"""Times the op programs of `benchmarks.gpu_op_cases` against what a user would call
+"""Times the op programs of `pallet.bench.gpu_op_cases` against what a user would call
 instead, on the GPU JAX runs on (or, at size "tiny", on the CPU: a smoke run).
 
 Per program and size: every variant's result is first checked against the jax.numpy
@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from benchmarks.gpu_op_cases import Baseline, OpCase
+from pallet.bench.gpu_op_cases import Baseline, OpCase
 
 SAMPLE_S = 0.02
 

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from benchmarks.case import Benchmark, Size
+from pallet.bench.case import Benchmark, Size
 
 GATHER_SIZES: dict[Size, dict[str, int]] = {
     "full": dict(table_rows=8192, row_width=128, num_indices=65536, block=256),

@@ -1,7 +1,7 @@
 """JAX's own Pallas kernel library as benchmark rows (one row per op).
 
 Each row runs one op of `jax/experimental/pallas/ops` three ways: on pallet (the
-module read from the installed jax by benchmarks/jax_ops.py, its Pallas imports
+module read from the installed jax by src/pallet/bench/jax_ops.py, its Pallas imports
 routed to pallet), as a jax.numpy twin written here, and on Pallas's interpreter
 (jax's own module, imported normally: `interpret=True` for the GPU ops, TPU
 interpret mode for the TPU ops). The op decides its own `pallas_call`s, so the
@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import jax_ops
-from benchmarks.case import Benchmark, Size
+from pallet.bench import jax_ops
+from pallet.bench.case import Benchmark, Size
 
 GPU_FAMILY = "jax_ops_gpu"
 TPU_FAMILY = "jax_ops_tpu"

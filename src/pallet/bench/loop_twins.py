@@ -6,7 +6,7 @@ where the loop-free `jax.numpy` twin is one fused program (docs/performance.md,
 "Compile time"). The fair first-call comparison for such a kernel is the same
 algorithm written by hand in `jax.numpy`: a `lax.fori_loop` over key blocks with
 the running max, normaliser and accumulator as its carry, for every head and query
-block at once. `python -m benchmarks.compile_profile --loop-twins` times it next
+block at once. `python -m pallet.bench.compile_profile --loop-twins` times it next
 to pallet and jax.numpy for the rows listed here.
 """
 from __future__ import annotations
@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from benchmarks import attention
-from benchmarks.case import Size
+from pallet.bench import attention
+from pallet.bench.case import Size
 
 
 def online_softmax_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_k: int,

@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from benchmarks.case import Benchmark, Size
+from pallet.bench.case import Benchmark, Size
 from pallet.ops import launch_table
 
 FAMILY = "ops"
@@ -34,7 +34,7 @@ FAMILY = "ops"
 @functools.lru_cache(maxsize=None)
 def _peer_module(module: str) -> types.ModuleType:
   """A fresh copy of pallet/ops/<module>.py whose `pl` is jax.experimental.pallas."""
-  from benchmarks.peer import peer_pallas
+  from pallet.bench.peer import peer_pallas
   jpl = peer_pallas()
   spec = importlib.util.find_spec(f"pallet.ops.{module}")
   copy = importlib.util.module_from_spec(spec)

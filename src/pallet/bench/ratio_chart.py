@@ -1,6 +1,6 @@
 """A bar chart of pallet/jax.numpy time ratios for one family, from a results JSON.
 
-`python -m benchmarks.ratio_chart docs/perf_cpu.json --family ops --out docs/ops/perf_ops.png`
+`python -m pallet.bench.ratio_chart docs/perf_cpu.json --family ops --out docs/ops/perf_ops.png`
 draws the chart the ops gallery shows, from the same run as docs/performance.md (no new
 timing: the JSON holds the medians).
 """
@@ -35,7 +35,7 @@ def write_ratio_chart(rows: list[dict], path: Path, title: str, target: float | 
 
 
 def main(argv: list[str] | None = None) -> int:
-  p = argparse.ArgumentParser(prog="python -m benchmarks.ratio_chart", description=__doc__.split("\n")[0])
+  p = argparse.ArgumentParser(prog="python -m pallet.bench.ratio_chart", description=__doc__.split("\n")[0])
   p.add_argument("results", type=Path, help="a results JSON written by python -m benchmarks")
   p.add_argument("--family", required=True, help="benchmark family to draw (e.g. ops)")
   p.add_argument("--out", type=Path, required=True, help="the PNG to write")

@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from benchmarks.case import Benchmark, Size
+from pallet.bench.case import Benchmark, Size
 
 SIZES: dict[Size, dict[str, int]] = {
     "full": dict(rows=8192, cols=1024, block_rows=256, block_cols=128),

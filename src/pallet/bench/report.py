@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.runner import BenchmarkResult, VariantResult
+from pallet.bench.runner import BenchmarkResult, VariantResult
 
 # Targets for the backend (issue 3); the suite reports them, it does not enforce them.
 GEOMEAN_TARGET = 1.1        # issue 10: over the whole suite, JAX's kernel library included

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from benchmarks.case import Benchmark, Size
+from pallet.bench.case import Benchmark, Size
 
 SIZES: dict[Size, dict[str, int]] = {
     "full": dict(rows=4096, cols=1024, block_rows=8),

@@ -32,9 +32,9 @@ from typing import Any, Literal
 
 import jax
 
-from benchmarks.case import Benchmark
-from benchmarks.checking import MismatchError, check_matches
-from benchmarks.variants import REFERENCE, Variant
+from pallet.bench.case import Benchmark
+from pallet.bench.checking import MismatchError, check_matches
+from pallet.bench.variants import REFERENCE, Variant
 
 Status = Literal["ok", "error", "mismatch", "known_issue", "skipped"]
 
@@ -107,7 +107,7 @@ def fresh_compile_caches(cold: bool = False) -> None:
   modules, so that the next compile is a first call; `cold` also JAX's tracing
   caches (jax.numpy's own jitted helpers), as in a fresh process. Otherwise those
   stay warm, as for any but the first row of the suite (for every variant alike)."""
-  from pallet import trace_cache
+  from pallet.core import trace_cache
   trace_cache.clear()
   if cold:
     jax.clear_caches()

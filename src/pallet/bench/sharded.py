@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from benchmarks import rowwise
-from benchmarks.case import Benchmark, Size
+from pallet.bench import rowwise
+from pallet.bench.case import Benchmark, Size
 
 DEVICES = 4
 SIZES: dict[Size, dict[str, dict[str, int]]] = {

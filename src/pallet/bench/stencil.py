@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from benchmarks.case import Benchmark, Size
+from pallet.bench.case import Benchmark, Size
 
 SIZES: dict[Size, dict[str, int]] = {
     "full": dict(height=2048, width=2048, block_rows=32),

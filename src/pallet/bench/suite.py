@@ -6,10 +6,10 @@ from collections.abc import Sequence
 
 import jax
 
-from benchmarks import report
-from benchmarks.case import Benchmark
-from benchmarks.runner import BenchmarkResult, PeerPolicy, run_benchmark
-from benchmarks.variants import Variant
+from pallet.bench import report
+from pallet.bench.case import Benchmark
+from pallet.bench.runner import BenchmarkResult, PeerPolicy, run_benchmark
+from pallet.bench.variants import Variant
 
 
 def run_suite(benches: Sequence[Benchmark], variants: Sequence[Variant], *, reps: int,

@@ -25,8 +25,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from benchmarks.case import Benchmark, Size
-from benchmarks.indexing import PEER_ATOMIC_DUPLICATES
+from pallet.bench.case import Benchmark, Size
+from pallet.bench.indexing import PEER_ATOMIC_DUPLICATES
 
 GRAD_FAMILY = "user_grad"
 ATOMICS_FAMILY = "user_atomics"

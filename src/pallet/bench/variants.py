@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import jax
 
-from benchmarks.case import Benchmark, Program
+from pallet.bench.case import Benchmark, Program
 
 REFERENCE = "jnp"
 
@@ -39,7 +39,7 @@ def _pallet_cpu(bench: Benchmark) -> Program:
 
 
 def _pallas_interpret(bench: Benchmark) -> Program:
-  from benchmarks.peer import peer_pallas
+  from pallet.bench.peer import peer_pallas
   return bench.build_pallas(peer_pallas(), interpret=True)
 
 

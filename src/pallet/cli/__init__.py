@@ -85,12 +85,12 @@ def main(argv: list[str] | None = None) -> int:
   if args.command in ("demo", "tune"):
     _triton_interpreter_without_gpu(args.backend)
   if args.command == "demo":
-    from pallet import demo as demo_lib
+    from pallet.cli import demo as demo_lib
     return demo_lib.run(scale=args.scale, reps=args.reps, backend=args.backend)
   if args.command == "bench":
     return _bench(rest)
   if args.command == "tune":
-    from pallet import tune as tune_lib
+    from pallet.cli import tune as tune_lib
     return tune_lib.run(only=args.only, list_only=args.list, size=args.size, reps=args.reps,
                         force=args.force, backend=args.backend, clear=args.clear_cache,
                         confirm=args.confirm or 0)
@@ -117,13 +117,13 @@ def _triton_interpreter_without_gpu(backend: str | None) -> None:
 
 
 def _bench(rest: list[str]) -> int:
-  """The benchmark suite: a checkout's `benchmarks/` when run from one, else the copy
+  """The benchmark suite: a checkout's `src/pallet/bench/` when run from one, else the copy
   installed with pallet. An installed copy writes its results under ./bench_out."""
   cwd = Path.cwd()
   if (cwd / "benchmarks" / "__main__.py").exists():
     sys.path.insert(0, str(cwd))
   try:
-    bench = importlib.import_module("benchmarks.__main__")
+    bench = importlib.import_module("pallet.bench.__main__")
   except ImportError as e:
     print(f"pallet bench: cannot import the benchmark suite ({e}); reinstall pallet or "
           f"run from a source checkout", file=sys.stderr)

@@ -1,7 +1,7 @@
 """`pallet tune`: autotune the library's kernels on this machine, once, into the cache.
 
 The cases come from `pallet.ops.tuning_cases(size)` where pallet.ops provides it,
-from the demo gallery (`pallet.demo.tuning_cases`) and from the benchmark suite's
+from the demo gallery (`pallet.cli.demo.tuning_cases`) and from the benchmark suite's
 kernels whose block sizes are builder keywords (bench/<name>: the suite's blocks are
 the default, the others are them scaled by 1/4 to 4). Each case calls autotuned code on
 example inputs; every choice made meanwhile is reported: the table of configs tried,
@@ -25,7 +25,8 @@ import jax
 import numpy as np
 
 import pallet as pl
-from pallet import backends, demo
+from pallet import backends
+from pallet.cli import demo
 
 autotuning = importlib.import_module("pallet.autotune")
 
@@ -55,7 +56,7 @@ def bench_cases(size: str) -> list:
   builder (`benchmarks` ships with pallet), as cases named bench/<name>; empty when
   the suite cannot be imported."""
   try:
-    from benchmarks import catalog
+    from pallet.bench import catalog
   except ImportError:
     return []
   found = []

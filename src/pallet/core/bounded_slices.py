@@ -19,10 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallet import _internals as internals
-from pallet import checks
-from pallet import grid_eval
-from pallet.grid_mapping import BlockMapping
-from pallet.tracing import KernelDescription
+from pallet.core import checks
+from pallet.core import grid_eval
+from pallet.core.grid_mapping import BlockMapping
+from pallet.core.tracing import KernelDescription
 
 
 def _mappings(kernel: KernelDescription) -> list[BlockMapping]:

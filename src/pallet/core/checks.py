@@ -41,7 +41,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from pallet import _internals as internals
-from pallet import primitives
+from pallet.core import primitives
 
 
 class _Switch:

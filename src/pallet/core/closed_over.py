@@ -22,10 +22,10 @@ from typing import Any, Sequence
 import jax
 
 from pallet import _internals as internals
-from pallet import grid_mapping as gm_lib
-from pallet import specs as specs_lib
-from pallet.grid_mapping import PalletError
-from pallet.tracing import KernelDescription
+from pallet.core import grid_mapping as gm_lib
+from pallet.core import specs as specs_lib
+from pallet.core.grid_mapping import PalletError
+from pallet.core.tracing import KernelDescription
 
 
 def _is_ref(value: Any) -> bool:

@@ -30,8 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallet import _internals as internals
-from pallet import checks, primitives
-from pallet.grid_mapping import PalletError
+from pallet.core import checks, primitives
+from pallet.core.grid_mapping import PalletError
 
 
 class DeviceIdType(enum.Enum):

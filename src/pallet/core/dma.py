@@ -23,14 +23,14 @@ import numpy as np
 from jax.extend.core import Primitive, subjaxprs
 
 from pallet import _internals as internals
-from pallet import checks, device_ids, dynamic_views, primitives, ref_views
-from pallet.grid_mapping import PalletError
-from pallet.refs_select import SelectedRef
-from pallet.specs import MemorySpace, ScratchShape
+from pallet.core import checks, device_ids, dynamic_views, primitives, ref_views
+from pallet.core.grid_mapping import PalletError
+from pallet.core.refs_select import SelectedRef
+from pallet.core.specs import MemorySpace, ScratchShape
 
 # Names of the primitives below: the XLA plan runs kernels that use them in exact
 # grid order, since copies and semaphores carry state from one grid step to the next.
-# The remote and lockstep ones (pallet/remote.py, pallet/lockstep_ops.py) count too.
+# The remote and lockstep ones (pallet/distributed/remote.py, pallet/distributed/lockstep_ops.py) count too.
 DMA_PRIMITIVE_NAMES = frozenset({"dma_start", "dma_wait", "semaphore_signal",
                                  "semaphore_wait", "semaphore_read", "remote_copy_start",
                                  "remote_semaphore_signal", "barrier_semaphore",
@@ -376,11 +376,11 @@ def _sem_operands(sem: Any, api: str) -> tuple[list[Any], Any]:
 def semaphore_signal(sem_or_view: Any, inc: Any = 1, *, device_id: Any = None,
                      device_id_type: Any = None, core_index: Any = None) -> None:
   """Adds `inc` to a semaphore, on the device `device_id` names when given (see
-  pallet/remote.py)."""
+  pallet/distributed/remote.py)."""
   if core_index is not None:
     device_ids.check_core_index(core_index, "semaphore_signal", kernel_site())
   if device_id is not None:
-    from pallet import remote   # remote builds on this module
+    from pallet.distributed import remote   # remote builds on this module
     remote.signal(sem_or_view, inc, device_id, device_id_type)
     return
   if isinstance(sem_or_view, SelectedRef):

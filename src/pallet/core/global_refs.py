@@ -7,7 +7,7 @@ name is a clear error.
 """
 from __future__ import annotations
 
-from pallet.unsupported import Unsupported
+from pallet.core.unsupported import Unsupported
 
 get_global = Unsupported(
     "pl.get_global",

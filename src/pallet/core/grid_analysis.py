@@ -46,10 +46,10 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Literal
 
 from pallet import _internals as internals
-from pallet import grid_eval, trace_cache, tracebacks
-from pallet.dma import uses_dmas
-from pallet.grid_mapping import BlockMapping
-from pallet.tracing import KernelDescription
+from pallet.core import grid_eval, trace_cache, tracebacks
+from pallet.core.dma import uses_dmas
+from pallet.core.grid_mapping import BlockMapping
+from pallet.core.tracing import KernelDescription
 
 _CALLS = ("pjit", "jit", "closed_call", "core_call", "remat", "checkpoint",
           "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin")

@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallet import primitives
-from pallet import specs as specs_lib
+from pallet.core import primitives
+from pallet.core import specs as specs_lib
 from pallet._internals import AbstractRef, Slice, is_tracer
 
 

@@ -19,8 +19,8 @@ import numpy as np
 from jax import lax
 
 from pallet import _internals as internals
-from pallet import checks, primitives
-from pallet.specs import CostEstimate, ScratchShape
+from pallet.core import checks, primitives
+from pallet.core.specs import CostEstimate, ScratchShape
 
 
 # ------------------------------------------------------------------ integer helpers

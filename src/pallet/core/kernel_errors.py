@@ -15,8 +15,8 @@ import types
 from typing import Any, Sequence
 
 from pallet import _internals as internals
-from pallet import tracebacks
-from pallet.grid_mapping import PalletError
+from pallet.core import tracebacks
+from pallet.core.grid_mapping import PalletError
 
 _DTYPE = re.compile(r"Invalid dtype for `(?P<op>\w+)`\. Ref dtype: (?P<ref>[^.\s]+)\. "
                     r"Value dtype: (?P<value>[^.\s]+)\.")

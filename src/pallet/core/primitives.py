@@ -22,7 +22,7 @@ from jax.extend.core import Literal, Primitive
 from jax.interpreters import mlir
 
 from pallet import _internals as internals
-from pallet.specs import MemorySpace, ScratchShape
+from pallet.core.specs import MemorySpace, ScratchShape
 
 Slice = internals.Slice
 
@@ -133,8 +133,8 @@ def num_programs(axis: int) -> int | jax.Array:
   ctx = _current_grid("num_programs")
   size = ctx.grid[_check_axis(axis, ctx, "num_programs")]
   if size is None:
-    from pallet.checks import user_source
-    from pallet.grid_mapping import PalletError
+    from pallet.core.checks import user_source
+    from pallet.core.grid_mapping import PalletError
     raise PalletError(f"pl.num_programs({axis}) in an index map of kernel "
                       f"'{ctx.kernel_name}' at {user_source()}: the size of grid axis {axis} "
                       f"is computed at run time, which pallet's index maps do not receive; "
@@ -784,8 +784,8 @@ def when(condition: Any) -> Callable[[Callable[[], None]], None]:
         body()
       return
     if jnp.ndim(condition) != 0:
-      from pallet import checks   # checks builds on this module
-      from pallet.grid_mapping import PalletError
+      from pallet.core import checks   # checks builds on this module
+      from pallet.core.grid_mapping import PalletError
       name = current_kernel_name()
       where = f"kernel '{name}'" if name else "code outside a kernel"
       raise PalletError(
@@ -801,7 +801,7 @@ def when(condition: Any) -> Callable[[Callable[[], None]], None]:
 def run_scoped(body: Callable[..., Any], *types: Any, **kw_types: Any) -> Any:
   """Calls `body` with fresh scratch refs of the given shapes (or pytrees of them, e.g.
   the allocations of `pltpu.emit_pipeline_with_allocations`); returns its result."""
-  from pallet import checks   # checks builds on this module
+  from pallet.core import checks   # checks builds on this module
 
   def fresh_tree(tree):
     def fresh(t):

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallet import primitives
+from pallet.core import primitives
 
 
 class SelectedRef:

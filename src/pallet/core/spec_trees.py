@@ -17,8 +17,8 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from pallet import specs as specs_lib
-from pallet.grid_mapping import PalletError
+from pallet.core import specs as specs_lib
+from pallet.core.grid_mapping import PalletError
 
 Path = tuple[Any, ...]
 

@@ -31,8 +31,8 @@ import numpy as np
 from jax.extend.core import Literal
 
 from pallet import _internals as internals
-from pallet.grid_mapping import PalletError
-from pallet.tracing import KernelDescription
+from pallet.core.grid_mapping import PalletError
+from pallet.core.tracing import KernelDescription
 
 # primitive -> position of the first flattened transform among the equation's inputs
 _ACCESSES = {"get": 1, "swap": 2, "addupdate": 2, "masked_load": 1, "masked_store": 1,

@@ -20,10 +20,10 @@ import jax
 import jax.numpy as jnp
 
 from pallet import _internals as internals
-from pallet import kernel_errors
-from pallet import primitives
-from pallet.grid_mapping import (GridMapping, PalletError, function_source,
-                                 kernel_parameter_names, user_function)
+from pallet.core import kernel_errors
+from pallet.core import primitives
+from pallet.core.grid_mapping import (GridMapping, PalletError, function_source,
+                                      kernel_parameter_names, user_function)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -11,8 +11,8 @@ import os
 import sys
 from typing import Any, NoReturn
 
-from pallet import primitives
-from pallet.grid_mapping import PalletError
+from pallet.core import primitives
+from pallet.core.grid_mapping import PalletError
 
 _PALLET_DIR = os.path.dirname(os.path.abspath(__file__))
 

@@ -43,9 +43,10 @@ from jax import lax
 from jax.extend.core import ClosedJaxpr, Jaxpr, jaxprs_in_params
 
 from pallet import _internals as internals
-from pallet import checks, dma, lockstep_ops, lockstep_schedule, ref_views, remote, trace_cache
-from pallet.grid_mapping import BlockDimension, PalletError
-from pallet.tracing import KernelDescription
+from pallet.core import checks, dma, ref_views, trace_cache
+from pallet.distributed import lockstep_ops, lockstep_schedule, remote
+from pallet.core.grid_mapping import BlockDimension, PalletError
+from pallet.core.tracing import KernelDescription
 
 
 

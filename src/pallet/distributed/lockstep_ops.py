@@ -1,6 +1,6 @@
 """What a remote copy, a remote signal and a wait do to the refs of every device.
 
-A kernel run as its whole mesh (`pallet/lockstep.py`) holds each ref of every
+A kernel run as its whole mesh (`pallet/distributed/lockstep.py`) holds each ref of every
 device stacked along a leading axis of length n (the devices, in the order of
 `Mesh.devices`). At one operation of the program all n devices act together,
 each where `mask` (an (n,) bool: the devices whose control flow reaches it) is set:
@@ -31,7 +31,7 @@ from jax import lax
 from jax.extend.core import Primitive
 
 from pallet import _internals as internals
-from pallet import checks, ref_views
+from pallet.core import checks, ref_views
 
 lockstep_copy_p = Primitive("lockstep_copy")
 lockstep_copy_p.multiple_results = True

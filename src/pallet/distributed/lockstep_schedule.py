@@ -1,4 +1,4 @@
-"""The order in which the lockstep run of a kernel (pallet/lockstep.py) takes the
+"""The order in which the lockstep run of a kernel (pallet/distributed/lockstep.py) takes the
 operations of one block (a kernel body, a loop body, a branch): devices that take
 different branches run as far as each can before it waits.
 

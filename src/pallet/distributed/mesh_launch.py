@@ -20,9 +20,10 @@ import jax
 from jax import lax
 
 from pallet import _internals as internals
-from pallet import checks, lockstep, plain_call, remote, trace_cache
+from pallet.core import checks, trace_cache
+from pallet.distributed import lockstep, plain_call, remote
 from pallet.checking import CheckOptions
-from pallet.tracing import KernelDescription
+from pallet.core.tracing import KernelDescription
 
 
 @trace_cache.kernel_cache

@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from pallet.backends.xla import plan_of
 from pallet.backends.xla.plan import make_plan
-from pallet.tracing import KernelDescription
+from pallet.core.tracing import KernelDescription
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from pallet import _internals as internals
-from pallet import trace_cache
+from pallet.core import trace_cache
 
 # `fn(*args)` run as one equation; `fn` is traced at lowering on plain avals.
 call_p = Primitive("pallet_plain_call")

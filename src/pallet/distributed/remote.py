@@ -9,8 +9,8 @@ its element count to `recv_sem` on that device and to `send_sem` here.
 grid step of the kernel, for barriers between devices.
 
 These primitives only record what each device asks for: the kernel they appear
-in runs as the whole mesh at once (`pallet/lockstep.py`), which gives them their
-meaning. Waits stay the local `dma_wait` / `semaphore_wait` of `pallet/dma.py`.
+in runs as the whole mesh at once (`pallet/distributed/lockstep.py`), which gives them their
+meaning. Waits stay the local `dma_wait` / `semaphore_wait` of `pallet/core/dma.py`.
 """
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ import jax.numpy as jnp
 from jax.extend.core import Literal, Primitive, jaxprs_in_params, subjaxprs
 
 from pallet import _internals as internals
-from pallet import checks, device_ids, dma, primitives
-from pallet.grid_mapping import PalletError
-from pallet.refs_select import SelectedRef
+from pallet.core import checks, device_ids, dma, primitives
+from pallet.core.grid_mapping import PalletError
+from pallet.core.refs_select import SelectedRef
 
 # Slots of remote_copy's operand tree (..., coords).
 _SRC, _SRC_T, _DST, _DST_T, _RECV, _RECV_T, _SEND, _SEND_T, _COORDS = range(9)

@@ -2,10 +2,10 @@
 them as `pltpu.core.X`. The same objects as `pallet.tpu` exports."""
 from __future__ import annotations
 
-from pallet.dma import SemaphoreType
-from pallet.memory_spaces import AccMemorySpace
-from pallet.specs import MemoryRef, MemorySpace, no_block_spec
-from pallet.tpu_params import (ARBITRARY, CORE_PARALLEL, PARALLEL, SUBCORE_PARALLEL,
+from pallet.core.dma import SemaphoreType
+from pallet.tpu.memory_spaces import AccMemorySpace
+from pallet.core.specs import MemoryRef, MemorySpace, no_block_spec
+from pallet.tpu.params import (ARBITRARY, CORE_PARALLEL, PARALLEL, SUBCORE_PARALLEL,
                                CompilerParams, CoreType, GridDimensionSemantics,
                                PrefetchScalarGridSpec, SideEffectType)
-from pallet.mesh import TensorCoreMesh, create_tensorcore_mesh
+from pallet.tpu.mesh import TensorCoreMesh, create_tensorcore_mesh

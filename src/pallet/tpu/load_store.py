@@ -10,8 +10,8 @@ from typing import Any
 
 import jax
 
-from pallet import primitives
-from pallet.refs_select import SelectedRef
+from pallet.core import primitives
+from pallet.core.refs_select import SelectedRef
 
 
 def load(ref: Any, *, mask: jax.Array | None = None) -> jax.Array:

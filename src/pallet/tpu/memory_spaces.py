@@ -12,7 +12,7 @@ from typing import Any, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from pallet.specs import MemoryRef, MemorySpace
+from pallet.core.specs import MemoryRef, MemorySpace
 
 
 @dataclasses.dataclass(frozen=True)

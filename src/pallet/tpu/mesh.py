@@ -18,12 +18,12 @@ from typing import Any, Callable, Mapping, Sequence
 
 import jax
 
-from pallet import primitives
-from pallet import specs as specs_lib
-from pallet.grid_mapping import PalletError
+from pallet.core import primitives
+from pallet.core import specs as specs_lib
+from pallet.core.grid_mapping import PalletError
 from pallet.pallas_call import pallas_call
-from pallet.tpu_params import CoreType, GridDimensionSemantics
-from pallet.unsupported import describe_call_site
+from pallet.tpu.params import CoreType, GridDimensionSemantics
+from pallet.core.unsupported import describe_call_site
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -121,8 +121,8 @@ def core_map(mesh: Any, *, compiler_params: Any = None, interpret: Any = False,
   mesh (in order), with `lax.axis_index(axis)` giving the core; the body works on
   refs it closes over (e.g. inside `pl.run_state`). It is a `pl.kernel` with no
   operands of its own: the refs it closes over become the call's operands, written
-  back when it returns (pallet/closed_over.py), and a body that talks to other
-  devices runs like any kernel that does (pallet/mesh_launch.py)."""
+  back when it returns (pallet/core/closed_over.py), and a body that talks to other
+  devices runs like any kernel that does (pallet/distributed/mesh_launch.py)."""
   def run(fn: Callable[..., None]) -> None:
     kernel_name = name or getattr(fn, "__name__", "core_map")
     _mesh_axes(mesh, f"pl.core_map '{kernel_name}'")

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallet.bits import bit_width
-from pallet.grid_mapping import PalletError
+from pallet.tpu.bits import bit_width
+from pallet.core.grid_mapping import PalletError
 
 
 def roll(x: jax.Array, shift: Any, axis: int, *, stride: int | None = None,

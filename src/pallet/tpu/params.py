@@ -12,7 +12,7 @@ import dataclasses
 import enum
 from typing import Any, Sequence
 
-from pallet.specs import GridSpec, no_block_spec
+from pallet.core.specs import GridSpec, no_block_spec
 
 
 class GridDimensionSemantics(enum.Enum):

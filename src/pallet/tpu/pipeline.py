@@ -22,14 +22,14 @@ import numpy as np
 from jax import lax
 
 from pallet import _internals as internals
-from pallet import checks
+from pallet.core import checks
 from pallet._internals import Slice
-from pallet import primitives
-from pallet.dma import kernel_site
-from pallet.grid_mapping import PalletError
-from pallet.specs import (BlockSpec, Blocked, BoundedSlice, Element, MemorySpace, ScratchShape,
-                          Squeezed, no_block_spec)
-from pallet.unsupported import Unsupported
+from pallet.core import primitives
+from pallet.core.dma import kernel_site
+from pallet.core.grid_mapping import PalletError
+from pallet.core.specs import (BlockSpec, Blocked, BoundedSlice, Element, MemorySpace, ScratchShape,
+                               Squeezed, no_block_spec)
+from pallet.core.unsupported import Unsupported
 
 # The Mosaic scheduler's own buffers and its mesh-wide prefetching have no meaning
 # here: the pipeline is a plain loop of copies.

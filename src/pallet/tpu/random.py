@@ -31,9 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallet import primitives
-from pallet.grid_mapping import PalletError
-from pallet.unsupported import describe_call_site
+from pallet.core import primitives
+from pallet.core.grid_mapping import PalletError
+from pallet.core.unsupported import describe_call_site
 
 # ------------------------------------------------------------------ Threefry-2x32
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
