@@ -104,7 +104,7 @@ def test_demo_reports_a_kernel_that_differs(tiny_gallery, capsys, monkeypatch):
 def test_demo_on_the_triton_backend_in_its_own_process(interpret_env):
   """Without a GPU, `--backend triton` runs Triton's interpreter whether or not
   TRITON_INTERPRET is set, as --help says."""
-  code = ("import sys, jax.numpy as jnp; from pallet import cli, demo\n"
+  code = ("import sys, jax.numpy as jnp; from pallet import cli; from pallet.cli import demo\n"
           "x = jnp.arange(1024.0)\n"
           "demo._gallery = lambda s: [('vector add', '1024', lambda x, y: "
           "demo.vector_add(x, y, block=256), lambda x, y: x + y, (x, x), 1e-6)]\n"
