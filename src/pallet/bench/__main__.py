@@ -1,5 +1,5 @@
-"""Command line: `python -m benchmarks [--small] [--size CLASSES] [--only NAME] ...` (also
-`pallet bench`).
+"""Command line: `pallet bench [--small] [--size CLASSES] [--only NAME] ...` (from a
+checkout also `python -m benchmarks ...`, a shim that forwards here).
 
 Size classes (src/pallet/bench/case.py): `full` (the suite's sizes) and `test` (the shapes of
 JAX's own tests for its Pallas ops) are what the results report, side by side; `small`
@@ -23,17 +23,15 @@ from pallet.bench import catalog, report
 from pallet.bench.case import MEASURED_CLASSES, SIZES, Size
 from pallet.bench.runner import PeerPolicy
 from pallet.bench.suite import exit_code, positive_int, run_suite
+from pallet.bench.paths import DOCS_DIR, SCRATCH_DIR
 from pallet.bench.variants import CPU_VARIANTS
 
 DEFAULT_REPS = 21
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DOCS_DIR = REPO_ROOT / "docs"
-SCRATCH_DIR = REPO_ROOT / "bench_out"
 
 
 def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
-      prog="python -m benchmarks",
+      prog="pallet bench",
       description="Time pallet's CPU backend against jax.numpy and the "
                   "jax.experimental.pallas interpreter on the benchmark suite.")
   size = p.add_mutually_exclusive_group()

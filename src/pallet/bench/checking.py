@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from pallet.bench.case import Benchmark
+from pallet.bench.paths import SCRATCH_DIR
 
 
 class MismatchError(AssertionError):
@@ -173,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--reps", type=positive_int, default=11)
   p.add_argument("--peer-reps", type=positive_int, default=3)
   p.add_argument("--peer-budget-s", type=float, default=600.0)
-  p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "bench_out")
+  p.add_argument("--out", type=Path, default=SCRATCH_DIR)
   p.add_argument("--opt-in", action="store_true",
                  help="also time the default checks plus detect_nans and detect_int_overflow")
   p.add_argument("--no-peer", action="store_true",

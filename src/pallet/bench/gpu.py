@@ -38,10 +38,10 @@ from pallet.bench import catalog, gpu_op_cases, gpu_ops, jax_op_cases, matmul, r
 from pallet.bench.case import Benchmark, Size
 from pallet.bench.runner import PeerPolicy
 from pallet.bench.suite import exit_code, positive_int, run_suite
+from pallet.bench.paths import SCRATCH_DIR
 from pallet.bench.variants import JNP, Variant
 
 GRID_REDUCTION_BENCHMARKS = ("matmul", "colsumsq")
-SCRATCH_DIR = Path(__file__).resolve().parent.parent / "bench_out"
 GPU_COLUMNS = report.Columns(reference="jnp", subject="pallet", peer="pallas_triton")
 
 

@@ -31,11 +31,13 @@ from typing import Any
 
 import jax
 
+from pallet.bench.paths import DOCS_DIR
+
 BEGIN = "<!-- gpu-compile-stats: begin (python -m pallet.bench.gpu_compile_stats --write) -->"
 END = "<!-- gpu-compile-stats: end -->"
 TABLES_BEGIN = "<!-- launch-tables: begin (python -m pallet.bench.gpu_compile_stats --write) -->"
 TABLES_END = "<!-- launch-tables: end -->"
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+DOCS = DOCS_DIR
 STATS_PAGE = "performance.md"
 TABLES_PAGE = "ops/gpu_defaults.md"
 

@@ -5,7 +5,6 @@ import argparse
 import importlib
 import os
 import sys
-from pathlib import Path
 
 SIZES = ("full", "small", "tiny")
 
@@ -117,24 +116,14 @@ def _triton_interpreter_without_gpu(backend: str | None) -> None:
 
 
 def _bench(rest: list[str]) -> int:
-  """The benchmark suite: a checkout's `src/pallet/bench/` when run from one, else the copy
-  installed with pallet. An installed copy writes its results under ./bench_out."""
-  cwd = Path.cwd()
-  if (cwd / "benchmarks" / "__main__.py").exists():
-    sys.path.insert(0, str(cwd))
+  """The benchmark suite, `pallet.bench`: from a source checkout it writes into the
+  checkout (docs/, bench_out/), from an installed pallet under ./bench_out
+  (pallet/bench/paths.py)."""
   try:
     bench = importlib.import_module("pallet.bench.__main__")
   except ImportError as e:
-    print(f"pallet bench: cannot import the benchmark suite ({e}); reinstall pallet or "
-          f"run from a source checkout", file=sys.stderr)
+    print(f"pallet bench: cannot import the benchmark suite ({e}); install pallet's "
+          f"[test] extra", file=sys.stderr)
     return 2
-  checkout = (Path(bench.__file__).resolve().parent.parent / "pyproject.toml").exists()
-  wants_out = not any(a in ("-h", "--help", "--list") or a == "--out" or a.startswith("--out=")
-                      for a in rest)
-  if not checkout and wants_out:
-    rest = [*rest, "--out", os.path.join(os.getcwd(), "bench_out")]
   return bench.main(rest)
 
-
-if __name__ == "__main__":
-  sys.exit(main())

@@ -42,6 +42,7 @@ from jax.interpreters import ad, batching, mlir
 
 from pallet import _internals as internals
 from pallet.core import primitives
+from pallet.core.tracebacks import is_pallet_file
 
 
 class _Switch:
@@ -102,7 +103,6 @@ def poison_buffers_enabled() -> bool:
 
 
 # ------------------------------------------------------------------ messages
-_PALLET_DIR = os.path.dirname(os.path.abspath(__file__))
 _JAX_DIR = os.path.dirname(os.path.abspath(jax.__file__))
 _STDLIB_DIR = os.path.dirname(os.path.abspath(contextlib.__file__))
 # JAX's kernel library is user code for pallet (benchmarks/jax_ops runs it).
@@ -114,7 +114,7 @@ def user_source() -> str:
   frame = sys._getframe(1)
   while frame is not None:
     path = os.path.abspath(frame.f_code.co_filename)
-    internal = (path.startswith(_PALLET_DIR) or path.startswith(_STDLIB_DIR)
+    internal = (is_pallet_file(path) or path.startswith(_STDLIB_DIR)
                 or (path.startswith(_JAX_DIR) and not path.startswith(_JAX_KERNELS_DIR)))
     if not internal and not path.startswith("<frozen"):
       return f"{path}:{frame.f_lineno}"

@@ -162,7 +162,8 @@ def _error(eqn: Any, ref: Any, labels: dict, kernel: KernelDescription, problem:
       f"while tracing; reading past the end would return a clamped value)")
 
 
-_PIPELINE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pipeline.py")
+_PIPELINE_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                              "tpu", "pipeline.py")
 
 
 def _scoped_label(eqn: Any) -> str:

@@ -222,7 +222,7 @@ def freeze_callable(fn: Any) -> Any:
 # test) is keyed by the values of the globals it reads, followed through the helper
 # functions, classes and user modules it reaches.
 def _library_roots() -> tuple[str, ...]:
-  roots = {os.path.dirname(os.path.abspath(__file__))}
+  roots = {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}   # src/pallet
   for name in ("stdlib", "platstdlib", "purelib", "platlib"):
     path = sysconfig.get_paths().get(name)
     if path:
@@ -234,6 +234,9 @@ def _library_roots() -> tuple[str, ...]:
 
 
 _LIBRARY_ROOTS = _library_roots()
+# pallet.bench, the benchmark suite, is user code: its kernels are keyed like a script's.
+_BENCH_ROOT = os.path.join(
+    os.path.realpath(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench", "")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -242,7 +245,8 @@ def _is_library_file(filename: str | None) -> bool:
     return False
   if filename.startswith("<"):
     return filename.startswith("<frozen ")   # "<string>", "<stdin>", notebook cells: user
-  return os.path.realpath(filename).startswith(_LIBRARY_ROOTS)
+  path = os.path.realpath(filename)
+  return path.startswith(_LIBRARY_ROOTS) and not path.startswith(_BENCH_ROOT)
 
 
 def _is_library_module(module: types.ModuleType) -> bool:

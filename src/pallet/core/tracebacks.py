@@ -20,13 +20,17 @@ import jax
 
 from pallet import _internals as internals
 
-PALLET_DIR = os.path.dirname(os.path.abspath(__file__))
+PALLET_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # src/pallet
+# pallet.bench, the benchmark suite, is user code to pallet: errors point at its kernels.
+BENCH_DIR = os.path.join(PALLET_DIR, "bench")
 _JAX_DIR = os.path.dirname(os.path.abspath(jax.__file__))
 _STDLIB_DIR = os.path.dirname(os.path.abspath(contextlib.__file__))
 # JAX's kernel library is user code for pallet (benchmarks/jax_ops runs it).
 _JAX_KERNELS_DIR = os.path.join(_JAX_DIR, "experimental", "pallas", "ops")
 
-internals.hide_from_tracebacks(PALLET_DIR)
+for _entry in sorted(os.listdir(PALLET_DIR)):
+  if _entry != "bench":
+    internals.hide_from_tracebacks(os.path.join(PALLET_DIR, _entry))
 # pallet's context managers leave a frame of contextlib's between the user's and pallet's
 internals.hide_from_tracebacks(contextlib.__file__)
 
@@ -38,13 +42,19 @@ def api_boundary(fn: F) -> F:
   return internals.api_boundary(fn)
 
 
+def is_pallet_file(path: str) -> bool:
+  """Whether `path` is pallet's own code (pallet.bench excepted: benchmarks are user code)."""
+  path = os.path.abspath(path)
+  return path.startswith(PALLET_DIR) and not path.startswith(BENCH_DIR + os.sep)
+
+
 def is_user_file(path: str) -> bool:
   """Whether `path` is the user's code: outside pallet, JAX (but for JAX's kernel
   library) and the standard library."""
   if path.startswith("<"):          # generated code (dataclass methods, exec)
     return False
   path = os.path.abspath(path)
-  if path.startswith(PALLET_DIR) or path.startswith(_STDLIB_DIR):
+  if is_pallet_file(path) or path.startswith(_STDLIB_DIR):
     return False
   return not path.startswith(_JAX_DIR) or path.startswith(_JAX_KERNELS_DIR)
 

@@ -13,12 +13,12 @@ from typing import Any, NoReturn
 
 from pallet.core import primitives
 from pallet.core.grid_mapping import PalletError
+from pallet.core.tracebacks import is_pallet_file
 
-_PALLET_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def _is_library_file(filename: str) -> bool:
-  return (filename.startswith(_PALLET_DIR) or f"{os.sep}jax{os.sep}_src{os.sep}" in filename
+  return (is_pallet_file(filename) or f"{os.sep}jax{os.sep}_src{os.sep}" in filename
           or filename.startswith(os.path.dirname(os.__file__)))
 
 
