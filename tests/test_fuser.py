@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 import pallet as pl
 from pallet import fuser
-from pallet.fuser.errors import UnfusibleError
+from pallet.errors import UnfusibleError
 from pallet.bench import fused
 from helpers import current_test_backend, random_array, runs_on_gpu
 

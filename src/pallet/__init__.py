@@ -6,7 +6,7 @@ from pallet.core.specs import (ANY, BlockSpec, Blocked, Buffered, CompilerParams
                                Element, GridSpec, MemorySpace, ScratchShape, Squeezed,
                                no_block_spec, squeezed)
 from pallet.core.specs import HOST, BlockDim, BoundedSlice, Indirect, MemoryRef, RevisitMode, semaphore
-from pallet.core.grid_mapping import PalletError
+from pallet.errors import PalletError
 from pallet.core.primitives import (Slice, atomic_add, atomic_and, atomic_cas, atomic_max,
                                     atomic_min, atomic_or, atomic_xchg, atomic_xor,
                                     broadcast_to, cdiv, debug_print, ds, dslice, load,
@@ -18,11 +18,12 @@ from pallet.backends import default_backend
 from pallet.core.helpers import (align_to, empty, empty_like, empty_ref_like, estimate_cost, loop,
                                  next_power_of_2, reciprocal, run_state, strides_from_shape,
                                  with_scoped)
-from pallet.core.checks import (KernelCheckError, allow_unwritten_outputs, debug_check,
-                                enable_debug_checks, enable_poison_buffers)
+from pallet.core.checks import (allow_unwritten_outputs, debug_check, enable_debug_checks,
+                                enable_poison_buffers)
+from pallet.errors import KernelCheckError
 from pallet.core.interpret_params import InterpretParams
 from pallet.core.dma import semaphore_read, semaphore_signal, semaphore_wait
-from pallet.core.grid_analysis import GridOrderWarning
+from pallet.errors import GridOrderWarning
 from pallet.tpu.mesh import core_map, kernel
 from pallet.core.refs_select import select_ref
 from pallet.export import lower_as_mlir, pallas_export_experimental

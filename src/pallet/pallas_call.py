@@ -35,7 +35,8 @@ from pallet.core import static_bounds
 from pallet.core import trace_cache
 from pallet.core import tracebacks
 from pallet.core import tracing
-from pallet.core.grid_mapping import BlockDimension, GridMapping, PalletError
+from pallet.core.grid_mapping import BlockDimension, GridMapping
+from pallet.errors import PalletError
 
 _DIMENSION_SEMANTICS = ("parallel", "arbitrary", "sequential", "core_parallel",
                         "subcore_parallel")

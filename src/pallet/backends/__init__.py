@@ -171,7 +171,7 @@ def _checked_on_gpu(backend: str, interpret: Any) -> Any:
 def get(name: str, kernel: Any = None) -> ModuleType:
   """The module of backend `name`, to compile or run `kernel` (a KernelDescription)."""
   if name == "triton" and not triton_installed():
-    from pallet.core.grid_mapping import PalletError
+    from pallet.errors import PalletError
     what = f"kernel '{kernel.name}' ({kernel.source})" if kernel is not None else "a kernel"
     raise PalletError(f"{what} runs on the Triton backend (backend='triton'), which needs "
                       f"the triton package, not installed here: {TRITON_INSTALL} (or run "

@@ -43,6 +43,7 @@ from jax.interpreters import ad, batching, mlir
 from pallet import _internals as internals
 from pallet.core import primitives
 from pallet.core.tracebacks import is_pallet_file
+from pallet.errors import KernelCheckError
 
 
 class _Switch:
@@ -131,24 +132,6 @@ def failure_message(what: str, message: str) -> str:
 
 KINDS = ("out_of_bounds", "uninitialized", "race", "nan", "overflow", "unwritten",
          "debug_check", "index_map", "hang", "deadlock", "aliasing")
-
-
-class KernelCheckError(RuntimeError):
-  """A run-time check inside a kernel failed (see `pl.debug_check` and checking mode).
-
-  `kind` is one of `KINDS` (None for pallet's own sanity checks), `kernel` the
-  kernel's name, `grid_index` the grid step that failed (a tuple, None where not
-  known), `ref` the kernel parameter involved, `line` the user's "file:line"."""
-
-  def __init__(self, message: str, *, kind: str | None = None, kernel: str | None = None,
-               grid_index: tuple[int, ...] | None = None, ref: str | None = None,
-               line: str | None = None):
-    super().__init__(message)
-    self.kind, self.kernel, self.grid_index = kind, kernel, grid_index
-    self.ref, self.line = ref, line
-
-
-KernelCheckError.__module__ = "pallet"   # printed as users reach it: pallet.KernelCheckError
 
 
 @dataclasses.dataclass(frozen=True)

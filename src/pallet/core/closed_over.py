@@ -24,7 +24,7 @@ import jax
 from pallet import _internals as internals
 from pallet.core import grid_mapping as gm_lib
 from pallet.core import specs as specs_lib
-from pallet.core.grid_mapping import PalletError
+from pallet.errors import PalletError
 from pallet.core.tracing import KernelDescription
 
 

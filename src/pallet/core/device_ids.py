@@ -31,7 +31,7 @@ import numpy as np
 
 from pallet import _internals as internals
 from pallet.core import checks, primitives
-from pallet.core.grid_mapping import PalletError
+from pallet.errors import PalletError
 
 
 class DeviceIdType(enum.Enum):

@@ -24,7 +24,7 @@ from jax.extend.core import Primitive, subjaxprs
 
 from pallet import _internals as internals
 from pallet.core import checks, device_ids, dynamic_views, primitives, ref_views
-from pallet.core.grid_mapping import PalletError
+from pallet.errors import PalletError
 from pallet.core.refs_select import SelectedRef
 from pallet.core.specs import MemorySpace, ScratchShape
 

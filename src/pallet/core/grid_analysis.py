@@ -50,6 +50,7 @@ from pallet.core import grid_eval, trace_cache, tracebacks
 from pallet.core.dma import uses_dmas
 from pallet.core.grid_mapping import BlockMapping
 from pallet.core.tracing import KernelDescription
+from pallet.errors import GridOrderWarning
 
 _CALLS = ("pjit", "jit", "closed_call", "core_call", "remat", "checkpoint",
           "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin")
@@ -59,13 +60,6 @@ _ATOMICS = ("atomic_rmw", "atomic_cas")
 _INDEX_START = {"get": 1, "masked_load": 1, "swap": 2, "addupdate": 2, "masked_store": 1,
                 "atomic_rmw": 1, "atomic_cas": 1}
 STATE_KINDS = ("scratch", "prefetch", "output")
-
-
-class GridOrderWarning(UserWarning):
-  """A grid axis declared "parallel" carries state from one program to another."""
-
-
-GridOrderWarning.__module__ = "pallet"   # printed as users reach it: pallet.GridOrderWarning
 
 
 @dataclasses.dataclass(frozen=True)

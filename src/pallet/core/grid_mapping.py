@@ -19,13 +19,7 @@ import numpy as np
 from pallet.core import primitives
 from pallet.core import specs as specs_lib
 from pallet._internals import AbstractRef, Slice, is_tracer
-
-
-class PalletError(ValueError):
-  """A kernel was launched with inputs or specs that do not fit together."""
-
-
-PalletError.__module__ = "pallet"   # where users reach it: tracebacks print pallet.PalletError
+from pallet.errors import PalletError, PalletSignatureError
 
 
 def shown(value: Any) -> str:
@@ -41,11 +35,6 @@ def shown(value: Any) -> str:
   if isinstance(value, list):
     return "[" + ", ".join(map(shown, value)) + "]"
   return repr(value)
-
-
-class PalletSignatureError(PalletError, TypeError):
-  """A kernel or index map takes another number of arguments than pallas_call passes
-  it: a TypeError too, as calling it with them is in Pallas."""
 
 
 @dataclasses.dataclass(frozen=True)

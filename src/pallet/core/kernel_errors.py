@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 from pallet import _internals as internals
 from pallet.core import tracebacks
-from pallet.core.grid_mapping import PalletError
+from pallet.errors import PalletError
 
 _DTYPE = re.compile(r"Invalid dtype for `(?P<op>\w+)`\. Ref dtype: (?P<ref>[^.\s]+)\. "
                     r"Value dtype: (?P<value>[^.\s]+)\.")

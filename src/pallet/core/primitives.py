@@ -134,7 +134,7 @@ def num_programs(axis: int) -> int | jax.Array:
   size = ctx.grid[_check_axis(axis, ctx, "num_programs")]
   if size is None:
     from pallet.core.checks import user_source
-    from pallet.core.grid_mapping import PalletError
+    from pallet.errors import PalletError
     raise PalletError(f"pl.num_programs({axis}) in an index map of kernel "
                       f"'{ctx.kernel_name}' at {user_source()}: the size of grid axis {axis} "
                       f"is computed at run time, which pallet's index maps do not receive; "
@@ -785,7 +785,7 @@ def when(condition: Any) -> Callable[[Callable[[], None]], None]:
       return
     if jnp.ndim(condition) != 0:
       from pallet.core import checks   # checks builds on this module
-      from pallet.core.grid_mapping import PalletError
+      from pallet.errors import PalletError
       name = current_kernel_name()
       where = f"kernel '{name}'" if name else "code outside a kernel"
       raise PalletError(

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from pallet.core import specs as specs_lib
-from pallet.core.grid_mapping import PalletError
+from pallet.errors import PalletError
 
 Path = tuple[Any, ...]
 

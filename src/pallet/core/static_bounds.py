@@ -31,7 +31,7 @@ import numpy as np
 from jax.extend.core import Literal
 
 from pallet import _internals as internals
-from pallet.core.grid_mapping import PalletError
+from pallet.errors import PalletError
 from pallet.core.tracing import KernelDescription
 
 # primitive -> position of the first flattened transform among the equation's inputs

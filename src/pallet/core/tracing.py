@@ -22,8 +22,9 @@ import jax.numpy as jnp
 from pallet import _internals as internals
 from pallet.core import kernel_errors
 from pallet.core import primitives
-from pallet.core.grid_mapping import (GridMapping, PalletError, function_source,
-                                      kernel_parameter_names, user_function)
+from pallet.core.grid_mapping import (GridMapping, function_source, kernel_parameter_names,
+                                      user_function)
+from pallet.errors import PalletError
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -12,7 +12,7 @@ import sys
 from typing import Any, NoReturn
 
 from pallet.core import primitives
-from pallet.core.grid_mapping import PalletError
+from pallet.errors import PalletError
 from pallet.core.tracebacks import is_pallet_file
 
 

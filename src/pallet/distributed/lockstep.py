@@ -45,7 +45,8 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, jaxprs_in_params
 from pallet import _internals as internals
 from pallet.core import checks, dma, ref_views, trace_cache
 from pallet.distributed import lockstep_ops, lockstep_schedule, remote
-from pallet.core.grid_mapping import BlockDimension, PalletError
+from pallet.core.grid_mapping import BlockDimension
+from pallet.errors import PalletError
 from pallet.core.tracing import KernelDescription
 
 

@@ -23,7 +23,7 @@ from jax.extend.core import Literal, Primitive, jaxprs_in_params, subjaxprs
 
 from pallet import _internals as internals
 from pallet.core import checks, device_ids, dma, primitives
-from pallet.core.grid_mapping import PalletError
+from pallet.errors import PalletError
 from pallet.core.refs_select import SelectedRef
 
 # Slots of remote_copy's operand tree (..., coords).

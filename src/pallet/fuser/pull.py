@@ -9,7 +9,7 @@ import jax
 
 from pallet.fuser import blocks, jaxprs, rules, usage as usage_lib
 from pallet.fuser.blocks import BlockIndexTransform
-from pallet.fuser.errors import UnfusibleError, UnfusibleValueError
+from pallet.errors import UnfusibleError, UnfusibleValueError
 from pallet.core.specs import BlockSpec, no_block_spec
 
 

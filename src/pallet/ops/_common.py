@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pallet.core.grid_mapping import PalletError
+from pallet.errors import PalletError
 from pallet.core.helpers import next_power_of_2
 
 F32 = jnp.float32

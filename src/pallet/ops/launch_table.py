@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from pallet import _internals as internals
-from pallet.core.grid_mapping import PalletError
+from pallet.errors import PalletError
 
 FORMAT = 1
 DEVICES = ("sm_80", "sm_90", "gfx942")

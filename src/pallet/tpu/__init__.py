@@ -21,7 +21,7 @@ from pallet.tpu.convolution import conv
 from pallet.tpu.memory_spaces import AccMemorySpace as ACC
 from pallet.tpu.memory_spaces import has_memory_space
 from pallet.tpu.load_store import load, store
-from pallet.lowering_errors import LoweringException
+from pallet.errors import LoweringException
 from pallet.tpu import core
 from pallet.core.helpers import reciprocal
 from pallet.tpu.params import (ARBITRARY, CORE_PARALLEL, PARALLEL, SUBCORE_PARALLEL,

@@ -20,7 +20,7 @@ import jax
 
 from pallet.core import primitives
 from pallet.core import specs as specs_lib
-from pallet.core.grid_mapping import PalletError
+from pallet.errors import PalletError
 from pallet.pallas_call import pallas_call
 from pallet.tpu.params import CoreType, GridDimensionSemantics
 from pallet.core.unsupported import describe_call_site

@@ -17,7 +17,7 @@ import numpy as np
 from jax import lax
 
 from pallet.tpu.bits import bit_width
-from pallet.core.grid_mapping import PalletError
+from pallet.errors import PalletError
 
 
 def roll(x: jax.Array, shift: Any, axis: int, *, stride: int | None = None,

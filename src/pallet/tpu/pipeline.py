@@ -26,7 +26,7 @@ from pallet.core import checks
 from pallet._internals import Slice
 from pallet.core import primitives
 from pallet.core.dma import kernel_site
-from pallet.core.grid_mapping import PalletError
+from pallet.errors import PalletError
 from pallet.core.specs import (BlockSpec, Blocked, BoundedSlice, Element, MemorySpace, ScratchShape,
                                Squeezed, no_block_spec)
 from pallet.core.unsupported import Unsupported

@@ -32,7 +32,7 @@ import numpy as np
 from jax import lax
 
 from pallet.core import primitives
-from pallet.core.grid_mapping import PalletError
+from pallet.errors import PalletError
 from pallet.core.unsupported import describe_call_site
 
 # ------------------------------------------------------------------ Threefry-2x32

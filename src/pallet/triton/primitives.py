@@ -24,7 +24,7 @@ from jax.interpreters import ad, batching, mlir
 
 from pallet import _internals as internals
 from pallet.core import checks, primitives
-from pallet.core.grid_mapping import PalletError
+from pallet.errors import PalletError
 
 # What Triton's tl.load / tl.store accept (None: Triton's default).
 _LOAD_CACHE_MODIFIERS = (None, "", ".ca", ".cg", ".cv")

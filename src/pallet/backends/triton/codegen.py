@@ -34,8 +34,9 @@ from pallet import _internals as internals
 from pallet.backends.triton import dmas, ops, refs
 from pallet.backends.triton.refs import ArrayDim, MemoryRef, RegisterRef
 from pallet.backends.triton.schedule import Schedule, block_start_range, make_schedule
-from pallet.backends.triton.values import (TritonLoweringError, Value, constant, padded,
-                                           python_literal, signature_dtype, tl_dtype)
+from pallet.backends.triton.values import (Value, constant, padded, python_literal, signature_dtype,
+                                           tl_dtype)
+from pallet.errors import TritonLoweringError
 from pallet.core.checks import CheckMessage
 from pallet.core.grid_mapping import BlockMapping
 from pallet.core.tracing import KernelDescription

@@ -104,7 +104,7 @@ def compile_kernel(generated: GeneratedKernel, target: Any, num_warps: int | Non
       return compiled
     if chosen and not getattr(kernel.compiler_params, "stages_shrink_to_fit", False):
       break
-  from pallet.backends.triton.values import TritonLoweringError
+  from pallet.errors import TritonLoweringError
   raise TritonLoweringError(
       f"pallet Triton backend: kernel '{kernel.name}' ({kernel.source}) needs {used} bytes "
       f"of shared memory with num_stages={tried}, more than {target.backend} "
@@ -116,7 +116,7 @@ def check_target(requirement: tuple[int, str] | None, target: Any, what: str) ->
   """A clear error where Triton cannot compile the kernel for this CUDA GPU."""
   if requirement is None or target.backend != "cuda" or target.arch >= requirement[0]:
     return
-  from pallet.backends.triton.values import TritonLoweringError
+  from pallet.errors import TritonLoweringError
   capability, why = requirement
   raise TritonLoweringError(
       f"pallet Triton backend: {what} {why}, which Triton compiles for CUDA compute "

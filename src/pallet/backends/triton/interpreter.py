@@ -248,7 +248,8 @@ def _run(generated: Any, operands: Sequence[np.ndarray],
     b.check(generated.kernel, what)
   failed = [(m, int(f)) for m, f in zip(generated.check_messages, flags) if f]
   if failed:
-    from pallet.core.checks import KernelCheckError, record_failure
+    from pallet.core.checks import record_failure
+    from pallet.errors import KernelCheckError
     checked = [(m, f) for m, f in failed if getattr(m, "info", None) is not None]
     if not checked:
       raise record_failure(KernelCheckError(failed[0][0]))

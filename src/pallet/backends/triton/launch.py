@@ -22,7 +22,7 @@ from pallet import _internals
 
 from pallet.core import checks
 from pallet.backends.triton import compiler
-from pallet.backends.triton.values import TritonLoweringError
+from pallet.errors import TritonLoweringError
 from pallet.core.tracing import KernelDescription
 
 CUSTOM_CALL_TARGET = "triton_kernel_call_ffi"

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from pallet.core import grid_analysis
-from pallet.backends.triton.values import TritonLoweringError
+from pallet.errors import TritonLoweringError
 from pallet.core.grid_mapping import BlockMapping
 from pallet.core.tracing import KernelDescription
 
