@@ -41,7 +41,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from pallet import _internals as internals
-from pallet.core import primitives
+from pallet.core.grid_context import current_kernel_name
 from pallet.core.tracebacks import is_pallet_file
 from pallet.errors import KernelCheckError
 
@@ -125,7 +125,7 @@ def user_source() -> str:
 
 def failure_message(what: str, message: str) -> str:
   """A check's message naming the kernel being traced and the user's source line."""
-  name = primitives.current_kernel_name()
+  name = current_kernel_name()
   where = f"kernel '{name}'" if name else "code outside a kernel"
   return f"{what} failed in {where} at {user_source()}: {message}"
 

@@ -8,11 +8,9 @@ equivalent (masks, atomics, compiler hints, printing).
 """
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import inspect
 import math
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +20,11 @@ from jax.extend.core import Literal, Primitive
 from jax.interpreters import mlir
 
 from pallet import _internals as internals
+from pallet.core import checks
+from pallet.core.grid_context import (_GridContext, _grid_contexts, current_grid_names,
+                                      current_kernel_name, grid_context)
 from pallet.core.specs import MemorySpace, ScratchShape
+from pallet.errors import PalletError
 
 Slice = internals.Slice
 
@@ -47,45 +49,7 @@ def cdiv(a: Any, b: Any) -> Any:
   return lax.div(a + b - 1, b)
 
 
-# ------------------------------------------------------------------ grid context
-@dataclasses.dataclass
-class _GridContext:
-  program_ids: tuple[Any, ...]
-  grid: tuple[int, ...]
-  kernel_name: str | None = None
-  grid_names: tuple[Any, ...] | None = None   # a named grid: one name (or None) per axis
-
-
-_grid_contexts: list[_GridContext] = []
-
-
-@contextlib.contextmanager
-def grid_context(program_ids: Sequence[Any], grid: Sequence[int], kernel_name: str | None = None,
-                 grid_names: Sequence[Any] | None = None) -> Iterator[None]:
-  """Makes `program_id`/`num_programs` (and `lax.axis_index` of a named grid axis)
-  answer for the kernel being traced."""
-  names = tuple(grid_names) if grid_names is not None else None
-  _grid_contexts.append(_GridContext(tuple(program_ids), tuple(grid), kernel_name, names))
-  axes = [(n, g) for n, g in zip(names or (), grid) if n is not None]
-  try:
-    with internals.extend_axis_env(axes):
-      yield
-  finally:
-    _grid_contexts.pop()
-
-
-def current_kernel_name() -> str | None:
-  """The name of the kernel being traced, or None outside a kernel."""
-  return _grid_contexts[-1].kernel_name if _grid_contexts else None
-
-
-def current_grid_names() -> dict[Any, Any]:
-  """Named axes of the innermost kernel's grid (a `pl.kernel` mesh), each with this
-  program's index along it; empty outside kernels and for unnamed grids."""
-  if not _grid_contexts or _grid_contexts[-1].grid_names is None:
-    return {}
-  ctx = _grid_contexts[-1]
-  return {n: i for n, i in zip(ctx.grid_names, ctx.program_ids) if n is not None}
+# the grid context (program ids, grid, kernel name) lives in grid_context.py
 
 
 def _named_grid_index(axis_name: Any) -> Any:
@@ -133,11 +97,9 @@ def num_programs(axis: int) -> int | jax.Array:
   ctx = _current_grid("num_programs")
   size = ctx.grid[_check_axis(axis, ctx, "num_programs")]
   if size is None:
-    from pallet.core.checks import user_source
-    from pallet.errors import PalletError
     raise PalletError(f"pl.num_programs({axis}) in an index map of kernel "
-                      f"'{ctx.kernel_name}' at {user_source()}: the size of grid axis {axis} "
-                      f"is computed at run time, which pallet's index maps do not receive; "
+                      f"'{ctx.kernel_name}' at {checks.user_source()}: the size of grid axis "
+                      f"{axis} is computed at run time, which pallet's index maps do not receive; "
                       f"pass it as a scalar-prefetch operand instead")
   if isinstance(size, (int, np.integer)):
     return int(size)
@@ -784,8 +746,6 @@ def when(condition: Any) -> Callable[[Callable[[], None]], None]:
         body()
       return
     if jnp.ndim(condition) != 0:
-      from pallet.core import checks   # checks builds on this module
-      from pallet.errors import PalletError
       name = current_kernel_name()
       where = f"kernel '{name}'" if name else "code outside a kernel"
       raise PalletError(
@@ -801,7 +761,6 @@ def when(condition: Any) -> Callable[[Callable[[], None]], None]:
 def run_scoped(body: Callable[..., Any], *types: Any, **kw_types: Any) -> Any:
   """Calls `body` with fresh scratch refs of the given shapes (or pytrees of them, e.g.
   the allocations of `pltpu.emit_pipeline_with_allocations`); returns its result."""
-  from pallet.core import checks   # checks builds on this module
 
   def fresh_tree(tree):
     def fresh(t):
