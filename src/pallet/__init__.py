@@ -5,7 +5,8 @@
 from pallet.core.specs import (ANY, BlockSpec, Blocked, Buffered, CompilerParams, CostEstimate,
                                Element, GridSpec, MemorySpace, ScratchShape, Squeezed,
                                no_block_spec, squeezed)
-from pallet.core.specs import HOST, BlockDim, BoundedSlice, Indirect, MemoryRef, RevisitMode, semaphore
+from pallet.core.specs import (HOST, BlockDim, BoundedSlice, Indirect, MemoryRef, RevisitMode,
+                               semaphore)
 from pallet.errors import PalletError
 from pallet.core.primitives import (Slice, atomic_add, atomic_and, atomic_cas, atomic_max,
                                     atomic_min, atomic_or, atomic_xchg, atomic_xor,

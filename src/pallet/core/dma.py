@@ -30,7 +30,8 @@ from pallet.core.specs import MemorySpace, ScratchShape
 
 # Names of the primitives below: the XLA plan runs kernels that use them in exact
 # grid order, since copies and semaphores carry state from one grid step to the next.
-# The remote and lockstep ones (pallet/distributed/remote.py, pallet/distributed/lockstep_ops.py) count too.
+# The remote and lockstep ones (pallet/distributed/remote.py,
+# pallet/distributed/lockstep_ops.py) count too.
 DMA_PRIMITIVE_NAMES = frozenset({"dma_start", "dma_wait", "semaphore_signal",
                                  "semaphore_wait", "semaphore_read", "remote_copy_start",
                                  "remote_semaphore_signal", "barrier_semaphore",

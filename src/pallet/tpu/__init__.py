@@ -30,7 +30,8 @@ from pallet.tpu.params import (ARBITRARY, CORE_PARALLEL, PARALLEL, SUBCORE_PARAL
 from pallet.core.dma import (AsyncCopyDescriptor, SemaphoreType, async_copy, dma_semaphore,
                              make_async_copy, semaphore_read, semaphore_signal, semaphore_wait,
                              sync_copy)
-from pallet.distributed.remote import async_remote_copy, get_barrier_semaphore, make_async_remote_copy
+from pallet.distributed.remote import (async_remote_copy, get_barrier_semaphore,
+                                       make_async_remote_copy)
 from pallet.tpu.pipeline import (BufferedRef, BufferType, PipelineStep, emit_pipeline,
                                  emit_pipeline_with_allocations, emit_pipeline_with_async_prefetch)
 from pallet.tpu.pipeline import BufferedRef as BufferedRefBase  # deprecated in JAX
