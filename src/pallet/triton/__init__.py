@@ -1,5 +1,5 @@
 """`jax.experimental.pallas.triton` (JAX 0.12), usable on every backend: masked
-loads/stores, dot, atomics and compiler hints (triton_primitives.py), compiler
+loads/stores, dot, atomics and compiler hints (primitives.py), compiler
 params and GPU info (gpu_target.py); and `source`, the Triton code the Triton
 backend generates for a kernel call."""
 from pallet.backends.triton import source
