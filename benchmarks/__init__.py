@@ -1,7 +1,3 @@
-"""pallet's benchmark suite: each kernel written once, run by pallet, jax.numpy and the
-`jax.experimental.pallas` interpreter, checked against jax.numpy and timed.
-
-Run `python -m benchmarks --help` (or `pallet bench`); the method is described in
-docs/performance.md. One module per kernel family (`elementwise`, `matmul`,
-`rowwise`, `attention`, `stencil`, `reduction`, `indexing`), listed in `catalog`.
-"""
+"""A checkout's shim for the benchmark suite, which lives in `pallet.bench`
+(src/pallet/bench/) so that it ships with pallet: `python -m benchmarks` from
+a checkout runs `pallet bench`. Nothing else belongs here."""

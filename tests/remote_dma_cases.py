@@ -355,7 +355,7 @@ def devices_that_wait_for_a_later_branch():
 @case
 def jax_all_gather_op():
   sys.path.insert(0, str(pathlib.Path(__file__).parent.parent))
-  from benchmarks import jax_ops
+  from pallet.bench import jax_ops
   module = jax_ops.load("tpu/all_gather")
   for memory_space in (pltpu.VMEM, pltpu.ANY):
     x = random((N * 16, 128), 11)

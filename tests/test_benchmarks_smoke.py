@@ -12,15 +12,15 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from benchmarks import catalog, report
+from pallet.bench import catalog, report
 from helpers import assert_close, random_array
-from benchmarks.__main__ import main
-from benchmarks.checking import MismatchError, check_matches
-from benchmarks.elementwise import vector_add
-from benchmarks.gpu import gpu_benchmarks, gpu_device
-from benchmarks.gpu import main as gpu_main
-from benchmarks.runner import BenchmarkResult, PeerPolicy, VariantResult, run_benchmark
-from benchmarks.variants import CPU_VARIANTS, cpu_variant
+from pallet.bench.__main__ import main
+from pallet.bench.checking import MismatchError, check_matches
+from pallet.bench.elementwise import vector_add
+from pallet.bench.gpu import gpu_benchmarks, gpu_device
+from pallet.bench.gpu import main as gpu_main
+from pallet.bench.runner import BenchmarkResult, PeerPolicy, VariantResult, run_benchmark
+from pallet.bench.variants import CPU_VARIANTS, cpu_variant
 
 TINY = catalog.all_benchmarks("tiny")
 GPU_ONLY = sorted({b.name for b in gpu_benchmarks("tiny")} - {b.name for b in TINY})
@@ -72,9 +72,9 @@ _SMOKE_PROGRAMS = ("flash_attention fwd causal", "decode_attention", "ragged_dot
 
 
 def _op_benchmark(tmp_path, capsys, *only):
-  from benchmarks import gpu_op_cases
+  from pallet.bench import gpu_op_cases
   if gpu_device() is not None:
-    pytest.skip("a GPU is present: python -m benchmarks.gpu times the real sizes")
+    pytest.skip("a GPU is present: python -m pallet.bench.gpu times the real sizes")
   argv = ["--size", "tiny", "--reps", "1", "--out", str(tmp_path)]
   for name in only:
     argv += ["--only", name]
@@ -105,7 +105,7 @@ def test_gpu_op_benchmark_runs_every_program_on_the_cpu_in_tiny_mode(tmp_path, c
 
 
 def test_gpu_op_benchmark_reports_a_wrong_result_and_does_not_time_it():
-  from benchmarks import gpu_op_cases, gpu_ops
+  from pallet.bench import gpu_op_cases, gpu_ops
   case = next(c for c in gpu_op_cases.all_cases("tiny") if c.name == "softmax")
   wrong = dataclasses.replace(case, pallet=lambda x, w: case.pallet(x, w) * 1.1)
   result = gpu_ops.run_case(wrong, "tiny", reps=1, on_gpu=False, key=jax.random.key(0))
@@ -116,7 +116,7 @@ def test_gpu_op_benchmark_reports_a_wrong_result_and_does_not_time_it():
 
 
 def test_gpu_op_benchmark_peaks_and_table():
-  from benchmarks import gpu_ops
+  from pallet.bench import gpu_ops
   assert gpu_ops.peak_of("NVIDIA H100 80GB HBM3") == (989.0, 3.35)
   assert gpu_ops.peak_of("NVIDIA H100 PCIe") == (756.0, 2.0)
   assert gpu_ops.peak_of("NVIDIA A100-SXM4-40GB") == (312.0, 1.555)
@@ -269,7 +269,7 @@ def test_main_rejects_nonpositive_reps(capsys):
 def test_plain_twins_of_pallet_ops_match_the_ops_references():
   """The ops rows time pallet.ops against the fastest plain jax.numpy form; it must
   compute what the op's own reference computes."""
-  from benchmarks import ops as ops_rows
+  from pallet.bench import ops as ops_rows
   from pallet.ops import attention_reference, decode_attention_reference
   q, k, v = (random_array(s) for s in ((2, 4, 16, 8), (2, 2, 16, 8), (2, 2, 16, 8)))
   for causal in (False, True):
@@ -284,7 +284,7 @@ def test_plain_twins_of_pallet_ops_match_the_ops_references():
 
 
 def test_gated_delta_twin_is_the_token_by_token_recurrence():
-  from benchmarks import scratch_kernels
+  from pallet.bench import scratch_kernels
   args = scratch_kernels._delta_inputs(1, 2, 64, 16, 8, jax.random.key(4))
   assert_close(scratch_kernels.gated_delta_reference(*args, chunk=16),
                scratch_kernels.gated_delta_recurrence(*args), rtol=1e-4, atol=1e-5)
@@ -303,7 +303,7 @@ def test_size_classes_run_one_after_another_each_with_its_json(tmp_path, capsys)
 
 
 def test_small_flag_is_the_shrunk_suite_and_the_jax_test_class(capsys):
-  from benchmarks.__main__ import build_parser
+  from pallet.bench.__main__ import build_parser
   assert build_parser().parse_args(["--small"]).size == "small,test"
   assert build_parser().parse_args([]).size == "full,test"
   with pytest.raises(SystemExit):

@@ -15,7 +15,8 @@ import pytest
 
 import pallet as pl
 import pallet.tpu as pltpu
-from pallet import backends, trace_cache
+from pallet import backends
+from pallet.core import trace_cache
 from helpers import assert_close, current_test_backend, pallas_call, random_array, sds
 
 f32 = jnp.float32

@@ -86,7 +86,7 @@ def test_static_index_past_the_end(backend):
   def kernel(x_ref, o_ref):
     o_ref[...] = x_ref[...] - x_ref[200]  # <- bug
 
-  # known while tracing: an error then, checked or not (pallet/static_bounds.py)
+  # known while tracing: an error then, checked or not (pallet/core/static_bounds.py)
   call = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((128,), F32), **_kw(backend))
   with pytest.raises(pl.PalletError) as info:
     call(random_array((128,)))

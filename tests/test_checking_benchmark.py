@@ -1,4 +1,4 @@
-"""The checking-mode benchmark (benchmarks/checking.py): every kernel of the suite runs
+"""The checking-mode benchmark (src/pallet/bench/checking.py): every kernel of the suite runs
 clean under pallet's checks (no false alarm on correct kernels) and matches jax.numpy,
 and the command line produces its table."""
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import jax
 import pytest
 
-import pallet.tpu  # noqa: F401  (benchmarks/matmul.py's matmul_scratch reads `pl.tpu`)
-from benchmarks import checking
-from benchmarks.checking import check_matches, checking_variants, suite_benchmarks
+import pallet.tpu  # noqa: F401  (src/pallet/bench/matmul.py's matmul_scratch reads `pl.tpu`)
+from pallet.bench import checking
+from pallet.bench.checking import check_matches, checking_variants, suite_benchmarks
 
 TINY = suite_benchmarks("tiny")
 

@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import pytest
 
 import pallet as pl
-from pallet import cli, demo
+from pallet import cli
+from pallet.cli import demo
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -54,7 +55,7 @@ def test_every_flag_has_help_with_its_default():
   subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
   checked = 0
   for name, sub in subparsers.choices.items():
-    if name == "bench":   # its flags are the suite's own (python -m benchmarks --help)
+    if name == "bench":   # its flags are the suite's own (pallet bench --help)
       continue
     for action in sub._actions:
       if isinstance(action, argparse._HelpAction):
@@ -103,7 +104,7 @@ def test_demo_reports_a_kernel_that_differs(tiny_gallery, capsys, monkeypatch):
 def test_demo_on_the_triton_backend_in_its_own_process(interpret_env):
   """Without a GPU, `--backend triton` runs Triton's interpreter whether or not
   TRITON_INTERPRET is set, as --help says."""
-  code = ("import sys, jax.numpy as jnp; from pallet import cli, demo\n"
+  code = ("import sys, jax.numpy as jnp; from pallet import cli; from pallet.cli import demo\n"
           "x = jnp.arange(1024.0)\n"
           "demo._gallery = lambda s: [('vector add', '1024', lambda x, y: "
           "demo.vector_add(x, y, block=256), lambda x, y: x + y, (x, x), 1e-6)]\n"
@@ -154,7 +155,7 @@ def test_tune_confirm_times_default_and_choice_again(capsys, monkeypatch):
 
 
 def test_tune_reaches_the_benchmark_suite(capsys):
-  from pallet import tune
+  from pallet.cli import tune
   assert tune.block_configs({"block": 128}) == [
       {"block": 128}, {"block": 32}, {"block": 64}, {"block": 256}, {"block": 512}]
   both = tune.block_configs({"block_q": 2, "block_k": 64})
@@ -181,6 +182,24 @@ def test_tune_lists_and_rejects_unknown_cases(capsys):
 def test_demo_on_triton_without_triton_says_what_to_install(capsys):
   assert cli.main(["demo", "--backend", "triton"]) == 2
   assert "needs the triton package" in capsys.readouterr().err
+
+
+def test_bench_help_names_pallet_bench(capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    cli.main(["bench", "--help"])
+  assert exit_info.value.code == 0
+  assert capsys.readouterr().out.startswith("usage: pallet bench ")
+
+
+def test_python_m_benchmarks_from_a_checkout_forwards_to_pallet_bench():
+  """The checkout's `benchmarks/` is only a shim: it finds src/ by itself."""
+  env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+  done = subprocess.run([sys.executable, "-m", "benchmarks", "--list"], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stdout + done.stderr
+  assert "matmul" in done.stdout
+  shim = sorted(p.name for p in (REPO / "benchmarks").glob("*.py"))
+  assert shim == ["__init__.py", "__main__.py"], shim
 
 
 def test_unknown_arguments_are_an_error_outside_bench():
@@ -217,10 +236,13 @@ def test_bench_and_tune_work_from_an_installed_wheel(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
 
-  where = subprocess.run([venv / "bin" / "python", "-c", "import pallet, benchmarks; "
-                          "print(pallet.__file__, benchmarks.__file__)"], cwd=work, env=env,
+  where = subprocess.run([venv / "bin" / "python", "-c", "import pallet.bench; "
+                          "print(pallet.__file__, pallet.bench.__file__)"], cwd=work, env=env,
                          capture_output=True, text=True, check=True).stdout
   assert str(REPO) not in where and str(venv) in where
+  no_benchmarks = subprocess.run([venv / "bin" / "python", "-c", "import benchmarks"], cwd=work,
+                                 env=env, capture_output=True, text=True)
+  assert "No module named 'benchmarks'" in no_benchmarks.stderr   # the wheel holds only pallet
   assert "--only NAME" in pallet("bench", "--help")
   assert "--force" in pallet("tune", "--help")
   assert "matmul" in pallet("bench", "--list")

@@ -1,5 +1,5 @@
 """Kernels that close over refs (of an enclosing `pl.run_state`, or `jax.new_ref`
-arrays) and traced scalars: they become operands of the call (pallet/closed_over.py)."""
+arrays) and traced scalars: they become operands of the call (pallet/core/closed_over.py)."""
 from __future__ import annotations
 
 import functools

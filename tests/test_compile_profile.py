@@ -1,12 +1,12 @@
-"""benchmarks.compile_profile and the jax.numpy loop twins its --targets report uses."""
+"""pallet.bench.compile_profile and the jax.numpy loop twins its --targets report uses."""
 from __future__ import annotations
 
 import jax
 import pytest
 
-from benchmarks import catalog, compile_profile
-from benchmarks.checking import check_matches
-from benchmarks.loop_twins import LOOP_TWINS
+from pallet.bench import catalog, compile_profile
+from pallet.bench.checking import check_matches
+from pallet.bench.loop_twins import LOOP_TWINS
 
 TINY = {b.name: b for b in catalog.all_benchmarks("tiny")}
 

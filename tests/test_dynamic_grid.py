@@ -16,7 +16,7 @@ from pallet import tpu as pltpu
 from helpers import assert_close, pallas_call, poisoned, random_array, sds
 from pallet.backends.triton import TritonLoweringError
 from pallet.backends.xla import plan_of
-from pallet.grid_mapping import PalletError
+from pallet.errors import PalletError
 
 f32 = jnp.float32
 

@@ -73,7 +73,7 @@ def _masked_row_load(x):
 
 def test_static_index_pass_traces_only_where_a_rewrite_can_fire(monkeypatch):
   from pallet.backends.xla import static_indices
-  from pallet import trace_cache
+  from pallet.core import trace_cache
   x = random_array((2, 8))
   want = jnp.stack([x[i] * sum(0.5 ** k for k in range(i + 2)) for i in range(2)])
   trace_cache.clear()
@@ -89,7 +89,7 @@ def test_static_index_pass_traces_only_where_a_rewrite_can_fire(monkeypatch):
 
 def test_scratch_kernel_outside_the_accumulator_pattern_is_discharged_once(monkeypatch):
   from pallet import _internals as internals
-  from pallet import trace_cache
+  from pallet.core import trace_cache
 
   def matmul(x, y):
     def kernel(x_ref, y_ref, o_ref, acc_ref):

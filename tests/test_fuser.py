@@ -12,8 +12,8 @@ from hypothesis import given, settings, strategies as st
 
 import pallet as pl
 from pallet import fuser
-from pallet.fuser.errors import UnfusibleError
-from benchmarks import fused
+from pallet.errors import UnfusibleError
+from pallet.bench import fused
 from helpers import current_test_backend, random_array, runs_on_gpu
 
 SETTINGS = settings(max_examples=12, deadline=None, derandomize=True)
@@ -287,5 +287,5 @@ def test_names_match_jax_fuser():
 
 
 def test_jax_ops_loader_routes_fuser():
-  from benchmarks import jax_ops
+  from pallet.bench import jax_ops
   assert jax_ops._route_import("jax.experimental.pallas", "fuser") is fuser

@@ -1,11 +1,11 @@
-"""benchmarks.gpu_compile_stats without compiling: the occupancy arithmetic, the page
+"""pallet.bench.gpu_compile_stats without compiling: the occupancy arithmetic, the page
 splicing, the launch-table listing in docs/ops/gpu_defaults.md being current, and the
 rule that a default spilling or fitting one CTA per SM on sm_90 needs a note."""
 from __future__ import annotations
 
 import pytest
 
-from benchmarks import gpu_compile_stats as stats
+from pallet.bench import gpu_compile_stats as stats
 
 SM90, SM80, GFX942 = (stats.DEVICES[d] for d in ("sm_90", "sm_80", "gfx942"))
 
@@ -35,7 +35,7 @@ def test_the_docs_list_the_shipped_launch_tables():
   page = (stats.DOCS / stats.TABLES_PAGE).read_text()
   assert stats.splice(page, stats.launch_tables_markdown(), stats.TABLES_BEGIN,
                       stats.TABLES_END) == page, \
-      "docs/ops/gpu_defaults.md is stale: python -m benchmarks.gpu_compile_stats --write"
+      "docs/ops/gpu_defaults.md is stale: python -m pallet.bench.gpu_compile_stats --write"
 
 
 def _row(device, spilled, ctas, note):

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from jax.extend.core import Literal
 
-from pallet import grid_eval
-from pallet.grid_analysis import apply_equation
+from pallet.core import grid_eval
+from pallet.core.grid_analysis import apply_equation
 
 
 def _scalar_fn(i, j):

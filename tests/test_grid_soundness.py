@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 import pallet as pl
-from pallet import grid_analysis
+from pallet.core import grid_analysis
 from pallet import tpu as pltpu
 from helpers import assert_close, current_test_backend, pallas_call, poisoned, random_array
 

@@ -1,7 +1,7 @@
 """JAX's own Pallas kernel library (`jax/experimental/pallas/ops/{gpu,tpu}`) on pallet.
 
 Each kernel module is read from the installed jax at test time and run with its
-Pallas imports routed to pallet (benchmarks/jax_ops.py); nothing of it is copied
+Pallas imports routed to pallet (src/pallet/bench/jax_ops.py); nothing of it is copied
 here. Every public op runs on fresh random inputs and is checked against the plain
 jax.numpy references of tests/jax_op_references.py, forward and, where the op
 defines a custom VJP, through `jax.grad`.
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import pytest
 
 import pallet
-from benchmarks import jax_ops
+from pallet.bench import jax_ops
 import jax_op_references as ref
 from helpers import assert_close, current_test_backend, random_array
 

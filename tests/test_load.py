@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import pallet as pl
-from pallet import trace_cache
-from pallet.tracing import KernelDescription
+from pallet.core import trace_cache
+from pallet.core.tracing import KernelDescription
 from helpers import assert_close, pallas_call, random_array, sds
 
 pytestmark = pytest.mark.slow

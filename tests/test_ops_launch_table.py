@@ -11,7 +11,8 @@ import pytest
 
 import pallet as pl
 from helpers import random_array
-from pallet import PalletError, gpu_target, ops
+from pallet import PalletError, ops
+from pallet.triton import gpu_target
 from pallet.ops import launch_table
 from pallet.pallas_call import pallas_call_p
 

@@ -8,7 +8,8 @@ import json
 
 import pallet as pl
 from helpers import assert_close, random_array
-from pallet import ops, tune
+from pallet import ops
+from pallet.cli import tune
 from pallet.autotune import Choice, Recorded
 from pallet.ops import launch_table, tuned
 

@@ -13,7 +13,7 @@ from jax import lax
 
 import pallet as pl
 import pallet.tpu as pltpu
-from pallet import trace_cache
+from pallet.core import trace_cache
 from helpers import assert_close, pallas_call, random_array, sds
 
 f32 = jnp.float32

@@ -243,7 +243,7 @@ SCRIPT = textwrap.dedent("""
 
     # The benchmark family runs only with 4 devices; its rows agree with their references.
     try:
-        from benchmarks import sharded
+        from pallet.bench import sharded
         rows = sharded.benchmarks("tiny")
         assert [b.name for b in rows] == ["sharded_layernorm", "sharded_pairwise"], rows
         for b in rows:

@@ -11,7 +11,7 @@ import pytest
 from jax import lax
 
 import pallet as pl
-from pallet import primitives
+from pallet.core import primitives
 from helpers import assert_close, current_test_backend, pallas_call, random_array, sds
 
 f32 = jnp.float32

@@ -272,7 +272,7 @@ def test_gpu_info_on_this_machine():
   assert plgpu.get_gpu_info_from_version(plgpu.GpuVersion.H100).compute_capability == 90
   info = plgpu.get_gpu_info_from_version(plgpu.GpuVersion.A100)
   assert (info.arch_name, info.compute_capability) == ("8.0", 80)
-  from pallet.gpu_target import gpu_version_of
+  from pallet.triton.gpu_target import gpu_version_of
   assert gpu_version_of("NVIDIA A100-SXM4-80GB") is plgpu.GpuVersion.A100
   assert gpu_version_of("NVIDIA A10") is plgpu.GpuVersion.A10
   assert gpu_version_of("cpu") is None

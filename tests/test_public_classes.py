@@ -5,7 +5,7 @@ JAX's own Pallas is imported as the peer. For every public class of
 constructor signature (parameter names, kinds, defaults, in order), the dataclass
 fields, NamedTuple fields and enum members (names and values) must agree. Names
 JAX 0.12 lacks are not looked at; names pallet marks as not supported (objects that
-raise a clear error when used, `pallet.unsupported`) neither.
+raise a clear error when used, `pallet.core.unsupported`) neither.
 
 Deliberate differences are listed below with their reason. A listed difference that
 no longer exists fails too, so the list stays true; docs/compatibility.md says the
@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import pytest
 
-from pallet.unsupported import Unsupported
+from pallet.core.unsupported import Unsupported
 
 NAMESPACES = {
     "jax.experimental.pallas": "pallet",

@@ -7,7 +7,7 @@ import numpy as np
 from hypothesis import example, given, settings, strategies as st
 
 from pallet import _internals as internals
-from pallet import ref_views
+from pallet.core import ref_views
 
 
 @st.composite

@@ -1,4 +1,4 @@
-"""Remote DMAs, remote signals and barrier semaphores (pallet/remote.py, lockstep.py).
+"""Remote DMAs, remote signals and barrier semaphores (pallet/distributed/remote.py, lockstep.py).
 
 The collective kernels run on 4 simulated CPU devices in one child process
 (tests/remote_dma_cases.py: ring all-gather, barrier-then-exchange, a double-buffered

@@ -9,7 +9,7 @@ import pytest
 
 import pallet as pl
 import pallet.tpu as pltpu
-from pallet import tpu_random
+from pallet.tpu import random as tpu_random
 from helpers import current_test_backend, pallas_call
 
 
@@ -185,7 +185,7 @@ def _philox_reference(key, shape):
 
 
 def test_jax_tpu_philox_kernel():
-  from benchmarks import jax_ops
+  from pallet.bench import jax_ops
   if not jax_ops.available("tpu/random/philox"):
     pytest.skip("this jax ships no ops/tpu/random/philox.py")
   philox = jax_ops.load("tpu/random/philox")
@@ -195,7 +195,7 @@ def test_jax_tpu_philox_kernel():
 
 
 def test_jax_tpu_threefry_kernel_matches_jax_random():
-  from benchmarks import jax_ops
+  from pallet.bench import jax_ops
   if not jax_ops.available("tpu/random/threefry"):
     pytest.skip("this jax ships no ops/tpu/random/threefry.py")
   threefry = jax_ops.load("tpu/random/threefry")

@@ -8,7 +8,7 @@ jax-ml/jax (`PALLET_JAX_SOURCE`, a directory holding tests/pallas/) and absl-py.
 file runs twice, each time in its own process:
 
 - **pallet**: the file's `jax.experimental.pallas` imports (and the few `jax._src.pallas`
-  modules the tests use) are routed to pallet, as `benchmarks/jax_ops.py` routes JAX's
+  modules the tests use) are routed to pallet, as `src/pallet/bench/jax_ops.py` routes JAX's
   kernel library; `--backend triton` runs every kernel through pallet's Triton backend
   under Triton's interpreter.
 - **jax**: the file as written, on JAX's own Pallas in interpret mode.
@@ -108,7 +108,7 @@ class _Importer:
     self.jax_ops = None
     if impl == "pallet":
       sys.path.insert(0, str(ROOT))
-      from benchmarks import jax_ops   # the router of JAX's kernel library
+      from pallet.bench import jax_ops   # the router of JAX's kernel library
       self.jax_ops = jax_ops
 
   def __call__(self, dotted: str, attribute: str | None) -> Any:
@@ -130,7 +130,7 @@ class _Importer:
     return module if attribute is None else getattr(module, attribute)
 
   def _kernel_library(self, dotted: str) -> bool:
-    """Whether `benchmarks/jax_ops.py` routes `dotted` (a Pallas namespace, JAX's
+    """Whether `src/pallet/bench/jax_ops.py` routes `dotted` (a Pallas namespace, JAX's
     kernel library, the PRNG registry)."""
     ops = "jax.experimental.pallas.ops"
     return (dotted in self.jax_ops.ROUTES or dotted == ops or dotted.startswith(ops + ".")

@@ -36,7 +36,7 @@ internal_ref_effect = _core.internal_mutable_array_effect
 api_boundary = _traceback_util.api_boundary   # filters a traceback passing through it
 hide_from_tracebacks = _traceback_util.register_exclusion   # (a directory)
 
-# --- lowering with devices known (automatic partitioning, pallet/partitioning.py) ---
+# --- lowering with devices known (automatic partitioning, pallet/distributed/partitioning.py) ---
 def require_devices_during_lowering(primitive: Any) -> None:
   """jit then lowers programs using `primitive` with their devices and mesh known,
   which a custom-partitioned lowering needs."""
@@ -130,12 +130,17 @@ from jax._src import source_info_util as _source_info_util
 
 
 _PALLET_DIR = __import__("os").path.dirname(__file__)
+_BENCH_DIR = __import__("os").path.join(_PALLET_DIR, "bench", "")   # user code to pallet
+
+
+def _from_pallet(file_name: str) -> bool:
+  return file_name.startswith(_PALLET_DIR) and not file_name.startswith(_BENCH_DIR)
 
 
 def equation_source(eqn: Any) -> tuple[str, int] | None:
   """(file, line) of the user code that produced `eqn` (outside JAX and pallet), or None."""
   for frame in _source_info_util.user_frames(eqn.source_info.traceback):
-    if not frame.file_name.startswith(_PALLET_DIR):
+    if not _from_pallet(frame.file_name):
       return frame.file_name, frame.start_line
   return None
 
@@ -143,7 +148,7 @@ def equation_source(eqn: Any) -> tuple[str, int] | None:
 def equation_from_pallet(eqn: Any) -> bool:
   """Whether pallet's own code (pipelines, DMA helpers), not the user's, bound `eqn`."""
   for frame in _source_info_util.user_frames(eqn.source_info.traceback):
-    return frame.file_name.startswith(_PALLET_DIR)
+    return _from_pallet(frame.file_name)
   return False
 
 

@@ -33,7 +33,7 @@ import numpy as np
 
 from pallet import _internals as internals
 from pallet import backends
-from pallet.grid_mapping import PalletError
+from pallet.errors import PalletError
 
 CACHE_DIR_ENV = "PALLET_CACHE_DIR"
 VERBOSE_ENV = "PALLET_AUTOTUNE_VERBOSE"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pallet.unsupported import Unsupported
+from pallet.core.unsupported import Unsupported
 
 _INSTEAD = ("pallet does not run Mosaic-GPU programs; write the kernel with "
             "pallet.triton (plgpu's Triton API) or plain pallet and run it on the "

@@ -20,22 +20,23 @@ from jax.interpreters import ad, batching, mlir
 
 from pallet import backends
 from pallet import _internals as internals
-from pallet import checks
-from pallet import bounded_slices
+from pallet.core import checks
+from pallet.core import bounded_slices
 from pallet import checking
-from pallet import closed_over
-from pallet import dma
-from pallet import gc_pause
-from pallet import mesh_launch
-from pallet import plain_call
-from pallet import grid_mapping as gm_lib
-from pallet import specs as specs_lib
-from pallet import spec_trees
-from pallet import static_bounds
-from pallet import trace_cache
-from pallet import tracebacks
-from pallet import tracing
-from pallet.grid_mapping import BlockDimension, GridMapping, PalletError
+from pallet.core import closed_over
+from pallet.core import dma
+from pallet.core import gc_pause
+from pallet.distributed import mesh_launch
+from pallet.distributed import plain_call
+from pallet.core import grid_mapping as gm_lib
+from pallet.core import specs as specs_lib
+from pallet.core import spec_trees
+from pallet.core import static_bounds
+from pallet.core import trace_cache
+from pallet.core import tracebacks
+from pallet.core import tracing
+from pallet.core.grid_mapping import BlockDimension, GridMapping
+from pallet.errors import PalletError
 
 _DIMENSION_SEMANTICS = ("parallel", "arbitrary", "sequential", "core_parallel",
                         "subcore_parallel")
@@ -217,7 +218,7 @@ def _launch(kernel, name, args, out_shape, grid, dynamic_sizes, in_specs, out_sp
   bind = functools.partial(pallas_call_p.bind, name=name, backend=backend_name,
                            interpret=interpret)
   if mesh_launch.talks_to_devices(description):
-    # The whole mesh in lockstep, on the XLA backend (see pallet/mesh_launch.py).
+    # The whole mesh in lockstep, on the XLA backend (see pallet/distributed/mesh_launch.py).
     backend_name = "xla"
     bind = functools.partial(mesh_launch.launch, bind=functools.partial(
         pallas_call_p.bind, name=name, backend=backend_name, interpret=interpret))
@@ -379,7 +380,7 @@ def _explicit_out_specs(kernel: tracing.KernelDescription, avals) -> list[tuple]
 
 @trace_cache.kernel_cache
 def _split_candidates(kernel: tracing.KernelDescription) -> tuple:
-  from pallet import partitioning
+  from pallet.distributed import partitioning
   return tuple(partitioning.split_candidates(kernel)[0])
 
 
@@ -413,9 +414,9 @@ pallas_call_p.def_impl(_pallas_call_impl)
 
 
 def _pallas_call_lowering(ctx, *args, kernel, name, backend, interpret):
-  # -- automatic partitioning hook (pallet/partitioning.py): a jit over several devices
+  # -- automatic partitioning hook (pallet/distributed/partitioning.py): a jit over several devices
   # runs the kernel shard-locally where its grid lines up with the shardings.
-  from pallet import partitioning
+  from pallet.distributed import partitioning
   if partitioning.multi_device(ctx):
     lowered = partitioning.lower(ctx, args, lambda k, a: pallas_call_p.bind(
         *a, kernel=k, name=name, backend=backend, interpret=interpret), kernel, backend)

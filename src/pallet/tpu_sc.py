@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pallet.unsupported import Unsupported
+from pallet.core.unsupported import Unsupported
 
 _INSTEAD = ("pallet does not run SparseCore programs; write the kernel for the "
             "TensorCore (pallet.tpu) and run it on pallet's default backend")

@@ -17,7 +17,7 @@ import pytest
 
 import pallet as pl
 from pallet import tpu as pltpu
-from pallet.checks import KernelCheckError
+from pallet.errors import KernelCheckError
 from bugs.corpus import KINDS, OPT_IN_KINDS, Case, all_cases
 from helpers import assert_close, current_test_backend, runs_on_gpu
 

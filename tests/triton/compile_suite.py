@@ -28,7 +28,7 @@ def compile_one(path: str) -> list[tuple[str, str, str]]:
   """[(target, kernel, error)] for the targets where the recorded kernel fails."""
   from triton.backends.compiler import GPUTarget
   from pallet.backends.triton.compiler import compile_recorded
-  from pallet.backends.triton.values import TritonLoweringError
+  from pallet.errors import TritonLoweringError
   with open(path) as f:
     record = json.load(f)
   failures = []

@@ -126,7 +126,7 @@ for _name in ("user_mlp_grad", "user_mlp_jvp", "user_mlp_vmap_grad"):
 
 
 def _benchmark_kernels():
-  from benchmarks.gpu import gpu_benchmarks
+  from pallet.bench.gpu import gpu_benchmarks
   out = []
   for bench in gpu_benchmarks("full"):
     # As on an sm_80 GPU, where code that picks block sizes per backend and GPU
@@ -316,7 +316,7 @@ def test_a_tables_num_stages_shrinks_to_fit_shared_memory(target):
   # pallet.ops' launch tables serve a family of GPUs with less shared memory than its
   # reference part: their num_stages is an upper bound, not an error
   from pallet.backends.triton import compiler
-  from pallet.gpu_target import TableCompilerParams
+  from pallet.triton.gpu_target import TableCompilerParams
   kd = _k_loop_matmul(128, compiler_params=TableCompilerParams(num_stages=3))
   compiled = compile_for(kd, target)
   arch = TARGETS[target][1]

@@ -131,8 +131,8 @@ def default_backend(name: str | None, interpret: bool | None = None) -> Iterator
 
 def _gpu_params(params: Any) -> bool:
   """Whether a kernel's compiler params are ones a GPU kernel is launched with."""
-  from pallet.gpu_target import CompilerParams as TritonParams
-  from pallet.specs import CompilerParams as NeutralParams
+  from pallet.triton.gpu_target import CompilerParams as TritonParams
+  from pallet.core.specs import CompilerParams as NeutralParams
   return (params is None or isinstance(params, (TritonParams, dict))
           or type(params) is NeutralParams)
 
@@ -171,7 +171,7 @@ def _checked_on_gpu(backend: str, interpret: Any) -> Any:
 def get(name: str, kernel: Any = None) -> ModuleType:
   """The module of backend `name`, to compile or run `kernel` (a KernelDescription)."""
   if name == "triton" and not triton_installed():
-    from pallet.grid_mapping import PalletError
+    from pallet.errors import PalletError
     what = f"kernel '{kernel.name}' ({kernel.source})" if kernel is not None else "a kernel"
     raise PalletError(f"{what} runs on the Triton backend (backend='triton'), which needs "
                       f"the triton package, not installed here: {TRITON_INSTALL} (or run "

@@ -22,10 +22,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from pallet import checks
+from pallet.core import checks
 from pallet import _internals as internals
 from pallet.checking import coverage
-from pallet.tracing import KernelDescription
+from pallet.core.tracing import KernelDescription
 
 _MAX_PAIRS = 1 << 24    # steps x steps compared at most, for blocks of different shapes
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallet import _internals as internals
-from pallet import primitives
+from pallet.core import primitives
 
 Condition = tuple[Any, Any, str]
 

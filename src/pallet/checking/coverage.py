@@ -24,10 +24,10 @@ import numpy as np
 from jax.extend.core import Literal
 
 from pallet import _internals as internals
-from pallet import grid_eval
-from pallet import trace_cache
+from pallet.core import grid_eval
+from pallet.core import trace_cache
 from pallet.checking import merges
-from pallet.tracing import KernelDescription
+from pallet.core.tracing import KernelDescription
 
 _CALLS = ("pjit", "jit", "closed_call", "core_call")
 _READS = ("get", "masked_load", "addupdate", "atomic_rmw", "atomic_cas")

@@ -14,10 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallet import _internals as internals
-from pallet import checks
+from pallet.core import checks
 from pallet.checking import report
-from pallet.grid_mapping import BlockMapping
-from pallet.tracing import KernelDescription
+from pallet.core.grid_mapping import BlockMapping
+from pallet.core.tracing import KernelDescription
 
 
 def _line(mapping: BlockMapping, kernel: KernelDescription) -> str:

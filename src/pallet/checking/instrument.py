@@ -40,13 +40,13 @@ from jax import lax
 from jax.extend.core import Literal
 
 from pallet import _internals as internals
-from pallet import checks
-from pallet import primitives
-from pallet import dynamic_views
+from pallet.core import checks
+from pallet.core import primitives
+from pallet.core import dynamic_views
 from pallet.checking import bounds, loops, merges, padding, report
 from pallet.checking.options import CheckOptions
-from pallet.grid_mapping import BlockDimension, BlockMapping
-from pallet.tracing import KernelDescription
+from pallet.core.grid_mapping import BlockDimension, BlockMapping
+from pallet.core.tracing import KernelDescription
 
 _CALLS = ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
           "custom_vjp_call_jaxpr", "remat", "checkpoint")
@@ -825,7 +825,7 @@ class _Instrumenter:
     before this one has run, so only a later one (or none) could signal it."""
     if not self.opts.hangs or self.quiet:
       return self.bind(eqn, ins)
-    from pallet import dma
+    from pallet.core import dma
     flat, tree = jax.tree_util.tree_flatten((sem, sem_t))
     held = dma.semaphore_read_p.bind(*flat, tree=tree)
     ok = held >= jnp.asarray(amount, jnp.int32)

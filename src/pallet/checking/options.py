@@ -5,8 +5,8 @@ import dataclasses
 import os
 from typing import Any
 
-from pallet import checks
-from pallet.interpret_params import InterpretParams
+from pallet.core import checks
+from pallet.core.interpret_params import InterpretParams
 
 ENV_VAR = "PALLET_CHECKS"
 _ON = ("1", "true", "on", "yes", "default")

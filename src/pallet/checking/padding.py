@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallet import primitives
+from pallet.core import primitives
 
 _SAME = ("broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims", "slice",
          "rev")

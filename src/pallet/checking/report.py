@@ -31,7 +31,8 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from pallet import _internals as internals
-from pallet.checks import CheckInfo, KernelCheckError, record_failure
+from pallet.core.checks import CheckInfo, record_failure
+from pallet.errors import KernelCheckError
 
 RECORD_WIDTH = 2        # per grid step: [check number + 1 (0: none failed), detail]
 NO_DETAIL = -2**31      # a detail value meaning "none"

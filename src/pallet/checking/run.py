@@ -11,13 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallet import _internals as internals
-from pallet import checks
-from pallet import grid_analysis
-from pallet import trace_cache
+from pallet.core import checks
+from pallet.core import grid_analysis
+from pallet.core import trace_cache
 from pallet.checking import aliasing, coverage, index_maps, instrument as instrument_lib
 from pallet.checking import report as report_lib
 from pallet.checking.options import CheckOptions
-from pallet.tracing import KernelDescription
+from pallet.core.tracing import KernelDescription
 
 
 def parallel_axes(kernel: KernelDescription) -> tuple[int, ...]:

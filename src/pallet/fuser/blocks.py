@@ -12,8 +12,8 @@ import dataclasses
 import threading
 from typing import Any, Callable, Sequence
 
-from pallet.specs import (BlockSpec, Blocked, BoundedSlice, Buffered, Element, Squeezed,
-                          no_block_spec)
+from pallet.core.specs import (BlockSpec, Blocked, BoundedSlice, Buffered, Element, Squeezed,
+                               no_block_spec)
 
 
 def _no_indices(*block_indices: Any) -> None:

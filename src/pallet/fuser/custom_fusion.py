@@ -10,7 +10,7 @@ from typing import Any, Callable, Sequence
 import jax
 
 from pallet.fuser import calls, rules
-from pallet.specs import no_block_spec
+from pallet.core.specs import no_block_spec
 
 custom_fusion_p = calls.make("pallet_custom_fusion")
 

@@ -1,29 +1,10 @@
-"""The error a fusion pallet cannot express raises, and the notes `fuse(debug=True)` prints."""
+"""The error a fusion pallet cannot express raises (defined in pallet/errors.py with
+every other error type), and the notes `fuse(debug=True)` prints."""
 from __future__ import annotations
 
 import threading
-from typing import Any
 
-from pallet import _internals
-
-
-class UnfusibleError(NotImplementedError):
-  """A block spec cannot be carried through an operation of a fusion.
-
-  `fuse` catches it and materializes the value instead (computed outside the kernel).
-  """
-
-  def __init__(self, primitive: str, reason: str, eqn: Any = None):
-    where = ""
-    if eqn is not None and (src := _internals.equation_source(eqn)) is not None:
-      where = f" (at {src[0]}:{src[1]})"
-    super().__init__(f"fuser: cannot carry a block spec through `{primitive}`{where}: {reason}")
-    self.primitive = primitive
-    self.reason = reason
-
-
-class UnfusibleValueError(UnfusibleError, ValueError):
-  """An UnfusibleError where Pallas raises ValueError (conflicting blocks)."""
+from pallet.errors import UnfusibleError, UnfusibleValueError
 
 
 class _Debug(threading.local):

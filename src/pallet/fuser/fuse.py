@@ -16,7 +16,8 @@ from typing import Any, Callable, Iterable, Sequence
 import jax
 
 from pallet.fuser import jaxprs, rules
-from pallet.fuser.errors import UnfusibleError, note, set_debug
+from pallet.fuser.errors import note, set_debug
+from pallet.errors import UnfusibleError
 from pallet.fuser.fusible import no_output_fusions
 from pallet.fuser.fusion import Fusion
 

@@ -9,8 +9,8 @@ import jax
 
 from pallet.fuser import blocks, jaxprs, rules, usage as usage_lib
 from pallet.fuser.blocks import BlockIndexTransform
-from pallet.fuser.errors import UnfusibleError, UnfusibleValueError
-from pallet.specs import BlockSpec, no_block_spec
+from pallet.errors import UnfusibleError, UnfusibleValueError
+from pallet.core.specs import BlockSpec, no_block_spec
 
 
 def canonical_spec(spec: Any, aval: Any) -> Any:

@@ -7,9 +7,9 @@ from typing import Any, Callable
 import jax
 
 from pallet.fuser import blocks, jaxprs, rules
-from pallet.fuser.errors import UnfusibleError
+from pallet.errors import UnfusibleError
 from pallet.fuser.pull import canonical_spec, pull_block_spec
-from pallet.specs import BlockSpec, no_block_spec
+from pallet.core.specs import BlockSpec, no_block_spec
 
 
 def _is_spec_leaf(x: Any) -> bool:

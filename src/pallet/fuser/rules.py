@@ -18,9 +18,9 @@ from jax import lax
 
 from pallet.fuser import blocks
 from pallet.fuser.blocks import BlockIndexTransform, is_squeezed, dim_size, ref_axis, ref_shape
-from pallet.fuser.errors import UnfusibleError, UnfusibleValueError
-from pallet.primitives import Slice
-from pallet.specs import BlockSpec, BoundedSlice, Element, no_block_spec
+from pallet.errors import UnfusibleError, UnfusibleValueError
+from pallet.core.primitives import Slice
+from pallet.core.specs import BlockSpec, BoundedSlice, Element, no_block_spec
 
 PULL: dict[str, Callable] = {}
 PUSH: dict[str, Callable] = {}

@@ -6,7 +6,7 @@ from typing import Any, Sequence
 
 import jax
 
-from pallet.specs import BlockSpec, no_block_spec
+from pallet.core.specs import BlockSpec, no_block_spec
 
 
 def _is_leaf(x: Any) -> bool:

@@ -17,7 +17,7 @@ from pallet.named.ops import (abs, arange, cos, dot, exp, full, full_like, log, 
                               mean, min, minimum, ones, ones_like, sin, sqrt, square, sum, tanh,
                               where, zeros, zeros_like)
 from pallet.named.ref import NamedRef, freeze, get, new_ref, swap
-from pallet.primitives import ds
+from pallet.core.primitives import ds
 
 __all__ = [
     "Axis", "NamedArray", "NamedBlockSpec", "NamedRef", "NamedShapeDtype", "abs", "arange",

@@ -14,11 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallet.named import selection as _selection
-from pallet.named.axis import (Axis, AxisSelector, axes_shape, axis_name, axis_names,
-                               check_unique, find_axis)
+from pallet.named.axis import (AxesArray, Axis, AxisSelector, axes_shape, axis_name,
+                               axis_names, check_unique, find_axis, union_axes)
 
 
-class NamedArray:
+class NamedArray(AxesArray):
   """A JAX array plus one uniquely named `Axis` per dimension (a pytree with one leaf)."""
   __slots__ = ("array", "axes")
   __array_priority__ = 100  # numpy scalars defer to our reflected operators
@@ -134,7 +134,7 @@ class NamedArray:
     return NamedArray(self.array.astype(dtype), self.axes)
 
   def __getitem__(self, selection: Any) -> "NamedArray":
-    return _selection.index_array(self, selection)
+    return index_array(self, selection)
 
   # --- operators ------------------------------------------------------------------
   def __neg__(self): return NamedArray(-self.array, self.axes)
@@ -217,20 +217,6 @@ def _as_operand(x: Any, op_name: str) -> NamedArray | Any:
   return arr
 
 
-def union_axes(*axes_lists: Sequence[Axis]) -> tuple[Axis, ...]:
-  """Axes of a name-aligned result: the first operand's axes, then new ones in order seen."""
-  out: dict[str, Axis] = {}
-  for axes in axes_lists:
-    for ax in axes:
-      seen = out.get(ax.name)
-      if seen is None:
-        out[ax.name] = ax
-      elif seen.size != ax.size:
-        raise ValueError(f"axis {ax.name!r} has size {seen.size} in one operand and "
-                         f"{ax.size} in another")
-  return tuple(out.values())
-
-
 def align(*operands: Any, op_name: str = "operation") -> tuple[tuple[Axis, ...], list[Any]]:
   """Raw arrays that broadcast against each other, plus the axes of the result."""
   operands = [_as_operand(x, op_name) for x in operands]
@@ -261,3 +247,19 @@ def reduce(fn: Callable, x: NamedArray, axis: AxisSelector | Sequence[AxisSelect
     positions = tuple(find_axis(x.axes, a) for a in axis_names(axis))
   kept = [ax for i, ax in enumerate(x.axes) if i not in positions]
   return NamedArray(fn(x.array, axis=positions), kept)
+
+
+def index_array(x: "NamedArray", selection: Any) -> "NamedArray":
+  """`x[selection]` for a NamedArray (same rules as refs, no staged prefix)."""
+  entries = _selection.compose(x.axes, _selection.full_prefix(x.axes), selection,
+                               allow_arrays=True)
+  raw = x.array
+  for dim, e in enumerate(entries):
+    if isinstance(e, _selection.Range) and _selection.is_dynamic(e.start):
+      # jnp indexing has no traced-start slice; cut the window first, keep the dim
+      span = (e.size - 1) * e.stride + 1 if e.size else 0
+      raw = jax.lax.dynamic_slice_in_dim(raw, e.start, span, axis=dim)
+      entries = entries[:dim] + (_selection.Range(0, e.size, e.stride),) + entries[dim + 1:]
+  index = _selection.ref_index(entries)
+  return NamedArray(raw[index], _selection.result_axes(x.axes, entries))
+

@@ -4,6 +4,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping, Sequence, Union
 
+import jax
+import jax.numpy as jnp
+
 
 @dataclasses.dataclass(frozen=True)
 class Axis:
@@ -84,3 +87,33 @@ def find_axis(axes: Sequence[Axis], selector: AxisSelector) -> int:
     if ax.name == name:
       return i
   raise ValueError(f"unknown axis {name!r}; the axes are {tuple(ax.name for ax in axes)}")
+
+def union_axes(*axes_lists: Sequence[Axis]) -> tuple[Axis, ...]:
+  """Axes of a name-aligned result: the first operand's axes, then new ones in order seen."""
+  out: dict[str, Axis] = {}
+  for axes in axes_lists:
+    for ax in axes:
+      seen = out.get(ax.name)
+      if seen is None:
+        out[ax.name] = ax
+      elif seen.size != ax.size:
+        raise ValueError(f"axis {ax.name!r} has size {seen.size} in one operand and "
+                         f"{ax.size} in another")
+  return tuple(out.values())
+
+
+class AxesArray:
+  """An array whose dimensions are named `Axis`es: what indexing (selection.py) needs of
+  a NamedArray indexer (its raw `array` and its `axes`). NamedArray is the one kind;
+  the base lets selection.py, which array.py builds on, recognize it."""
+  __slots__ = ()
+
+
+def laid_out(array: jax.Array, axes: Sequence[Axis], target: Sequence[Axis]) -> jax.Array:
+  """`array` (dimensions `axes`, each one of `target`) transposed into `target`'s order
+  with size-1 dimensions for the axes it lacks: it broadcasts against `target`."""
+  names = [ax.name for ax in axes]
+  order = [names.index(ax.name) for ax in target if ax.name in names]
+  if order != list(range(len(order))):
+    array = jnp.transpose(array, order)
+  return jnp.reshape(array, [ax.size if ax.name in names else 1 for ax in target])

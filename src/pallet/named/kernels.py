@@ -30,8 +30,8 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import jax
 
-from pallet import primitives
-from pallet import specs as specs_lib
+from pallet.core import primitives
+from pallet.core import specs as specs_lib
 from pallet.pallas_call import pallas_call as _core_pallas_call
 from pallet.named.array import NamedArray
 from pallet.named.axis import Axis, AxisSelector, as_axes, axis_name

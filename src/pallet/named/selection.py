@@ -22,8 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallet import _internals
-from pallet.named import array as _array
-from pallet.named.axis import Axis, axis_name
+from pallet.named.axis import AxesArray, Axis, axis_name, laid_out, union_axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,7 +134,7 @@ def resolve(selection: Any, axes: Sequence[Axis], fixed_names: Sequence[str] = (
 def compose_one(name: str, window: Range, idx: Any, allow_arrays: bool) -> Entry:
   """Applies one indexer to an axis currently seen through `window`."""
   n, start, stride = window.size, window.start, window.stride
-  if isinstance(idx, _array.NamedArray):
+  if isinstance(idx, AxesArray):
     if not allow_arrays:
       raise NotImplementedError(
           f"axis {name!r}: array indexers cannot be staged in a slice ref; index with them "
@@ -210,7 +209,7 @@ def result_axes(base_axes: Sequence[Axis], entries: Sequence[Entry]) -> tuple[Ax
   if not gathers:
     out = tuple(basic)
   else:
-    advanced_axes = _array.union_axes(*(g.axes for g in gathers))
+    advanced_axes = union_axes(*(g.axes for g in gathers))
     advanced = [i for i, e in enumerate(entries) if not isinstance(e, Range)]
     if advanced == list(range(advanced[0], advanced[-1] + 1)):
       before = sum(1 for e in entries[:advanced[0]] if isinstance(e, Range))
@@ -235,8 +234,8 @@ def user_axes(base_axes: Sequence[Axis], prefix: Sequence[Entry],
 def _gather_positions(entries: Sequence[Entry]) -> dict[int, Any]:
   """Each Gather's positions laid out to broadcast over the union of all Gathers' axes."""
   gathers = {i: e for i, e in enumerate(entries) if isinstance(e, Gather)}
-  union = _array.union_axes(*(g.axes for g in gathers.values()))
-  return {i: _array.expand_to(_array.NamedArray(g.positions, g.axes), union)
+  union = union_axes(*(g.axes for g in gathers.values()))
+  return {i: laid_out(jnp.asarray(g.positions), g.axes, union)
           for i, g in gathers.items()}
 
 
@@ -257,17 +256,3 @@ def ref_index(entries: Sequence[Entry]) -> tuple:
     else:
       index.append(gathered[i])
   return tuple(index)
-
-
-def index_array(x: "_array.NamedArray", selection: Any) -> "_array.NamedArray":
-  """`x[selection]` for a NamedArray (same rules as refs, no staged prefix)."""
-  entries = compose(x.axes, full_prefix(x.axes), selection, allow_arrays=True)
-  raw = x.array
-  for dim, e in enumerate(entries):
-    if isinstance(e, Range) and is_dynamic(e.start):
-      # jnp indexing has no traced-start slice; cut the window first, keep the dim
-      span = (e.size - 1) * e.stride + 1 if e.size else 0
-      raw = jax.lax.dynamic_slice_in_dim(raw, e.start, span, axis=dim)
-      entries = entries[:dim] + (Range(0, e.size, e.stride),) + entries[dim + 1:]
-  index = ref_index(entries)
-  return _array.NamedArray(raw[index], result_axes(x.axes, entries))

@@ -11,8 +11,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pallet.grid_mapping import PalletError
-from pallet.helpers import next_power_of_2
+from pallet.errors import PalletError
+from pallet.core.helpers import next_power_of_2
 
 F32 = jnp.float32
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import pallet as pl
 from pallet.ops import launch_table
 from pallet.ops._common import F32, as_rows, cdiv, check_block, check_float, check_shape, fail
-from pallet.helpers import next_power_of_2
+from pallet.core.helpers import next_power_of_2
 
 __all__ = ["glu", "swiglu", "glu_reference", "swiglu_reference", "ACTIVATIONS"]
 

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from pallet import _internals as internals
-from pallet.grid_mapping import PalletError
+from pallet.errors import PalletError
 
 FORMAT = 1
 DEVICES = ("sm_80", "sm_90", "gfx942")
@@ -97,7 +97,7 @@ def current_device() -> str:
   for env in ("PALLET_TRITON_COMPUTE_CAPABILITY", "PALLET_TRITON_GPU_ARCH"):
     if os.environ.get(env):
       return device_key(os.environ[env])
-  from pallet import gpu_target
+  from pallet.triton import gpu_target
   if gpu_target.is_gpu_device():
     info = gpu_target.get_gpu_info()
     return device_key(info.arch_name if info.arch_name.startswith("gfx")
@@ -117,7 +117,7 @@ def multiprocessors() -> int:
   table's family."""
   named = _device.value or any(os.environ.get(env) for env in (
       "PALLET_TRITON_COMPUTE_CAPABILITY", "PALLET_TRITON_GPU_ARCH"))
-  from pallet import gpu_target
+  from pallet.triton import gpu_target
   count = None if named else gpu_target.multiprocessor_count()
   return count or REFERENCE_MULTIPROCESSORS[family(current_device())]
 
@@ -298,7 +298,7 @@ class Launch:
     shrinks to fit the GPU's shared memory, as the backend's own default does."""
     if not self.on_gpu:
       return None
-    from pallet.gpu_target import TableCompilerParams
+    from pallet.triton.gpu_target import TableCompilerParams
     warps = None if explicit else self.get(section, "num_warps")
     stages = None if explicit else self.get(section, "num_stages")
     return TableCompilerParams(num_warps=warps, num_stages=stages,

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import pallet as pl
 from pallet.ops import launch_table
 from pallet.ops._common import F32, cdiv, check_block, check_float, fail
-from pallet.helpers import next_power_of_2
+from pallet.core.helpers import next_power_of_2
 
 __all__ = ["rotary_embedding", "rotary_embedding_reference"]
 

@@ -20,9 +20,10 @@ from jax.interpreters import mlir
 
 from pallet.backends.triton import compiler
 from pallet.backends.triton.codegen import GeneratedKernel, generate
-from pallet.backends.triton.values import TritonLoweringError, for_interpreter
-from pallet import trace_cache
-from pallet.tracing import KernelDescription
+from pallet.backends.triton.values import for_interpreter
+from pallet.errors import TritonLoweringError
+from pallet.core import trace_cache
+from pallet.core.tracing import KernelDescription
 
 NAME = "triton"
 # Set to a directory to record every generated kernel there (see compiler.dump).

@@ -34,11 +34,12 @@ from pallet import _internals as internals
 from pallet.backends.triton import dmas, ops, refs
 from pallet.backends.triton.refs import ArrayDim, MemoryRef, RegisterRef
 from pallet.backends.triton.schedule import Schedule, block_start_range, make_schedule
-from pallet.backends.triton.values import (TritonLoweringError, Value, constant, padded,
-                                           python_literal, signature_dtype, tl_dtype)
-from pallet.checks import CheckMessage
-from pallet.grid_mapping import BlockMapping
-from pallet.tracing import KernelDescription
+from pallet.backends.triton.values import (Value, constant, padded, python_literal, signature_dtype,
+                                           tl_dtype)
+from pallet.errors import TritonLoweringError
+from pallet.core.checks import CheckMessage
+from pallet.core.grid_mapping import BlockMapping
+from pallet.core.tracing import KernelDescription
 
 _CALL_PRIMITIVES = ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call",
                     "custom_vjp_call", "custom_vjp_call_jaxpr", "remat", "checkpoint",

@@ -19,6 +19,7 @@ from types import ModuleType
 from typing import Any
 
 from pallet.backends.triton.codegen import GeneratedKernel
+from pallet.errors import TritonLoweringError
 
 DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 3
@@ -39,7 +40,8 @@ def cache_dir() -> str:
 @functools.lru_cache(maxsize=1024)
 def load_module(source: str, interpret: bool) -> ModuleType:
   """Imports the generated source; under `interpret` its `@triton.jit`
-  functions become Triton interpreter functions and libdevice runs on numpy."""
+  functions become Triton interpreter functions (interpreter.py then runs libdevice
+  on numpy)."""
   import triton
   digest = hashlib.sha256(source.encode()).hexdigest()[:16]
   path = os.path.join(cache_dir(), f"pallet_kernel_{digest}.py")
@@ -58,9 +60,6 @@ def load_module(source: str, interpret: bool) -> ModuleType:
     spec.loader.exec_module(module)
   finally:
     knobs.interpret = previous
-  if interpret:
-    from pallet.backends.triton import interpreter
-    module.libdevice = interpreter.numpy_libdevice
   sys.modules[name] = module
   return module
 
@@ -104,7 +103,6 @@ def compile_kernel(generated: GeneratedKernel, target: Any, num_warps: int | Non
       return compiled
     if chosen and not getattr(kernel.compiler_params, "stages_shrink_to_fit", False):
       break
-  from pallet.backends.triton.values import TritonLoweringError
   raise TritonLoweringError(
       f"pallet Triton backend: kernel '{kernel.name}' ({kernel.source}) needs {used} bytes "
       f"of shared memory with num_stages={tried}, more than {target.backend} "
@@ -116,7 +114,6 @@ def check_target(requirement: tuple[int, str] | None, target: Any, what: str) ->
   """A clear error where Triton cannot compile the kernel for this CUDA GPU."""
   if requirement is None or target.backend != "cuda" or target.arch >= requirement[0]:
     return
-  from pallet.backends.triton.values import TritonLoweringError
   capability, why = requirement
   raise TritonLoweringError(
       f"pallet Triton backend: {what} {why}, which Triton compiles for CUDA compute "

@@ -26,9 +26,10 @@ import numpy as np
 
 from pallet.backends.triton import refs
 from pallet.backends.triton.refs import MemoryRef, RegisterRef
-from pallet.backends.triton.values import TritonLoweringError, Value, constant
+from pallet.backends.triton.values import Value, constant
+from pallet.errors import TritonLoweringError
 
-# dma_start's operands, as pallet.dma flattens them.
+# dma_start's operands, as pallet.core.dma flattens them.
 _COPY_SLOTS = ("src", "src_t", "dst", "dst_t", "sem", "sem_t", "src_sem", "src_sem_t")
 _COPY_PARAMS = {"tree", "add", "shared_sem"}
 PRIMITIVES = ("dma_start", "dma_wait", "semaphore_signal", "semaphore_wait", "semaphore_read")

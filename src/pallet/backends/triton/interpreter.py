@@ -22,6 +22,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from pallet.backends.triton.compiler import load_module
+from pallet.core.checks import record_failure
+from pallet.errors import KernelCheckError
+
 
 class _HostStorage:
   """The 'untyped storage' of a HostTensor: the bytes of its base array."""
@@ -219,10 +223,11 @@ def run(generated: Any, operands: Sequence[np.ndarray],
 
 def _run(generated: Any, operands: Sequence[np.ndarray],
          aliases: dict[int, int]) -> list[np.ndarray]:
-  from pallet.backends.triton.compiler import load_module
   check_interpreter_enabled(generated.kernel)
   gm = generated.kernel.grid_mapping
-  fn = getattr(load_module(generated.source, True), generated.function_name)
+  module = load_module(generated.source, True)
+  module.libdevice = numpy_libdevice   # no GPU: libdevice's functions run on numpy
+  fn = getattr(module, generated.function_name)
   ins = [_contiguous(_widen(np.asarray(a))) for a in operands]
   n_pre = len(gm.dynamic_axes) + len(gm.prefetch_avals)   # operands before the inputs
   for j in generated.written_inputs:   # never write into the caller's (JAX's) buffers
@@ -248,7 +253,6 @@ def _run(generated: Any, operands: Sequence[np.ndarray],
     b.check(generated.kernel, what)
   failed = [(m, int(f)) for m, f in zip(generated.check_messages, flags) if f]
   if failed:
-    from pallet.checks import KernelCheckError, record_failure
     checked = [(m, f) for m, f in failed if getattr(m, "info", None) is not None]
     if not checked:
       raise record_failure(KernelCheckError(failed[0][0]))

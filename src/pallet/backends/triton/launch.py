@@ -18,10 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import mlir
 
-from pallet import _internals, checks
+from pallet import _internals
+
+from pallet.core import checks
 from pallet.backends.triton import compiler
-from pallet.backends.triton.values import TritonLoweringError
-from pallet.tracing import KernelDescription
+from pallet.errors import TritonLoweringError
+from pallet.core.tracing import KernelDescription
 
 CUSTOM_CALL_TARGET = "triton_kernel_call_ffi"
 

@@ -23,10 +23,10 @@ from typing import Any
 
 import numpy as np
 
-from pallet import grid_analysis
-from pallet.backends.triton.values import TritonLoweringError
-from pallet.grid_mapping import BlockMapping
-from pallet.tracing import KernelDescription
+from pallet.core import grid_analysis
+from pallet.errors import TritonLoweringError
+from pallet.core.grid_mapping import BlockMapping
+from pallet.core.tracing import KernelDescription
 
 
 def _depends_on(closed_jaxpr: Any, n_inputs: int) -> list[set[int]]:

@@ -14,12 +14,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from pallet.lowering_errors import LoweringException
-
-
-class TritonLoweringError(NotImplementedError, LoweringException):
-  """A kernel uses something the Triton backend cannot express (catchable as
-  `pltpu.LoweringException`, as code written for JAX's Pallas expects)."""
+from pallet.errors import TritonLoweringError
 
 
 def next_pow2(n: int) -> int:

@@ -17,8 +17,8 @@ from pallet.backends.xla.plan import ExecutionPlan, make_plan, vectorization_fai
 from pallet.backends.xla import canonical_dots, scatter_accumulators
 from pallet.backends.xla.scratch_accumulators import ScratchRewrite, rewrite
 from pallet.backends.xla.widening import widen_plan
-from pallet import primitives, trace_cache
-from pallet.tracing import KernelDescription
+from pallet.core import primitives, trace_cache
+from pallet.core.tracing import KernelDescription
 
 NAME = "xla"
 

@@ -26,9 +26,9 @@ import numpy as np
 from jax.extend.core import Literal
 
 from pallet import _internals as internals
-from pallet import grid_eval, primitives, trace_cache
-from pallet.grid_analysis import apply_equation, is_var as _is_var
-from pallet.tracing import KernelDescription
+from pallet.core import grid_eval, primitives, trace_cache
+from pallet.core.grid_analysis import apply_equation, is_var as _is_var
+from pallet.core.tracing import KernelDescription
 
 _CALL_PRIMITIVES = ("pjit", "jit", "closed_call", "core_call")
 _SHAPE_ONLY = ("reshape", "squeeze", "copy", "copy_p")

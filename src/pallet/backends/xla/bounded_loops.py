@@ -38,9 +38,9 @@ from jax import lax
 from jax.extend.core import ClosedJaxpr, Literal
 
 from pallet import _internals as internals
-from pallet import trace_cache
+from pallet.core import trace_cache
 from pallet.backends.xla import body_analysis
-from pallet.tracing import KernelDescription
+from pallet.core.tracing import KernelDescription
 
 # Loops of at most this many steps are unrolled (straight-line code XLA fuses across
 # steps); longer ones run as a fixed-length loop.

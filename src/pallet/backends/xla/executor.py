@@ -19,12 +19,12 @@ import numpy as np
 from jax import lax
 
 from pallet import _internals as internals
-from pallet import checks
+from pallet.core import checks
 from pallet.backends.xla.plan import ExecutionPlan, OperandPlan, element_scale, make_plan
 from pallet.backends.xla import body_analysis, bounded_loops, literal_folding, widening
 from pallet.backends.xla.static_indices import fold_static_indices
 from pallet.backends.xla.widening import Widening
-from pallet.tracing import KernelDescription
+from pallet.core.tracing import KernelDescription
 
 Body = Callable[..., tuple[list[Any], list[Any]]]
 

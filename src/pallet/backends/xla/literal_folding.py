@@ -23,7 +23,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Literal
 
 from pallet import _internals as internals
-from pallet import grid_eval
+from pallet.core import grid_eval
 
 # Equations whose inner jaxprs are plain computations of their operands.
 _NESTED = {"cond": ("branches",), "while": ("cond_jaxpr", "body_jaxpr"), "scan": ("jaxpr",),

@@ -45,15 +45,15 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, subjaxprs
 from jax.interpreters import batching
 
 from pallet import _internals as internals
-from pallet import grid_analysis, grid_eval
-from pallet.dma import DMA_PRIMITIVE_NAMES
+from pallet.core import grid_analysis, grid_eval
+from pallet.core.dma import DMA_PRIMITIVE_NAMES
 from pallet.backends.xla import bounded_loops
 from pallet.backends.xla.body_analysis import (BodyFacts, analyse_body, itemsize,
                                                 blocks_merge_along, discharged,
                                                 evaluate_resets, max_intermediate_bytes,
                                                 trip_count_axes)
-from pallet.grid_mapping import BlockMapping, GridMapping
-from pallet.tracing import KernelDescription
+from pallet.core.grid_mapping import BlockMapping, GridMapping
+from pallet.core.tracing import KernelDescription
 
 # Primitives whose batching rule is known to give wrong shapes for the operands
 # kernels give them (found only when lowering, too late to re-plan): their kernels

@@ -37,12 +37,12 @@ from jax import lax
 from jax.extend.core import Literal
 
 from pallet import _internals as internals
-from pallet import checks
+from pallet.core import checks
 from pallet.backends.xla import body_analysis
 from pallet.backends.xla.scratch_accumulators import (_canonical, _depends_on, _evaluate,
                                                       _grid_table, _reset_table)
-from pallet.grid_mapping import BlockDimension, BlockMapping
-from pallet.tracing import KernelDescription
+from pallet.core.grid_mapping import BlockDimension, BlockMapping
+from pallet.core.tracing import KernelDescription
 
 _COMBINERS = {"scatter-add": lax.scatter_add, "scatter_add": lax.scatter_add,
               "scatter-max": lax.scatter_max, "scatter_max": lax.scatter_max,

@@ -38,10 +38,10 @@ import numpy as np
 from jax.extend.core import Literal
 
 from pallet import _internals as internals
-from pallet import grid_eval
+from pallet.core import grid_eval
 from pallet.backends.xla import body_analysis
-from pallet.grid_mapping import BlockMapping
-from pallet.tracing import KernelDescription
+from pallet.core.grid_mapping import BlockMapping
+from pallet.core.tracing import KernelDescription
 
 _CALLS = ("pjit", "jit", "closed_call", "core_call")
 # Elementwise primitives a copy-out `G` may use (other operands: literal scalars).

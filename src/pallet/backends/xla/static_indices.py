@@ -33,7 +33,7 @@ from jax import lax
 from jax.extend.core import ClosedJaxpr, Literal
 
 from pallet import _internals as internals
-from pallet import grid_eval
+from pallet.core import grid_eval
 
 MAX_FOLDED_ELEMENTS = 1 << 16
 _CALLS = ("pjit", "jit", "closed_call", "core_call", "eval_jaxpr")

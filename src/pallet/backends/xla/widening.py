@@ -28,9 +28,9 @@ import numpy as np
 from jax import lax
 from jax.extend.core import Literal
 
-from pallet import trace_cache
+from pallet.core import trace_cache
 from pallet.backends.xla import body_analysis
-from pallet.tracing import KernelDescription
+from pallet.core.tracing import KernelDescription
 
 _ELEMENTWISE = frozenset({
     "add", "add_any", "sub", "mul", "div", "rem", "pow", "max", "min", "neg", "abs", "sign",

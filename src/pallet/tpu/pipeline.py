@@ -1,0 +1,349 @@
+"""`pltpu.emit_pipeline`: a grid of blocks run inside a kernel over whole (`ANY`) refs.
+
+On a TPU the emitted pipeline double-buffers: it copies the next blocks in while
+the body works on the current ones. Its observable meaning is a sequential loop
+over the inner grid that, per step, copies each operand's block into a buffer,
+runs the body on the buffers and copies the output blocks back; that is what
+this module builds (one `fori_loop`, buffers allocated once). Blocks that
+overhang an array edge read unspecified values there (zeros) and write only
+their in-bounds part, as on a TPU. Inside the body and the pipeline's index maps,
+`pl.program_id` and `pl.num_programs` answer for the inner grid.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from pallet import _internals as internals
+from pallet.core import checks
+from pallet._internals import Slice
+from pallet.core import primitives
+from pallet.core.dma import kernel_site
+from pallet.errors import PalletError
+from pallet.core.specs import (BlockSpec, Blocked, BoundedSlice, Element, MemorySpace, ScratchShape,
+                               Squeezed, no_block_spec)
+from pallet.core.unsupported import Unsupported
+
+# The Mosaic scheduler's own buffers and its mesh-wide prefetching have no meaning
+# here: the pipeline is a plain loop of copies.
+_SCHEDULER_ONLY = ("the TPU pipeline scheduler's internals; pallet runs a pipeline as a "
+                   "sequential loop of block copies")
+BufferedRef = Unsupported("pltpu.BufferedRef", _SCHEDULER_ONLY, "use emit_pipeline")
+BufferType = Unsupported("pltpu.BufferType", _SCHEDULER_ONLY, "use emit_pipeline")
+emit_pipeline_with_async_prefetch = Unsupported(
+    "pltpu.emit_pipeline_with_async_prefetch", _SCHEDULER_ONLY,
+    "use emit_pipeline (inputs are copied in at every step)")
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineStep:
+  """What a body built with `_explicit_indices=True` gets first: the step's grid
+  indices and its linear position in the loop."""
+  index: tuple[Any, ...]
+  local_index: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class _Window:
+  """How one operand is cut: its block dims and the index map (grid indices -> block)."""
+  spec: BlockSpec
+  shape: tuple[int, ...]
+  dtype: Any
+  where: str
+
+  @property
+  def dims(self) -> list[tuple[str, int]]:
+    """(kind, size) per array dimension: 'blocked', 'squeezed', 'element' or 'bounded'
+    (a pl.BoundedSlice: the index map's pl.ds(start, size) fills the first `size`
+    elements of the buffer and the step writes back only those)."""
+    out = []
+    for d, n in zip(self.spec.block_shape, self.shape):
+      if d is None or isinstance(d, Squeezed):
+        out.append(("squeezed", 1))
+      elif isinstance(d, Element):
+        out.append(("element", int(d.block_size)))
+      elif isinstance(d, BoundedSlice):
+        out.append(("bounded", int(d.block_size)))
+      elif isinstance(d, Blocked):
+        out.append(("blocked", int(d.block_size)))
+      elif isinstance(d, (numbers.Integral,)) and not isinstance(d, bool):
+        out.append(("blocked", int(d)))
+      else:
+        raise PalletError(f"{self.where}: block_shape entries must be ints, None, "
+                          f"pl.Squeezed(), pl.Element(n), pl.Blocked(n) or "
+                          f"pl.BoundedSlice(n); got {d!r}")
+    return out
+
+  @property
+  def buffer(self) -> ScratchShape:
+    return ScratchShape(tuple(n for kind, n in self.dims if kind != "squeezed"),
+                        self.dtype, MemorySpace.VMEM)
+
+  def starts(self, indices: Sequence[Any]) -> list[tuple[Any, Any]]:
+    """(element offset, valid length or None) of the block in every array dimension
+    at grid step `indices`; only a bounded dimension has a length."""
+    index_map = self.spec.index_map or (lambda *_: (0,) * len(self.shape))
+    block = index_map(*indices)
+    if not isinstance(block, (tuple, list)):
+      block = (block,)
+    if len(block) != len(self.shape):
+      raise PalletError(f"{self.where}: index_map returned {len(block)} indices but the "
+                        f"array has rank {len(self.shape)}")
+    out = []
+    for i, (b, (kind, n)) in enumerate(zip(block, self.dims)):
+      if (kind == "bounded") != isinstance(b, Slice):
+        raise PalletError(f"{self.where}: index_map result {i} is {b!r}; a pl.BoundedSlice "
+                          f"dimension takes pl.ds(start, size) and only such a dimension "
+                          f"does")
+      if kind == "bounded":
+        out.append((jnp.asarray(b.start, jnp.int32), self._checked_size(b.size, n, i)))
+      else:
+        out.append((jnp.asarray(b, jnp.int32) * (1 if kind == "element" else n), None))
+    return out
+
+  def _checked_size(self, size: Any, bound: int, i: int) -> Any:
+    """A pl.ds size of a pl.BoundedSlice(n) dimension: in [0, n], checked while tracing
+    when known then, else at run time on every step (a larger size has no meaning in
+    an n-element buffer, and pallet would otherwise copy n elements silently)."""
+    what = (f"{self.where}: index_map result {i} is pl.ds(..., size) but its "
+            f"pl.BoundedSlice({bound}) block holds at most {bound} elements")
+    if not internals.is_tracer(size):
+      if not 0 <= int(np.asarray(size)) <= bound:
+        raise PalletError(f"{what}; got size {int(np.asarray(size))}")
+      return jnp.asarray(size, jnp.int32)
+    size = jnp.asarray(size, jnp.int32)
+    checks.check((size >= 0) & (size <= bound),
+                 checks.failure_message("the pl.BoundedSlice size check", f"{what}; the size must be in "
+                                        f"[0, {bound}]"))
+    return size
+
+  def view(self, starts: Sequence[tuple[Any, Any]]) -> tuple[tuple[Any, ...], Any]:
+    """(index into the array for the block, mask of its in-bounds elements or None)."""
+    idx, masks = [], []
+    for (s, length), (kind, n), size in zip(starts, self.dims, self.shape):
+      if kind == "squeezed":
+        idx.append(s)
+        continue
+      idx.append(primitives.ds(s, n))
+      overhangs = kind in ("element", "bounded") or size % n
+      positions = s + lax.iota(jnp.int32, n)
+      valid = (positions >= 0) & (positions < size)
+      if length is not None:
+        valid &= positions < s + length
+      masks.append(valid if overhangs else None)
+    mask = None
+    for d, m in enumerate(masks):
+      if m is not None:
+        m = m.reshape([n if i == d else 1 for i, n in enumerate(self.buffer.shape)])
+        mask = m if mask is None else mask & m
+    if mask is not None:
+      mask = jnp.broadcast_to(mask, self.buffer.shape)
+    return tuple(idx), mask
+
+
+def _is_windowed(spec: Any) -> bool:
+  return (isinstance(spec, BlockSpec) and spec.block_shape is not None
+          and spec.memory_space is not MemorySpace.ANY)
+
+
+def _refuse_any_block(spec: Any, where: str) -> None:
+  """A block of an `ANY` spec names no buffer to copy it into; Pallas refuses it, and
+  passing the whole ref instead would run the body on the wrong elements."""
+  if (isinstance(spec, BlockSpec) and spec.block_shape is not None
+      and spec.memory_space is MemorySpace.ANY):
+    raise PalletError(
+        f"{where}: BlockSpec(block_shape={tuple(spec.block_shape)}, "
+        f"memory_space=ANY) is not a pipeline block: emit_pipeline copies each step's "
+        f"block into a buffer, and ANY names none (Pallas refuses it too). Leave "
+        f"memory_space out to get the block copied in and out at every step (a nested "
+        f"emit_pipeline can run over that buffer), or pass the whole ref with "
+        f"BlockSpec(memory_space=ANY) and no block_shape")
+
+
+def _ref_aval(ref: Any, where: str) -> Any:
+  base, transforms = primitives.ref_and_transforms(ref)
+  aval = jax.typeof(base)
+  if not isinstance(aval, internals.AbstractRef):
+    raise PalletError(f"{where}: expected a ref, got {type(ref).__name__}")
+  return primitives.view_aval(aval, transforms)
+
+
+def _normalize(specs: Any) -> tuple[Any, ...]:
+  if specs is None:
+    return ()
+  return tuple(specs) if isinstance(specs, (list, tuple)) else (specs,)
+
+
+def _windows(specs: tuple[Any, ...], refs: Sequence[Any], what: str, site: str):
+  """Flat (ref, window or None) pairs of a tuple of ref pytrees and matching specs."""
+  if len(specs) != len(refs):
+    raise PalletError(f"emit_pipeline in {site}: {len(specs)} {what} specs for "
+                      f"{len(refs)} {what} refs")
+  pairs = []
+  for i, (spec, tree) in enumerate(zip(specs, refs)):
+    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_is_ref_leaf)
+    spec_leaves = ([spec] * len(leaves) if spec is None or spec is no_block_spec
+                   or isinstance(spec, BlockSpec) else
+                   treedef.flatten_up_to(spec))
+    for j, (s, r) in enumerate(zip(spec_leaves, leaves)):
+      where = f"emit_pipeline in {site}, {what} {i}" + (f" leaf {j}" if len(leaves) > 1 else "")
+      aval = _ref_aval(r, where)
+      _refuse_any_block(s, where)
+      if _is_windowed(s):
+        if len(s.block_shape) != len(aval.shape):
+          raise PalletError(f"{where}: block_shape {tuple(s.block_shape)} has rank "
+                            f"{len(s.block_shape)} but the ref has shape {aval.shape}")
+        pairs.append((r, _Window(s, tuple(aval.shape), aval.dtype, where)))
+      else:
+        pairs.append((r, None))
+    pairs.append(treedef)
+  return pairs
+
+
+def _is_ref_leaf(x: Any) -> bool:
+  return isinstance(x, internals.TransformedRef)
+
+
+def _unflatten(pairs: list, values: list) -> list[Any]:
+  """Re-nests per-leaf values (in the order of `pairs`) into the operands' pytrees."""
+  out, leaves, it = [], [], iter(values)
+  for p in pairs:
+    if isinstance(p, tuple):
+      leaves.append(next(it))
+    else:
+      out.append(jax.tree_util.tree_unflatten(p, leaves))
+      leaves = []
+  return out
+
+
+def _grid_steps(grid: Sequence[Any], site: str) -> tuple[tuple[Any, ...], Any]:
+  grid = tuple(grid)
+  for g in grid:
+    if isinstance(g, (numbers.Integral,)) and not isinstance(g, bool):
+      if g <= 0:
+        raise PalletError(f"emit_pipeline in {site}: grid sizes must be positive, got {grid}")
+    elif not (hasattr(g, "shape") and g.shape == () and jnp.issubdtype(g.dtype, jnp.integer)):
+      raise PalletError(f"emit_pipeline in {site}: grid entries must be ints or integer "
+                        f"scalars, got {grid}")
+  if all(isinstance(g, numbers.Integral) for g in grid):
+    return grid, math.prod(grid)
+  total = jnp.int32(1)
+  for g in grid:
+    total = total * jnp.asarray(g, jnp.int32)
+  return grid, total
+
+
+def _unravel(step: Any, grid: Sequence[Any]) -> list[Any]:
+  ids = []
+  for g in reversed(grid):
+    ids.append(step % g)
+    step = step // g
+  return ids[::-1]
+
+
+def emit_pipeline(body: Callable[..., None], *, grid: Sequence[Any], in_specs: Any = (),
+                  out_specs: Any = (), tiling: Any = None, core_axis: Any = None,
+                  core_axis_name: Any = None, dimension_semantics: Any = None,
+                  trace_scopes: bool = True, no_pipelining: bool = False,
+                  output_wait_read_only: bool = False,
+                  _explicit_indices: bool = False) -> Callable[..., None]:
+  """Returns `pipeline(*in_refs, *out_refs, scratches=(), allocations=None)`, which runs
+  `body(*in_blocks, *out_blocks, *scratches)` for every step of `grid`.
+
+  Hints for the TPU's scheduler (tiling, dimension_semantics, core partitioning on a
+  single core, no_pipelining, output_wait_read_only) do not change the result and are
+  accepted as such. With `_explicit_indices`, the body gets a `PipelineStep` first.
+  """
+  del tiling, core_axis, core_axis_name, dimension_semantics, trace_scopes, no_pipelining
+  del output_wait_read_only
+  in_specs, out_specs = _normalize(in_specs), _normalize(out_specs)
+
+  def step_body(step: PipelineStep, *refs: Any) -> None:
+    return body(step, *refs) if _explicit_indices else body(*refs)
+
+  def pipeline(*refs: Any, scratches: Any = None, allocations: Any = None,
+               body_prologue: Callable[[], None] | None = None) -> None:
+    """`body_prologue` (JAX 0.10) runs before the body at every step, in its grid."""
+    site = kernel_site()
+    steps_grid, n_steps = _grid_steps(grid, site)
+    ins = _windows(in_specs, refs[:len(in_specs)], "input", site)
+    outs = _windows(out_specs, refs[len(in_specs):], "output", site)
+    scratch = () if scratches is None else tuple(scratches)
+    operands = [p for p in ins + outs if isinstance(p, tuple)]
+    windows = [w for _, w in operands if w is not None]
+    if allocations is None:
+      return primitives.run_scoped(
+          lambda *bufs: _run(step_body, body_prologue, steps_grid, n_steps, ins, outs,
+                             scratch, list(bufs)),
+          *[w.buffer for w in windows])
+    bufs = jax.tree_util.tree_leaves(allocations, is_leaf=_is_ref_leaf)
+    if len(bufs) != len(windows):
+      raise PalletError(f"emit_pipeline in {site}: allocations hold {len(bufs)} buffers, "
+                        f"the pipeline needs {len(windows)} (one per windowed operand); "
+                        f"make them with emit_pipeline_with_allocations")
+    return _run(step_body, body_prologue, steps_grid, n_steps, ins, outs, scratch, bufs)
+
+  return pipeline
+
+
+def _run(body, prologue, grid, n_steps, ins, outs, scratch, bufs) -> None:
+  """The loop: per step, blocks in, body, blocks out."""
+  n_in_leaves = sum(isinstance(p, tuple) for p in ins)
+  operands = [p for p in ins + outs if isinstance(p, tuple)]
+  buf_of, it = [], iter(bufs)
+  for _, w in operands:
+    buf_of.append(next(it) if w is not None else None)
+  kernel_name = primitives.current_kernel_name()
+
+  def step(i, carry):
+    ids = _unravel(i, grid)
+    # Index maps, like the body, see the pipeline's own grid: `pl.program_id` and
+    # `pl.num_programs` there answer for this step of the inner grid.
+    with primitives.grid_context(ids, grid, kernel_name=kernel_name):
+      views = [(r, w, buf) + (w.view(w.starts(ids)) if w is not None else ((), None))
+               for (r, w), buf in zip(operands, buf_of)]
+    block_refs = []
+    for r, w, buf, idx, mask in views:
+      if w is None:
+        block_refs.append(r)
+        continue
+      buf[...] = primitives.load(r, idx, mask=mask)
+      block_refs.append(buf)
+    with primitives.grid_context(ids, grid, kernel_name=kernel_name):
+      if prologue is not None:
+        prologue()
+      body(PipelineStep(tuple(ids), i), *_unflatten(ins, block_refs[:n_in_leaves]),
+           *_unflatten(outs, block_refs[n_in_leaves:]), *scratch)
+    for r, w, buf, idx, mask in views[n_in_leaves:]:
+      if w is not None:
+        primitives.store(r, idx, buf[...], mask=mask)
+    return carry
+
+  if isinstance(n_steps, int) and n_steps == 1:
+    step(jnp.int32(0), ())
+  else:
+    lax.fori_loop(0, n_steps, step, ())
+
+
+def emit_pipeline_with_allocations(body: Callable[..., None], *, grid: Sequence[Any],
+                                   in_specs: Any = (), out_specs: Any = ()):
+  """(pipeline, make_allocations): `make_allocations(*refs)` gives the block buffers as
+  scratch shapes (allocate them with `pl.run_scoped`) to pass as `allocations=`."""
+  in_specs_, out_specs_ = _normalize(in_specs), _normalize(out_specs)
+  pipeline = emit_pipeline(body, grid=grid, in_specs=in_specs, out_specs=out_specs)
+
+  def make_allocations(*refs: Any) -> tuple[ScratchShape, ...]:
+    site = kernel_site()
+    pairs = (_windows(in_specs_, refs[:len(in_specs_)], "input", site)
+             + _windows(out_specs_, refs[len(in_specs_):], "output", site))
+    windows = [p[1] for p in pairs if isinstance(p, tuple)]
+    return tuple(w.buffer for w in windows if w is not None)
+
+  return pipeline, make_allocations
