@@ -39,9 +39,9 @@ EXTRA_PARAMETERS = {
          "detect_hangs", "max_loop_iterations"),
         "the switches of pallet's checking mode (docs/checking.md), keyword-only"),
     ("pallet.triton", "CompilerParams"): (
-        ("compute_capability", "gpu_arch", "dimension_semantics"),
-        "pallet's Triton backend compiles ahead of time for a named target and honours "
-        "dimension_semantics"),
+        ("compute_capability", "gpu_arch", "dimension_semantics", "grid_bounds"),
+        "pallet's Triton backend compiles ahead of time for a named target, honours "
+        "dimension_semantics and bounds run-time grid sizes"),
 }
 
 # (pallet module, name) -> why the class is built differently on purpose.

@@ -123,6 +123,12 @@ _KNOWN_SPILLS = {
 # needs 4.3 MB of shared memory on sm_80 (164 KB); pallet refuses it with a clear error.
 for _name in ("user_mlp_grad", "user_mlp_jvp", "user_mlp_vmap_grad"):
   _KNOWN_SPILLS[_name] = "whole (cols, hidden) weights per program exceed sm_80's shared memory"
+_KNOWN_SPILLS["user_gated_delta"] = (
+    "a CPU-shaped TPU kernel: whole-chunk (64 x 64) state and triangular scratch matrices "
+    "in one program; 75936 bytes spill")
+_KNOWN_SPILLS["op_ragged_dot_grad-1"] = (
+    "the CPU suite's float32 ragged_dot backward (dlhs pass) spills 16 bytes on sm_80's "
+    "float32 entry; the issue-24 bf16 shapes are spill-free (docs/performance.md)")
 
 
 def _benchmark_kernels():
@@ -135,9 +141,10 @@ def _benchmark_kernels():
       program = bench.build_pallas(pl, backend="triton")
       inputs = bench.make_inputs(jax.random.key(0))
       kernels = kernels_of(program, *inputs)
-    marks = ([pytest.mark.xfail(strict=True, reason=_KNOWN_SPILLS[bench.name])]
-             if bench.name in _KNOWN_SPILLS else [])
     for k, kd in enumerate(kernels):
+      # Known by benchmark (every kernel) or by one kernel's id.
+      reason = _KNOWN_SPILLS.get(f"{bench.name}-{k}", _KNOWN_SPILLS.get(bench.name))
+      marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
       out.append(pytest.param(kd, id=f"{bench.name}-{k}", marks=marks))
   return out
 
