@@ -139,8 +139,21 @@ def test_bounded_slice_index_map_must_return_a_ds():
     pltpu.emit_pipeline(lambda a, b: None, grid=(1,), in_specs=[spec],
                         out_specs=pl.BlockSpec((8, 128), lambda i: (0, 0)))(x_hbm, o_hbm)
   with pytest.raises(ValueError, match=r"emit_pipeline in kernel 'kernel' at .*, input 0: "
-                     r"index_map result 0 is 0; a pl.BoundedSlice dimension takes pl.ds"):
+                     r"index_map result 0 is 0. Must return a pl.ds from the index_map for "
+                     r"a BoundedSlice dimension"):
     pl.pallas_call(kernel, sds(x), in_specs=[ANY], out_specs=ANY)(x)
+
+
+@pytest.mark.parametrize("grid", [(0, 2), (2, -1)])
+def test_pipeline_grid_sizes_must_be_positive(grid):
+  # Pallas's wording (JAX's tests match it), with the kernel and the user's line.
+  def kernel(o_hbm):
+    pltpu.emit_pipeline(lambda o: None, grid=grid,
+                        out_specs=pl.BlockSpec((8, 128), lambda i, j: (i, j)))(o_hbm)
+  with pytest.raises(ValueError, match=r"emit_pipeline in kernel 'kernel' at .*test_pipeline"
+                     r"\.py:\d+: All elements in the grid must be strictly positive, got "
+                     r"grid=\(" + ", ".join(map(str, grid))):
+    pl.pallas_call(kernel, jax.ShapeDtypeStruct((16, 256), jnp.float32), out_specs=ANY)()
 
 
 def test_emit_pipeline_with_allocations_reused():

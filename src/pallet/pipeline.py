@@ -99,9 +99,9 @@ class _Window:
     out = []
     for i, (b, (kind, n)) in enumerate(zip(block, self.dims)):
       if (kind == "bounded") != isinstance(b, Slice):
-        raise PalletError(f"{self.where}: index_map result {i} is {b!r}; a pl.BoundedSlice "
-                          f"dimension takes pl.ds(start, size) and only such a dimension "
-                          f"does")
+        raise PalletError(f"{self.where}: index_map result {i} is {b!r}. Must return a "
+                          f"pl.ds from the index_map for a BoundedSlice dimension (and "
+                          f"only for such a dimension)")
       if kind == "bounded":
         out.append((jnp.asarray(b.start, jnp.int32), self._checked_size(b.size, n, i)))
       else:
@@ -228,7 +228,8 @@ def _grid_steps(grid: Sequence[Any], site: str) -> tuple[tuple[Any, ...], Any]:
   for g in grid:
     if isinstance(g, (numbers.Integral,)) and not isinstance(g, bool):
       if g <= 0:
-        raise PalletError(f"emit_pipeline in {site}: grid sizes must be positive, got {grid}")
+        raise PalletError(f"emit_pipeline in {site}: All elements in the grid must be "
+                          f"strictly positive, got grid={grid}")
     elif not (hasattr(g, "shape") and g.shape == () and jnp.issubdtype(g.dtype, jnp.integer)):
       raise PalletError(f"emit_pipeline in {site}: grid entries must be ints or integer "
                         f"scalars, got {grid}")
