@@ -384,3 +384,28 @@ def test_any_block_spec_of_a_pipeline_output_is_refused():
   x = random_array((16, 16))
   with pytest.raises(pl.PalletError, match=r"kernel 'kernel' at .*, output 0: BlockSpec"):
     pallas_call(kernel, sds(x), in_specs=[ANY], out_specs=ANY)(x)
+
+
+@pytest.mark.parametrize("num_cores", [1, 2])
+def test_pipeline_body_sees_the_kernels_mesh_axes(num_cores):
+  # Inside emit_pipeline, program_id answers for the inner grid, while
+  # lax.axis_index/axis_size of the enclosing pl.kernel's mesh axis still answer
+  # for the core (JAX's megacore tests query both from the pipeline body).
+  x = random_array((16, 128 * 2 * num_cores))
+  mesh = pltpu.create_tensorcore_mesh("core", num_cores=num_cores)
+
+  @pl.kernel(out_type=sds(x), mesh=mesh)
+  def run(x_hbm, o_hbm):
+    core = lax.axis_index("core")
+
+    def body(x_ref, o_ref):
+      o_ref[...] = (x_ref[...] + 10.0 * lax.axis_index("core") + 100.0 * pl.program_id(0)
+                    + 1000.0 * lax.axis_size("core"))
+    pltpu.emit_pipeline(
+        body, grid=(2,),
+        in_specs=[pl.BlockSpec((16, 128), lambda i: (0, 2 * core + i))],
+        out_specs=[pl.BlockSpec((16, 128), lambda i: (0, 2 * core + i))])(x_hbm, o_hbm)
+
+  blocks = jnp.arange(2 * num_cores) // 2 * 10.0 + jnp.arange(2 * num_cores) % 2 * 100.0
+  expected = x + jnp.repeat(blocks, 128)[None, :] + 1000.0 * num_cores
+  assert_close(run(x), expected)

@@ -307,7 +307,7 @@ def _run(body, prologue, grid, n_steps, ins, outs, scratch, bufs) -> None:
     ids = _unravel(i, grid)
     # Index maps, like the body, see the pipeline's own grid: `pl.program_id` and
     # `pl.num_programs` there answer for this step of the inner grid.
-    with primitives.grid_context(ids, grid, kernel_name=kernel_name):
+    with primitives.grid_context(ids, grid, kernel_name=kernel_name, nested=True):
       views = [(r, w, buf) + (w.view(w.starts(ids)) if w is not None else ((), None))
                for (r, w), buf in zip(operands, buf_of)]
     block_refs = []
@@ -317,7 +317,7 @@ def _run(body, prologue, grid, n_steps, ins, outs, scratch, bufs) -> None:
         continue
       buf[...] = primitives.load(r, idx, mask=mask)
       block_refs.append(buf)
-    with primitives.grid_context(ids, grid, kernel_name=kernel_name):
+    with primitives.grid_context(ids, grid, kernel_name=kernel_name, nested=True):
       if prologue is not None:
         prologue()
       body(PipelineStep(tuple(ids), i), *_unflatten(ins, block_refs[:n_in_leaves]),
