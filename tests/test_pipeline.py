@@ -409,3 +409,25 @@ def test_pipeline_body_sees_the_kernels_mesh_axes(num_cores):
   blocks = jnp.arange(2 * num_cores) // 2 * 10.0 + jnp.arange(2 * num_cores) % 2 * 100.0
   expected = x + jnp.repeat(blocks, 128)[None, :] + 1000.0 * num_cores
   assert_close(run(x), expected)
+
+
+def test_key_memory_space_passes_a_prng_key_whole():
+  # pl.MemorySpace.KEY (JAX 0.12): a typed PRNG key held whole, in a pipeline and in
+  # pallas_call alike; the kernel's draws equal jax.random's on the same key outside.
+  key = pltpu.to_pallas_key(jax.random.key(int(random_array((), jnp.int32, low=1,
+                                                            high=10**6))))
+  out_shape = jax.ShapeDtypeStruct((8, 128), jnp.float32)
+
+  def draw(key_ref, o_ref):
+    o_ref[...] = jax.random.uniform(key_ref[...], shape=o_ref.shape)
+
+  def kernel(key_hbm, o_hbm):
+    pltpu.emit_pipeline(draw, grid=(), in_specs=[pl.BlockSpec(memory_space=pl.MemorySpace.KEY)],
+                        out_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)])(key_hbm, o_hbm)
+  expected = jax.random.uniform(key, (8, 128))
+  out = pl.pallas_call(kernel, out_shape, in_specs=[pl.BlockSpec(memory_space=pltpu.HBM)],
+                       out_specs=pl.BlockSpec(memory_space=pltpu.HBM))(key)
+  assert_close(out, expected, rtol=0, atol=0)
+  direct = pl.pallas_call(draw, out_shape,
+                          in_specs=[pl.BlockSpec(memory_space=pl.MemorySpace.KEY)])(key)
+  assert_close(direct, expected, rtol=0, atol=0)
