@@ -598,3 +598,27 @@ def test_triton_refuses_reading_a_semaphore_a_run_time_index_may_alias():
                            r"'semaphore_read': reading scratch 0 \('sems'\)\[0\] while "
                            r"scratch 0 \('sems'\)\[\w+\] holds 512"):
     plt.source(call, x)
+
+
+@pytest.mark.parametrize("interpret", [False, True])
+def test_copy_started_in_one_call_and_waited_in_another(interpret):
+  # The DMA semaphore is an output of the first call and an input of the second; with
+  # interpret=True (which poisons unwritten outputs) it must still start at zero, or
+  # the wait sees a poisoned count (it reported a never-finishing wait).
+  x = random_array((8, 128))
+  sem_spec = pl.BlockSpec(memory_space=pltpu.SEMAPHORE)
+
+  def start(x_ref, aliased_x, o_ref, sem):
+    del aliased_x
+    pltpu.make_async_copy(x_ref, o_ref, sem).start()
+
+  def done(x_ref, o_ref, sem, aliased_o):
+    del aliased_o
+    pltpu.make_async_copy(x_ref, o_ref, sem).wait()
+
+  x2, out, sem = pl.pallas_call(
+      start, out_shape=(sds(x), sds(x), pltpu.SemaphoreType.DMA(())), in_specs=[ANY],
+      out_specs=(ANY, ANY, sem_spec), input_output_aliases={0: 0}, interpret=interpret)(x)
+  out = pl.pallas_call(done, out_shape=sds(x), in_specs=[ANY, ANY, sem_spec], out_specs=ANY,
+                       input_output_aliases={1: 0}, interpret=interpret)(x2, out, sem)
+  assert_close(out, x)

@@ -279,7 +279,7 @@ def test_bounded_slice_blocks_start_at_the_slice_start():
 
 def test_bounded_slice_errors():
   x = random_array((8,))
-  with pytest.raises(pl.PalletError, match="in_specs\\[0\\].*BoundedSlice dimension takes pl.ds"):
+  with pytest.raises(pl.PalletError, match="in_specs\\[0\\].*Must return a pl.ds from the index_map for a BoundedSlice dimension"):
     pallas_call(lambda x_ref, o_ref: None, out_shape=sds(x), grid=(2,),
                 in_specs=[pl.BlockSpec((pl.BoundedSlice(4),), lambda i: (i,))])(x)
   with pytest.raises(pl.PalletError, match="out_specs\\[0\\].*inputs only"):

@@ -139,8 +139,21 @@ def test_bounded_slice_index_map_must_return_a_ds():
     pltpu.emit_pipeline(lambda a, b: None, grid=(1,), in_specs=[spec],
                         out_specs=pl.BlockSpec((8, 128), lambda i: (0, 0)))(x_hbm, o_hbm)
   with pytest.raises(ValueError, match=r"emit_pipeline in kernel 'kernel' at .*, input 0: "
-                     r"index_map result 0 is 0; a pl.BoundedSlice dimension takes pl.ds"):
+                     r"index_map result 0 is 0. Must return a pl.ds from the index_map for "
+                     r"a BoundedSlice dimension"):
     pl.pallas_call(kernel, sds(x), in_specs=[ANY], out_specs=ANY)(x)
+
+
+@pytest.mark.parametrize("grid", [(0, 2), (2, -1)])
+def test_pipeline_grid_sizes_must_be_positive(grid):
+  # Pallas's wording (JAX's tests match it), with the kernel and the user's line.
+  def kernel(o_hbm):
+    pltpu.emit_pipeline(lambda o: None, grid=grid,
+                        out_specs=pl.BlockSpec((8, 128), lambda i, j: (i, j)))(o_hbm)
+  with pytest.raises(ValueError, match=r"emit_pipeline in kernel 'kernel' at .*test_pipeline"
+                     r"\.py:\d+: All elements in the grid must be strictly positive, got "
+                     r"grid=\(" + ", ".join(map(str, grid))):
+    pl.pallas_call(kernel, jax.ShapeDtypeStruct((16, 256), jnp.float32), out_specs=ANY)()
 
 
 def test_emit_pipeline_with_allocations_reused():
@@ -371,3 +384,50 @@ def test_any_block_spec_of_a_pipeline_output_is_refused():
   x = random_array((16, 16))
   with pytest.raises(pl.PalletError, match=r"kernel 'kernel' at .*, output 0: BlockSpec"):
     pallas_call(kernel, sds(x), in_specs=[ANY], out_specs=ANY)(x)
+
+
+@pytest.mark.parametrize("num_cores", [1, 2])
+def test_pipeline_body_sees_the_kernels_mesh_axes(num_cores):
+  # Inside emit_pipeline, program_id answers for the inner grid, while
+  # lax.axis_index/axis_size of the enclosing pl.kernel's mesh axis still answer
+  # for the core (JAX's megacore tests query both from the pipeline body).
+  x = random_array((16, 128 * 2 * num_cores))
+  mesh = pltpu.create_tensorcore_mesh("core", num_cores=num_cores)
+
+  @pl.kernel(out_type=sds(x), mesh=mesh)
+  def run(x_hbm, o_hbm):
+    core = lax.axis_index("core")
+
+    def body(x_ref, o_ref):
+      o_ref[...] = (x_ref[...] + 10.0 * lax.axis_index("core") + 100.0 * pl.program_id(0)
+                    + 1000.0 * lax.axis_size("core"))
+    pltpu.emit_pipeline(
+        body, grid=(2,),
+        in_specs=[pl.BlockSpec((16, 128), lambda i: (0, 2 * core + i))],
+        out_specs=[pl.BlockSpec((16, 128), lambda i: (0, 2 * core + i))])(x_hbm, o_hbm)
+
+  blocks = jnp.arange(2 * num_cores) // 2 * 10.0 + jnp.arange(2 * num_cores) % 2 * 100.0
+  expected = x + jnp.repeat(blocks, 128)[None, :] + 1000.0 * num_cores
+  assert_close(run(x), expected)
+
+
+def test_key_memory_space_passes_a_prng_key_whole():
+  # pl.MemorySpace.KEY (JAX 0.12): a typed PRNG key held whole, in a pipeline and in
+  # pallas_call alike; the kernel's draws equal jax.random's on the same key outside.
+  key = pltpu.to_pallas_key(jax.random.key(int(random_array((), jnp.int32, low=1,
+                                                            high=10**6))))
+  out_shape = jax.ShapeDtypeStruct((8, 128), jnp.float32)
+
+  def draw(key_ref, o_ref):
+    o_ref[...] = jax.random.uniform(key_ref[...], shape=o_ref.shape)
+
+  def kernel(key_hbm, o_hbm):
+    pltpu.emit_pipeline(draw, grid=(), in_specs=[pl.BlockSpec(memory_space=pl.MemorySpace.KEY)],
+                        out_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)])(key_hbm, o_hbm)
+  expected = jax.random.uniform(key, (8, 128))
+  out = pl.pallas_call(kernel, out_shape, in_specs=[pl.BlockSpec(memory_space=pltpu.HBM)],
+                       out_specs=pl.BlockSpec(memory_space=pltpu.HBM))(key)
+  assert_close(out, expected, rtol=0, atol=0)
+  direct = pl.pallas_call(draw, out_shape,
+                          in_specs=[pl.BlockSpec(memory_space=pl.MemorySpace.KEY)])(key)
+  assert_close(direct, expected, rtol=0, atol=0)

@@ -54,8 +54,7 @@ DIFFERENT = {
         "inner_aval a property; it is also built as MemoryRef(aval, memory_space) as in JAX",
     ("pallet", "MemorySpace"):
         "one enum holds every backend's memory spaces (pl.ANY and pltpu.VMEM alike); "
-        "ERROR (checkify), INDEX (SparseCore scalar prefetch) and KEY (PRNG keys) are not "
-        "memory pallet has",
+        "ERROR (checkify) and INDEX (SparseCore scalar prefetch) are not memory pallet has",
     ("pallet.tpu", "MemorySpace"):
         "the same enum as pl.MemorySpace (one enum for every backend's memory spaces)",
     ("pallet", "semaphore"):

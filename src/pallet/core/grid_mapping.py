@@ -274,9 +274,9 @@ def trace_index_map(index_map: Callable | None, grid: tuple[int | None, ...],
     result, slice_sizes = [], []
     for i, o in enumerate(out):
       if (i in slice_bounds) != isinstance(o, Slice):
-        raise PalletError(f"{where}: index_map result {i} is {shown(o)}; a pl.BoundedSlice "
-                          f"dimension takes pl.ds(start, size) and only such a dimension "
-                          f"does{defined}")
+        raise PalletError(f"{where}: index_map result {i} is {shown(o)}. Must return a "
+                          f"pl.ds from the index_map for a BoundedSlice dimension (and only "
+                          f"for such a dimension){defined}")
       if isinstance(o, Slice):
         if is_tracer(o.size):
           slice_sizes.append((i, jnp.asarray(o.size).astype(jnp.int32)))

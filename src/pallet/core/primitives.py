@@ -54,12 +54,7 @@ def cdiv(a: Any, b: Any) -> Any:
 
 def _named_grid_index(axis_name: Any) -> Any:
   """The program id of the named grid axis `axis_name` of the kernel being traced, or None."""
-  if not _grid_contexts or _grid_contexts[-1].grid_names is None:
-    return None
-  ctx = _grid_contexts[-1]
-  if axis_name in ctx.grid_names:
-    return ctx.program_ids[ctx.grid_names.index(axis_name)]
-  return None
+  return current_grid_names().get(axis_name)
 
 
 internals.register_axis_index_substitution(_named_grid_index)

@@ -26,6 +26,7 @@ class MemorySpace(enum.Enum):
   HOST = "host"            # host memory (`pl.HOST`)
   CMEM = "cmem"            # TPU common memory
   VMEM_SHARED = "vmem_shared"  # TPU vector memory shared by a chip's cores
+  KEY = "key"              # PRNG keys (typed key arrays), held whole like SMEM scalars
 
   def __call__(self, shape: Sequence[int], dtype: Any) -> "MemoryRef":
     """`pltpu.VMEM((8, 128), jnp.float32)` describes a scratch buffer."""

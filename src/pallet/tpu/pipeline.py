@@ -99,9 +99,9 @@ class _Window:
     out = []
     for i, (b, (kind, n)) in enumerate(zip(block, self.dims)):
       if (kind == "bounded") != isinstance(b, Slice):
-        raise PalletError(f"{self.where}: index_map result {i} is {b!r}; a pl.BoundedSlice "
-                          f"dimension takes pl.ds(start, size) and only such a dimension "
-                          f"does")
+        raise PalletError(f"{self.where}: index_map result {i} is {b!r}. Must return a "
+                          f"pl.ds from the index_map for a BoundedSlice dimension (and "
+                          f"only for such a dimension)")
       if kind == "bounded":
         out.append((jnp.asarray(b.start, jnp.int32), self._checked_size(b.size, n, i)))
       else:
@@ -228,7 +228,8 @@ def _grid_steps(grid: Sequence[Any], site: str) -> tuple[tuple[Any, ...], Any]:
   for g in grid:
     if isinstance(g, (numbers.Integral,)) and not isinstance(g, bool):
       if g <= 0:
-        raise PalletError(f"emit_pipeline in {site}: grid sizes must be positive, got {grid}")
+        raise PalletError(f"emit_pipeline in {site}: All elements in the grid must be "
+                          f"strictly positive, got grid={grid}")
     elif not (hasattr(g, "shape") and g.shape == () and jnp.issubdtype(g.dtype, jnp.integer)):
       raise PalletError(f"emit_pipeline in {site}: grid entries must be ints or integer "
                         f"scalars, got {grid}")
@@ -306,7 +307,7 @@ def _run(body, prologue, grid, n_steps, ins, outs, scratch, bufs) -> None:
     ids = _unravel(i, grid)
     # Index maps, like the body, see the pipeline's own grid: `pl.program_id` and
     # `pl.num_programs` there answer for this step of the inner grid.
-    with primitives.grid_context(ids, grid, kernel_name=kernel_name):
+    with primitives.grid_context(ids, grid, kernel_name=kernel_name, nested=True):
       views = [(r, w, buf) + (w.view(w.starts(ids)) if w is not None else ((), None))
                for (r, w), buf in zip(operands, buf_of)]
     block_refs = []
@@ -316,7 +317,7 @@ def _run(body, prologue, grid, n_steps, ins, outs, scratch, bufs) -> None:
         continue
       buf[...] = primitives.load(r, idx, mask=mask)
       block_refs.append(buf)
-    with primitives.grid_context(ids, grid, kernel_name=kernel_name):
+    with primitives.grid_context(ids, grid, kernel_name=kernel_name, nested=True):
       if prologue is not None:
         prologue()
       body(PipelineStep(tuple(ids), i), *_unflatten(ins, block_refs[:n_in_leaves]),

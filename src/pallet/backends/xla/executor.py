@@ -24,6 +24,7 @@ from pallet.backends.xla.plan import ExecutionPlan, OperandPlan, element_scale, 
 from pallet.backends.xla import body_analysis, bounded_loops, literal_folding, widening
 from pallet.backends.xla.static_indices import fold_static_indices
 from pallet.backends.xla.widening import Widening
+from pallet.core.specs import MemorySpace
 from pallet.core.tracing import KernelDescription
 
 Body = Callable[..., tuple[list[Any], list[Any]]]
@@ -342,8 +343,11 @@ def build(kernel: KernelDescription, plan: ExecutionPlan | None = None) -> Calla
     bufs = []
     for o, op in enumerate(plan.outputs):
       m = op.mapping
+      # a semaphore output is a counter the kernel's DMAs and signals add to: it starts
+      # at zero even with poisoned buffers, as scratch semaphores do
+      counter = m.memory_space is MemorySpace.SEMAPHORE
       init = inputs[aliases[o]] if o in aliases else checks.uninitialized(
-          m.array_shape, m.dtype, poison=kernel.poison_buffers)
+          m.array_shape, m.dtype, poison=False if counter else kernel.poison_buffers)
       bufs.append(_pad(init, op, kernel.poison_buffers))
     if 0 in grid:
       return _unpad(bufs, plan)
