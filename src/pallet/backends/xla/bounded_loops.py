@@ -127,8 +127,9 @@ def _interval_of_eqn(eqn: Any, ins: list) -> list:
     return [(np.maximum(lo[0], np.minimum(x[0], hi[0])),
              np.maximum(lo[1], np.minimum(x[1], hi[1])))]
   if name == "select_n":
-    return [(np.minimum.reduce([c[0] for c in ins[1:]]),
-             np.maximum.reduce([c[1] for c in ins[1:]]))]
+    # A case's bounds may be arrays (of differing shapes): the hull of every value is sound.
+    return [(np.float64(min(np.min(c[0]) for c in ins[1:])),
+             np.float64(max(np.max(c[1]) for c in ins[1:])))]
   if name in ("convert_element_type", "copy", "copy_p", "reshape", "squeeze",
               "broadcast_in_dim", "reduce_precision"):
     return [ins[0] if _integer_scalar(eqn.invars[0].aval) else _unknown()]
