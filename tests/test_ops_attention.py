@@ -2,11 +2,12 @@
 causal masks, segment ids, GQA/MQA, sliding windows, soft-caps and ragged lengths."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import current_test_backend, random_array
+from helpers import assert_close, current_test_backend, random_array
 from pallet import PalletError, ops
 from ops_testing import DTYPES, check_op
 
@@ -138,3 +139,16 @@ def test_passes_with_different_blocks(kwargs):
   with launch_table.overriding("flash_attention", sections):
     check_op(ops.flash_attention, ops.attention_reference, (q, k, v), argnums=(0, 1, 2),
              **kwargs)
+
+
+def test_windowed_flash_attention_runs_under_checking_mode(monkeypatch):
+  """PALLET_CHECKS=1 on a sliding-window attention: the checked kernel's loop bounds
+  take a select of intervals of different shapes (a crash in bounded_loops once)."""
+  monkeypatch.setenv("PALLET_CHECKS", "1")
+  q, k, v = _qkv(2, 4, 1, 37, 37, 16, jnp.float32)
+  w = random_array(q.shape)
+  loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v) * w)
+  kernel = loss(lambda q, k, v: ops.flash_attention(q, k, v, window=12, block_q=16, block_k=16))
+  reference = loss(lambda q, k, v: ops.attention_reference(q, k, v, window=12))
+  got = jax.grad(kernel, argnums=(0, 1, 2))(q, k, v)
+  assert_close(got, jax.grad(reference, argnums=(0, 1, 2))(q, k, v), rtol=1e-4, atol=1e-4)

@@ -142,3 +142,63 @@ def row_offset_times_stride_overflows(bug, **call):
     o_ref[...] = table_ref[bucket]
 
   return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((64,), F32), **call)
+
+
+def _tiles():
+  return random_array((256,)), jnp.zeros((1,), jnp.int32)
+
+
+@bug_case(kind="race", ref="count_ref", inputs=_tiles,
+          reference=lambda x, zeros: (2.0 * x, zeros + 4))
+def work_counter_zeroed_inside_the_kernel(bug, **call):
+  """Each program doubles its tile and counts it in a work counter with an atomic add;
+  the first program zeroes the counter with a plain store, which races with the other
+  programs' atomic adds (on a GPU the store may land after some of them). Modeled on
+  https://github.com/vllm-project/vllm-xpu-kernels/pull/586 (a persistent kernel's
+  work counter zeroed in-kernel by one workgroup while the others atomically add to
+  it). The fix zeroes the counter before the call: an input aliased to it."""
+  def kernel(x_ref, zeros_ref, o_ref, count_ref):
+    del zeros_ref  # aliased to count_ref: the counter starts at zero
+    if bug:
+      @pl.when(pl.program_id(0) == 0)
+      def _():
+        count_ref[0] = 0  # BUG: a plain store the other programs' atomics race with
+
+    o_ref[...] = 2.0 * x_ref[...]
+    pl.atomic_add(count_ref, 0, jnp.int32(1))
+
+  block = pl.BlockSpec((64,), lambda i: (i,))
+  whole = pl.BlockSpec(memory_space=pl.ANY)
+  return pl.pallas_call(kernel, grid=(4,),
+                        out_shape=(jax.ShapeDtypeStruct((256,), F32),
+                                   jax.ShapeDtypeStruct((1,), jnp.int32)),
+                        in_specs=[block, whole], out_specs=(block, whole),
+                        input_output_aliases={1: 1}, **call)
+
+
+def _rows_to_reduce():
+  return random_array((512,)), jnp.zeros((1,), F32)
+
+
+@bug_case(kind="uninitialized", ref="o_ref", inputs=_rows_to_reduce,
+          reference=lambda x, zeros: zeros + jnp.sum(x, keepdims=True))
+def atomic_sum_into_an_unzeroed_output(bug, **call):
+  """A grid-wide sum: every program reduces its tile and atomically adds the partial
+  sum into the one output cell, which nothing set to zero (an atomic add reads the
+  cell first). Modeled on https://github.com/ByteDance-Seed/Triton-distributed/issues/182
+  (`tl.atomic_add` accumulating into a `torch.empty` output). The fix starts the cell
+  from zeros aliased to it."""
+  def kernel(x_ref, o_ref):
+    partial = jnp.sum(x_ref[...], keepdims=True)
+    pl.atomic_add(o_ref, pl.ds(0, 1), partial)  # BUG: o_ref was never zeroed
+
+  def fixed_kernel(x_ref, zeros_ref, o_ref):
+    del zeros_ref  # aliased to o_ref: the sum starts at zero
+    kernel(x_ref, o_ref)
+
+  block = pl.BlockSpec((128,), lambda i: (i,))
+  whole = pl.BlockSpec(memory_space=pl.ANY)
+  program = pl.pallas_call(kernel if bug else fixed_kernel, grid=(4,), out_shape=jax.ShapeDtypeStruct((1,), F32),
+                           in_specs=[block] + ([] if bug else [whole]), out_specs=whole,
+                           input_output_aliases={} if bug else {1: 0}, **call)
+  return (lambda x, zeros: program(x)) if bug else program
