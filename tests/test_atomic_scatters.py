@@ -211,3 +211,27 @@ def test_gradient_and_vmap_through_a_scatter_kernel():
   got = jax.vmap(lambda u: run(idx, u, table))(batched)
   want = jax.vmap(lambda u: twice(u, table))(batched)
   assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("op,reduce", [(pl.atomic_add, jnp.sum), (pl.atomic_max, jnp.max),
+                                       (pl.atomic_min, jnp.min)],
+                         ids=["add", "max", "min"])
+def test_every_program_combines_into_one_whole_window(op, reduce):
+  # A grid-wide reduction: each program's partial result combined atomically into one
+  # whole-array output (empty scatter index vectors). XLA of jaxlib 0.10.2 kept only
+  # the last program's update when such scatters were joined into one.
+  x = random_array((512,))
+
+  def kernel(x_ref, start_ref, o_ref):
+    del start_ref   # aliased to o_ref
+    op(o_ref, pl.ds(0, 1), reduce(x_ref[...], keepdims=True))
+
+  whole = pl.BlockSpec(memory_space=pl.ANY)
+  start = random_array((1,))
+  f = pl.pallas_call(kernel, grid=(4,), out_shape=jax.ShapeDtypeStruct((1,), jnp.float32),
+                     in_specs=[pl.BlockSpec((128,), lambda i: (i,)), whole], out_specs=whole,
+                     input_output_aliases={1: 0})
+  partials = reduce(x.reshape(4, 128), axis=1)
+  want = {jnp.sum: start + jnp.sum(partials), jnp.max: jnp.maximum(start, jnp.max(partials)),
+          jnp.min: jnp.minimum(start, jnp.min(partials))}[reduce]
+  assert_close(jax.jit(f)(x, start), want, rtol=1e-5, atol=1e-5)

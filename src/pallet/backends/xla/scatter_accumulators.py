@@ -47,6 +47,8 @@ from pallet.core.tracing import KernelDescription
 _COMBINERS = {"scatter-add": lax.scatter_add, "scatter_add": lax.scatter_add,
               "scatter-max": lax.scatter_max, "scatter_max": lax.scatter_max,
               "scatter-min": lax.scatter_min, "scatter_min": lax.scatter_min}
+_REDUCERS = {"scatter-add": jnp.sum, "scatter_add": jnp.sum, "scatter-max": jnp.max,
+             "scatter_max": jnp.max, "scatter-min": jnp.min, "scatter_min": jnp.min}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +157,19 @@ def _scatter_all(eqn: Any, operand: Any, indices: Any, updates: Any, G: int) -> 
   dn = eqn.params["dimension_numbers"]
   steps = int(np.prod(indices.shape[:G]))
   i_shape, u_shape = indices.shape[G:], updates.shape[G:]
+  if i_shape[-1] == 0:
+    # Empty index vectors (an atomic on a whole window): every update lands on the
+    # same window, so combine them first and scatter once. (XLA of jaxlib 0.10.2 keeps
+    # only the last of several updates through empty index vectors.)
+    window = tuple(G + d for d in dn.update_window_dims)
+    others = tuple(d for d in range(updates.ndim) if d not in window)
+    combined = _REDUCERS[eqn.primitive.name](updates, axis=others)
+    one = lax.ScatterDimensionNumbers(
+        update_window_dims=tuple(range(combined.ndim)),
+        inserted_window_dims=dn.inserted_window_dims, scatter_dims_to_operand_dims=())
+    return _COMBINERS[eqn.primitive.name](
+        operand, jnp.zeros((0,), indices.dtype), combined, one, indices_are_sorted=True,
+        unique_indices=True, mode=eqn.params["mode"])
   if len(i_shape) >= 2 and 0 not in dn.update_window_dims:
     # the steps joined with the first scatter dimension: XLA's own (jnp's) layout
     indices = indices.reshape(steps * i_shape[0], *i_shape[1:])
