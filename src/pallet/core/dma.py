@@ -255,14 +255,19 @@ class AsyncCopyDescriptor:
   dst_sem: Any
   src_sem: Any = None
 
-  def start(self, priority: int = 0, *, add: bool = False) -> None:
-    """Copies now (a TPU would copy in the background) and signals the semaphore(s)."""
-    # pl.select_ref among refs or semaphores: start the copy with the chosen one
+  def _started_with_selected_ref(self, priority: int, add: bool) -> bool:
+    """pl.select_ref among refs or semaphores: starts the copy with the chosen one."""
     for end in ("src_ref", "dst_ref", "dst_sem", "src_sem"):
       chosen = getattr(self, end)
       if isinstance(chosen, SelectedRef):
         chosen.write(lambda r: dataclasses.replace(self, **{end: r}).start(priority, add=add))
-        return
+        return True
+    return False
+
+  def start(self, priority: int = 0, *, add: bool = False) -> None:
+    """Copies now (a TPU would copy in the background) and signals the semaphore(s)."""
+    if self._started_with_selected_ref(priority, add):
+      return
     del priority
     src, src_t = primitives.ref_and_transforms(self.src_ref)
     dst, dst_t = primitives.ref_and_transforms(self.dst_ref)

@@ -111,11 +111,8 @@ class RemoteCopyDescriptor(dma.AsyncCopyDescriptor):
 
   def start(self, priority: int = 0, *, add: bool = False) -> None:
     """Copies now (a TPU copies in the background) and signals both semaphores."""
-    for end in ("src_ref", "dst_ref", "dst_sem", "src_sem"):
-      chosen = getattr(self, end)
-      if isinstance(chosen, SelectedRef):
-        chosen.write(lambda r: dataclasses.replace(self, **{end: r}).start(priority, add=add))
-        return
+    if self._started_with_selected_ref(priority, add):
+      return
     del priority
     api = "make_async_remote_copy(...).start()"
     site = dma.kernel_site()
