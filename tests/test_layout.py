@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import ast
 import fnmatch
+import os
 import pathlib
+import subprocess
+import sys
 import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -153,3 +156,60 @@ def test_the_wheel_ships_only_pallet():
   assert "pallet" in packages and "pallet.bench" in packages, packages
   assert all(p == "pallet" or p.startswith("pallet.") for p in packages), (
       "the wheel would ship " + ", ".join(p for p in packages if not p.startswith("pallet")))
+
+
+JAX_PALLAS = ("jax.experimental.pallas", "jax._src.pallas")
+PEER_MODULE = "pallet.bench.peer"
+
+
+def _imported_names(tree: ast.AST):
+  """Every module an import statement anywhere in `tree` names (inside functions too)."""
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      yield from (alias.name for alias in node.names)
+    elif isinstance(node, ast.ImportFrom) and node.module:
+      yield node.module
+      yield from (f"{node.module}.{alias.name}" for alias in node.names)
+
+
+def _loads_jax_pallas(path: pathlib.Path) -> bool:
+  tree = ast.parse(path.read_text())
+  if any(n == p or n.startswith(p + ".") for n in _imported_names(tree) for p in JAX_PALLAS):
+    return True
+  # a module name built for importlib (the bare "jax.experimental.pallas" is jax_ops.py's
+  # routing key, which routes to pallet)
+  return any(isinstance(node, ast.Constant) and isinstance(node.value, str)
+             and node.value.startswith(tuple(p + "." for p in JAX_PALLAS))
+             for node in ast.walk(tree))
+
+
+def test_only_the_benchmark_peer_loads_jax_pallas():
+  """JAX's Pallas is the peer benchmarks time pallet against, nothing pallet runs on: one
+  module of src/ loads it (inside functions), and only the benchmark suite uses that one."""
+  modules = _modules()
+  loaders = sorted(name for name, path in modules.items() if _loads_jax_pallas(path))
+  assert loaders == [PEER_MODULE]
+  users = sorted(name for name, path in modules.items()
+                 if PEER_MODULE in set(_imported_names(ast.parse(path.read_text()))))
+  assert users and all(u.startswith("pallet.bench.") for u in users), users
+  peer_tree = ast.parse(modules[PEER_MODULE].read_text())
+  assert not [n for n in _module_level(peer_tree)
+              if any(p in ast.dump(n) for p in JAX_PALLAS)], "load the peer inside functions"
+
+
+def test_pallet_and_jax_ops_routed_onto_it_never_load_jax_pallas():
+  """At run time: pallet's namespaces, its ops, and JAX's kernel library loaded onto
+  pallet (what the benchmarks and tests/test_jax_ops.py run) leave JAX's Pallas unloaded."""
+  script = """
+import sys
+import pallet, pallet.tpu, pallet.triton, pallet.fuser, pallet.ops, pallet.named
+from pallet.bench import jax_ops
+for name in ("gpu/attention", "gpu/layer_norm", "tpu/flash_attention", "tpu/matmul"):
+  if jax_ops.available(name):
+    jax_ops.load(name)
+print(sorted(m for m in sys.modules if m.startswith("jax.experimental.pallas")))
+"""
+  env = {**os.environ, "PYTHONPATH": str(SRC)}
+  out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                       text=True, check=True).stdout
+  assert out.strip() == "[]", out

@@ -67,11 +67,9 @@ def _pallet_checked_opt_in(bench: Benchmark):
 
 
 def _pallas_checked(bench: Benchmark):
-  from jax.experimental.pallas import tpu as pallas_tpu
-
   from pallet.bench.peer import peer_pallas
-  return bench.build_pallas(peer_pallas(),
-                            interpret=pallas_tpu.InterpretParams(**CHECKED_PARAMS))
+  peer = peer_pallas()
+  return bench.build_pallas(peer, interpret=peer.tpu.InterpretParams(**CHECKED_PARAMS))
 
 
 def checking_variants(opt_in: bool = False, peer: bool = True):

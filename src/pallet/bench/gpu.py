@@ -134,10 +134,9 @@ def _pallet_triton(bench: Benchmark):
 
 
 def _pallas_triton(bench: Benchmark):
-  from jax.experimental.pallas import triton as pallas_triton
-
   from pallet.bench.peer import peer_pallas
-  return bench.build_pallas(peer_pallas(), compiler_params=pallas_triton.CompilerParams())
+  peer = peer_pallas()
+  return bench.build_pallas(peer, compiler_params=peer.triton.CompilerParams())
 
 
 GPU_VARIANTS: tuple[Variant, ...] = (

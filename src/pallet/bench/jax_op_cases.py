@@ -28,6 +28,7 @@ import numpy as np
 
 from pallet.bench import jax_ops
 from pallet.bench.case import Benchmark, Size
+from pallet.bench.peer import peer_op, peer_pallas
 
 GPU_FAMILY = "jax_ops_gpu"
 TPU_FAMILY = "jax_ops_tpu"
@@ -41,16 +42,16 @@ def _builder(module_name: str, run: Callable[..., Any], *, gpu: bool):
   def build(pl: Any, **call_kwargs: Any) -> Callable[..., Any]:
     if isinstance(pl, types.ModuleType) and pl.__name__ == "pallet":
       return _on_pallet(pl, jax_ops.load(module_name), run, call_kwargs)
-    module = jax_ops.upstream(module_name)
+    module = peer_op(module_name)
     interpret = bool(call_kwargs.get("interpret"))
     if gpu:
       return functools.partial(run, module, interpret=interpret)
     if not interpret:
       return functools.partial(run, module)
-    from jax.experimental.pallas import tpu as pltpu
+    force_interpret = peer_pallas().tpu.force_tpu_interpret_mode
 
     def interpreted(*args):
-      with pltpu.force_tpu_interpret_mode():
+      with force_interpret():
         return run(module, *args)
     return interpreted
 

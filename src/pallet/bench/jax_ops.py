@@ -91,11 +91,6 @@ def load(name: str) -> types.ModuleType:
   return module
 
 
-def upstream(name: str) -> types.ModuleType:
-  """jax's own `ops/<name>`, imported normally (on Pallas): the peer of `load(name)`."""
-  return importlib.import_module(f"{_OPS}.{name.replace('/', '.')}")
-
-
 def _path(name: str) -> pathlib.Path:
   file = OPS_DIR / f"{name}.py"
   return file if file.exists() else OPS_DIR / name / "__init__.py"
@@ -114,6 +109,9 @@ def _route_import(dotted: str, attribute: str | None) -> Any:
     if attribute is not None and _path(f"{rel}/{attribute}").exists():
       return load(f"{rel}/{attribute}")
     module = load(rel)
+  elif dotted.startswith((_PALLAS + ".", "jax._src.pallas")):
+    raise ImportError(f"{dotted} is JAX's Pallas, which pallet does not run on and has "
+                      "no route for (ROUTES in pallet/bench/jax_ops.py)")
   else:
     module = importlib.import_module(dotted)
     if attribute is not None and not hasattr(module, attribute):
