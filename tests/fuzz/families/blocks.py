@@ -5,9 +5,11 @@ outputs computing an elementwise expression (with program ids) of the input bloc
 
 The model walks the grid in row-major order, reading each input's window (elements
 outside the array are marked unspecified) and writing each output's window. A draw is
-kept only if no unspecified element reaches an in-range output element; outputs not
-covered wholly are aliased to a poisoned input (NaN / INT_MIN), so what the kernel
-leaves unwritten is compared too.
+kept only if no program stores a value computed from an unspecified element into an
+in-range output element, even one a later program overwrites (the checking mode,
+`PALLET_CHECKS=1`, reports such a store where it happens); outputs not covered wholly
+are aliased to a poisoned input (NaN / INT_MIN), so what the kernel leaves unwritten is
+compared too.
 """
 from __future__ import annotations
 
@@ -28,8 +30,8 @@ DTYPES = ["float32"] * 5 + ["int32"] * 3 + ["bfloat16", "float16"]
 def generate(rng: random.Random, data: np.random.Generator, *, prefetch: bool = False) -> Case:
   for _ in range(100):
     d = _draw(rng, prefetch)
-    written, garbage = _coverage(d)
-    if not any(g.any() for g in garbage):
+    written, padded = _coverage(d)
+    if not any(p.any() for p in padded):
       break
   else:
     raise AssertionError("blocks: no valid draw in 100 tries")
@@ -70,11 +72,13 @@ def _draw(rng: random.Random, prefetch: bool) -> dict[str, Any]:
 
 
 def _coverage(d: dict[str, Any]) -> tuple[list[np.ndarray], list[np.ndarray]]:
-  """Per output: which elements some program writes, and which end up holding values
-  computed from elements outside an input (unspecified)."""
+  """Per output: which elements some program writes, and which some program writes
+  with a value computed from elements outside an input (unspecified). The second is
+  every such store, not only the last one at each element: a store a later program
+  overwrites still puts unspecified values where the array holds data."""
   grid = d["grid"]
   written = [np.zeros(L.shape, bool) for L in d["outs"]]
-  garbage = [np.zeros(L.shape, bool) for L in d["outs"]]
+  padded = [np.zeros(L.shape, bool) for L in d["outs"]]
   tables = d["tables"]
   for ids in grid_points(grid):
     outside = [read_block(np.zeros(L.shape, np.int8), L.window(ids, grid, tables))[1]
@@ -83,8 +87,10 @@ def _coverage(d: dict[str, Any]) -> tuple[list[np.ndarray], list[np.ndarray]]:
       bad = np.zeros(L.visible_shape, bool)
       for i in inputs_used(expr):
         bad = bad | outside[i]
-      write_block(written[j], L.window(ids, grid, tables), True, (garbage[j], bad))
-  return written, garbage
+      stored = np.zeros(L.shape, bool)
+      write_block(written[j], L.window(ids, grid, tables), True, (stored, bad))
+      padded[j] |= stored
+  return written, padded
 
 
 def _model(d: dict[str, Any], args: tuple[np.ndarray, ...]) -> list[np.ndarray]:
