@@ -79,9 +79,25 @@ def _consistent(conj: frozenset) -> bool:
   return not any(not lit.holds and taken.get(lit.source) == lit.branch for lit in conj)
 
 
+def _resolved(conjs: set) -> set:
+  """`c & l | c & ~l` is `c`: a thread that split at a wait (the devices on its path
+  stopped, the others went on) is one thread again once both halves meet. Without
+  this, every wait in a batched branch doubles the conjunctions of what follows."""
+  todo = set(conjs)
+  while True:
+    pair = next(((c, lit) for c in todo for lit in c
+                 if (c - {lit}) | {lit.negated()} in todo), None)
+    if pair is None:
+      return todo
+    c, lit = pair
+    todo -= {c, (c - {lit}) | {lit.negated()}}
+    todo.add(c - {lit})
+
+
 def _simplified(conjs) -> frozenset:
-  """Consistent conjunctions, none implied by a smaller one (absorption)."""
-  kept = sorted({c for c in conjs if _consistent(c)}, key=len)
+  """Consistent conjunctions, merged where they differ in one literal's sign
+  (resolution), none implied by a smaller one (absorption)."""
+  kept = sorted(_resolved({c for c in conjs if _consistent(c)}), key=len)
   out = []
   for c in kept:
     if not any(k <= c for k in out):
@@ -164,6 +180,9 @@ class Block:
     self.interp, self.block_mask = interp, mask
     self.env: dict[Any, Any] = {}
     self._scopes = itertools.count(1)
+    # cond -> (the branch-index values it was computed from, its device mask): consecutive
+    # statements on one path share a mask, which would otherwise be traced once each
+    self._masks: dict[frozenset, tuple[tuple, Any]] = {}
 
   def run(self, jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list:
     for v, c in zip(jaxpr.constvars, consts):
@@ -192,18 +211,25 @@ class Block:
   def _mask(self, cond: frozenset) -> Any:
     if cond == TRUE:
       return self.block_mask
+    conjs = [(conj, [(lit, self.read(lit.source)) for lit in conj]) for conj in cond]
+    sources = tuple(value for _, lits in conjs for _, value in lits)
+    cached = self._masks.get(cond)
+    if cached is not None and all(a is b for a, b in zip(cached[0], sources)):
+      return cached[1]
     n = self.interp.n
     masks = []
-    for conj in cond:
+    for _, lits in conjs:
       m = jnp.ones((n,), jnp.bool_)
-      for lit in conj:
-        index = self.interp.stacked(self.read(lit.source))
+      for lit, value in lits:
+        index = self.interp.stacked(value)
         m = m & ((index == lit.branch) if lit.holds else (index != lit.branch))
       masks.append(m)
     out = masks[0]
     for m in masks[1:]:
       out = out | m
-    return out if self.block_mask is None else out & self.block_mask
+    out = out if self.block_mask is None else out & self.block_mask
+    self._masks[cond] = (sources, out)
+    return out
 
   # -- statements
   def _execute(self, s: _Stmt, cond: frozenset) -> None:
