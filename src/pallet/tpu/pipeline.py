@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import numbers
 from typing import Any, Callable, Sequence
@@ -31,7 +32,7 @@ from pallet.errors import PalletError
 from pallet.core.specs import (BlockSpec, Blocked, BoundedSlice, Element, MemorySpace, ScratchShape,
                                Squeezed, no_block_spec)
 from pallet.core.unsupported import Unsupported
-from pallet.tpu import pipeline_vmap
+from pallet.tpu import pipeline_prefetch, pipeline_vmap
 
 # The Mosaic scheduler's own buffers and its mesh-wide prefetching have no meaning
 # here: the pipeline is a plain loop of copies.
@@ -323,31 +324,54 @@ def emit_pipeline(body: Callable[..., None], *, grid: Sequence[Any], in_specs: A
     scratch = () if scratches is None else tuple(scratches)
     operands = [p for p in ins + outs if isinstance(p, tuple)]
     windows = [w for _, w, _ in operands if w is not None]
+    n_in_windows = sum(w is not None for _, w, _ in operands[:n_in])
+
+    def run(allocated: list) -> None:
+      """The loop over allocated buffers, each input's prefetched window bound."""
+      bufs, prefetched = [], []
+      for k, (w, a) in enumerate(zip(windows, allocated)):
+        buf = a.buffer if isinstance(a, pipeline_prefetch.PrefetchedInputAllocation) else a
+        bufs.append(buf)
+        prefetched.append(pipeline_prefetch.bind(a, w.spec, w.buffer.shape, w.where)
+                          if k < n_in_windows else None)
+      if batch.axes and any(prefetched):
+        raise PalletError(f"emit_pipeline in {site}: prefetched inputs "
+                          f"(pl.Buffered(prefetched_count=...)) under jax.vmap are not "
+                          f"supported")
+      _run(step_body, body_prologue, steps_grid, n_steps, ins, outs, scratch, bufs,
+           batch.axes, prefetched)
+
     if allocations is None:
-      return primitives.run_scoped(
-          lambda *bufs: _run(step_body, body_prologue, steps_grid, n_steps, ins, outs,
-                             scratch, list(bufs), batch.axes),
-          *[w.buffer for w in windows])
-    bufs = jax.tree_util.tree_leaves(allocations, is_leaf=_is_ref_leaf)
-    if len(bufs) != len(windows):
-      raise PalletError(f"emit_pipeline in {site}: allocations hold {len(bufs)} buffers, "
-                        f"the pipeline needs {len(windows)} (one per windowed operand); "
-                        f"make them with emit_pipeline_with_allocations")
-    return _run(step_body, body_prologue, steps_grid, n_steps, ins, outs, scratch, bufs,
-                batch.axes)
+      return primitives.run_scoped(lambda *bufs: run(list(bufs)),
+                                   *[w.buffer for w in windows])
+    allocated = jax.tree_util.tree_leaves(allocations, is_leaf=_is_allocation)
+    if len(allocated) != len(windows):
+      raise PalletError(f"emit_pipeline in {site}: allocations hold {len(allocated)} "
+                        f"buffers, the pipeline needs {len(windows)} (one per windowed "
+                        f"operand); make them with emit_pipeline_with_allocations")
+    return run(allocated)
 
   return pipeline
 
 
+def _is_allocation(x: Any) -> bool:
+  return _is_ref_leaf(x) or isinstance(x, pipeline_prefetch.PrefetchedInputAllocation)
+
+
 def _run(body, prologue, grid, n_steps, ins, outs, scratch, bufs,
-         batch_axes: tuple[pipeline_vmap.BatchAxis, ...] = ()) -> None:
+         batch_axes: tuple[pipeline_vmap.BatchAxis, ...] = (), prefetched: Sequence[Any] = ()
+         ) -> None:
   """The loop: per step, blocks in, body, blocks out. Batch axes (vmap) are outer loop
-  axes that the index maps and the body do not see as grid axes."""
+  axes that the index maps and the body do not see as grid axes. An input with a
+  prefetched window reads its first fetches from that window; the loop carries how
+  many times its block index changed."""
   n_in_leaves = sum(isinstance(p, tuple) for p in ins)
   operands = [p for p in ins + outs if isinstance(p, tuple)]
-  buf_of, it = [], iter(bufs)
+  buf_of, pre_of, it, pre_it = [], [], iter(bufs), iter(prefetched)
   for _, w, _ in operands:
     buf_of.append(next(it) if w is not None else None)
+    pre_of.append(next(pre_it, None) if w is not None else None)
+  fetching = [k for k, pre in enumerate(pre_of) if pre is not None]
   kernel_name = primitives.current_kernel_name()
   batch_sizes = tuple(a.size for a in batch_axes)
   n_batch = math.prod(batch_sizes)
@@ -359,15 +383,29 @@ def _run(body, prologue, grid, n_steps, ins, outs, scratch, bufs,
       # Index maps, like the body, see the pipeline's own grid: `pl.program_id` and
       # `pl.num_programs` there answer for this step of the inner grid.
       with primitives.grid_context(ids, grid, kernel_name=kernel_name, nested=True):
-        views = [(r, w, buf) + (w.view(w.starts(ids, batch_ids)) if w is not None
-                                else ((), None))
-                 for (r, w, _), buf in zip(operands, buf_of)]
+        starts = [w.starts(ids, batch_ids) if w is not None else None
+                  for (_, w, _) in operands]
+        views = [(r, w, buf) + (w.view(s) if w is not None else ((), None))
+                 for (r, w, _), buf, s in zip(operands, buf_of, starts)]
+      fetches = dict(zip(fetching, carry))
+      if fetching:
+        previous = _unravel(jnp.maximum(i - 1, 0), tuple(grid))
+        with primitives.grid_context(previous, grid, kernel_name=kernel_name, nested=True):
+          for k in fetching:
+            before = operands[k][1].starts(previous)
+            changed = functools.reduce(jnp.logical_or, [
+                jnp.asarray(a != b) for (a, _), (b, _) in zip(starts[k], before)],
+                jnp.bool_(False))
+            fetches[k] = fetches[k] + ((i > 0) & changed).astype(jnp.int32)
       block_refs = []
-      for (r, w, buf, idx, mask), (_, _, batched) in zip(views, operands):
+      for k, ((r, w, buf, idx, mask), (_, _, batched)) in enumerate(zip(views, operands)):
         if w is None:
           block_refs.append(pipeline_vmap.batch_element(r, batched, batch_ids))
           continue
-        buf[...] = primitives.load(r, idx, mask=mask)
+        block = primitives.load(r, idx, mask=mask)
+        if k in fetches:   # fetches before `count` are in the prefetched window
+          block = jnp.where(fetches[k] < pre_of[k].count, pre_of[k].slot(fetches[k]), block)
+        buf[...] = block
         block_refs.append(buf)
       with primitives.grid_context(ids, grid, kernel_name=kernel_name, nested=True):
         if prologue is not None:
@@ -377,13 +415,14 @@ def _run(body, prologue, grid, n_steps, ins, outs, scratch, bufs,
     for r, w, buf, idx, mask in views[n_in_leaves:]:
       if w is not None:
         primitives.store(r, idx, buf[...], mask=mask)
-    return carry
+    return tuple(fetches[k] for k in fetching)
 
   total = n_steps * n_batch
+  no_fetches = tuple(jnp.int32(0) for _ in fetching)
   if isinstance(total, int) and total == 1:
-    step(jnp.int32(0), ())
+    step(jnp.int32(0), no_fetches)
   else:
-    lax.fori_loop(0, total, step, ())
+    lax.fori_loop(0, total, step, no_fetches)
 
 
 def _batch_context(batch_ids: Sequence[Any], axes: Sequence[pipeline_vmap.BatchAxis],
@@ -395,6 +434,16 @@ def _batch_context(batch_ids: Sequence[Any], axes: Sequence[pipeline_vmap.BatchA
                                  grid_names=[a.name for a in axes], nested=True)
 
 
+def _input_allocation(w: _Window) -> Any:
+  """An input's block buffer; with `pl.Buffered(prefetched_count=k)`, one whose
+  `with_window_ref` binds the window its first blocks were prefetched into."""
+  k = pipeline_prefetch.prefetched_count(w.spec)
+  if k <= 0:
+    return w.buffer
+  return pipeline_prefetch.PrefetchedInputAllocation(w.buffer, None, k,
+                                                     pipeline_prefetch.buffer_count(w.spec))
+
+
 def emit_pipeline_with_allocations(body: Callable[..., None], *, grid: Sequence[Any],
                                    in_specs: Any = (), out_specs: Any = ()):
   """(pipeline, make_allocations): `make_allocations(*refs)` gives the block buffers as
@@ -402,11 +451,13 @@ def emit_pipeline_with_allocations(body: Callable[..., None], *, grid: Sequence[
   in_specs_, out_specs_ = _normalize(in_specs), _normalize(out_specs)
   pipeline = emit_pipeline(body, grid=grid, in_specs=in_specs, out_specs=out_specs)
 
-  def make_allocations(*refs: Any) -> tuple[ScratchShape, ...]:
+  def make_allocations(*refs: Any) -> tuple[Any, ...]:
     site = kernel_site()
-    pairs = (_windows(in_specs_, refs[:len(in_specs_)], "input", site)
-             + _windows(out_specs_, refs[len(in_specs_):], "output", site))
-    windows = [p[1] for p in pairs if isinstance(p, tuple)]
-    return tuple(w.buffer for w in windows if w is not None)
+    ins = _windows(in_specs_, refs[:len(in_specs_)], "input", site)
+    outs = _windows(out_specs_, refs[len(in_specs_):], "output", site)
+    in_windows = [p[1] for p in ins if isinstance(p, tuple) and p[1] is not None]
+    out_windows = [p[1] for p in outs if isinstance(p, tuple) and p[1] is not None]
+    return (tuple(_input_allocation(w) for w in in_windows)
+            + tuple(w.buffer for w in out_windows))
 
   return pipeline, make_allocations
