@@ -314,9 +314,11 @@ def emit_pipeline(body: Callable[..., None], *, grid: Sequence[Any], in_specs: A
   def emit(refs, scratches, allocations, body_prologue, site, levels) -> None:
     """The pipeline over `refs`; under `jax.vmap`, over the whole refs of every vmap
     level around it (`levels`, innermost first), the batch looped over as outer axes."""
-    ndims = [len(_ref_aval(r, f"emit_pipeline in {site}").shape) for r in
-             jax.tree_util.tree_leaves(refs, is_leaf=_is_ref_leaf)]
-    batch = pipeline_vmap.batch_of(levels, ndims)
+    batch = pipeline_vmap.Batch()
+    if levels:
+      ndims = [len(_ref_aval(r, f"emit_pipeline in {site}").shape) for r in
+               jax.tree_util.tree_leaves(refs, is_leaf=_is_ref_leaf)]
+      batch = pipeline_vmap.batch_of(levels, ndims)
     steps_grid, n_steps = _grid_steps(grid, site)
     ins = _windows(in_specs, refs[:len(in_specs)], "input", site, batch)
     n_in = sum(isinstance(p, tuple) for p in ins)
