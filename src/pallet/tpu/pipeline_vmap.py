@@ -11,7 +11,6 @@ itself; nothing it traces is batched afterwards (a pipeline returns nothing).
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Callable, Sequence
 
 import jax
@@ -114,10 +113,6 @@ class Batch:
   """The vmap levels around a pipeline, outermost first (the loop's outer axes)."""
   axes: tuple[BatchAxis, ...] = ()
   leaf_dims: tuple[tuple[tuple[int, int], ...], ...] | None = None
-
-  @property
-  def size(self) -> int:
-    return math.prod(a.size for a in self.axes)
 
   def dims_of(self, leaf: int) -> tuple[tuple[int, int], ...]:
     """(dimension of the whole ref, batch axis) pairs of ref leaf `leaf`."""
