@@ -364,6 +364,41 @@ def jax_all_gather_op():
     close(got, x, rtol=0, atol=0)
 
 
+def chain_with_per_device_wait_kernel(x_ref, o_ref, n_ref, send_sem, recv_sem):
+  """Devices 0..2 each send to the next; every device then waits on a view whose size
+  (`pl.ds(0, 8 * received)`) is its own number known at run time (device 0 receives
+  nothing and waits on no elements), and reports lax.clamp of a scalar all devices share
+  between bounds that differ per device, and what its semaphore holds after the wait."""
+  me = lax.axis_index("x")
+
+  @pl.when(me < N - 1)
+  def _():
+    copy = pltpu.make_async_remote_copy(x_ref, o_ref, send_sem, recv_sem, device_id=me + 1)
+    copy.start()
+    copy.wait_send()
+
+  received = jnp.where(me > 0, 1, 0)
+  rows = pl.ds(0, 8 * received)
+  pltpu.make_async_remote_copy(x_ref.at[rows], o_ref.at[rows], send_sem, recv_sem,
+                               device_id=me).wait_recv()
+  n_ref[0] = lax.clamp(jnp.int32(0), jnp.int32(2), me)
+  n_ref[1] = pl.semaphore_read(recv_sem)
+
+
+@case
+def waits_whose_size_differs_per_device():
+  x = random((N * 8, 128), 16)
+  f = lambda v: pl.pallas_call(
+      chain_with_per_device_wait_kernel,
+      out_shape=(jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct((2,), jnp.int32)),
+      in_specs=[ANY], out_specs=(ANY, pl.BlockSpec(memory_space=pltpu.SMEM)),
+      scratch_shapes=[pltpu.SemaphoreType.DMA] * 2, interpret=True)(v)
+  got, n = on_mesh(f, P("x"), (P("x"), P("x")))(x)
+  close(got[8:], x[:-8], rtol=0, atol=0)
+  assert np.isnan(np.asarray(got[:8])).all(), "device 0 received nothing: its output stays poisoned"
+  np.testing.assert_array_equal(np.asarray(n).reshape(N, 2), [[0, 0], [1, 0], [2, 0], [2, 0]])
+
+
 # ------------------------------------------------------------------ errors
 def run_expecting(f, x, *needles):
   try:

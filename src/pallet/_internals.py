@@ -125,6 +125,38 @@ def is_staging_tracer(x: Any) -> bool:
   return isinstance(x, pe.DynamicJaxprTracer)
 
 
+# --- vmap of a function over refs (emit_pipeline): its batch axis becomes a grid axis ---
+# A pipeline called under `jax.vmap` steps out of vmap's trace and runs over the whole
+# (batched) refs, looping over the batch itself, as Pallas's batching rule does.
+from jax._src.interpreters import batching as _batching
+
+
+def current_vmap() -> Any | None:
+  """The `jax.vmap` trace that the code running now is traced under, or None."""
+  trace = _core.trace_ctx.trace
+  return trace if isinstance(trace, _batching.BatchTrace) else None
+
+
+def is_vmapped(x: Any) -> bool:
+  """Whether `x` is a value batched by some `jax.vmap`."""
+  return isinstance(x, _batching.BatchTracer)
+
+
+def vmap_axis(vmap: Any) -> tuple[Any, Any]:
+  """(size, name) of a vmap trace's batch axis; the name is None when unnamed."""
+  return vmap.axis_data.size, vmap.axis_data.name
+
+
+def unbatched(vmap: Any, x: Any) -> tuple[Any, int | None]:
+  """(the whole value, its batch dimension or None) of `x` under the vmap trace `vmap`."""
+  return vmap.to_batch_info(x)
+
+
+def outside_vmap(vmap: Any) -> Any:
+  """A context in which operations are traced as by the code that called vmap."""
+  return _core.set_current_trace(vmap.parent_trace)
+
+
 # --- Triton backend: where an equation came from, for comments and error messages ---
 from jax._src import source_info_util as _source_info_util
 

@@ -121,7 +121,7 @@ def window(shape: Sequence[Any], transforms: Sequence[Any] | None) -> Window | N
             return None
           bound = size
         else:   # traced: at most the extent it slices
-          size = lax.clamp(_i32(0), _i32(index.size), _i32(extent))
+          size = _clamp(_i32(0), _i32(index.size), _i32(extent))
           bound = bounds[d]
         requested[d] = index.size
         start = index.start
@@ -195,7 +195,7 @@ def _slab(w: Window, bounds: Sequence[int]) -> tuple[list[Size], list[int], dict
     if is_static(w.sizes[d]):
       continue   # start + size stays inside the array, so start + bound does too
     # a traced size: the block of `bound` elements that holds the window
-    begin = lax.clamp(_i32(0), _i32(w.starts[d]), _i32(w.shape[d] - bound))
+    begin = _clamp(_i32(0), _i32(w.starts[d]), _i32(w.shape[d] - bound))
     starts[d] = begin
     shifts[axis] = lax.sub(_i32(w.starts[d]), begin)
   return starts, sizes, shifts
@@ -219,13 +219,20 @@ def _fitted(start: Any, extent: Size, size: Size) -> Size:
   start = _i32(start)
   wrapped = lax.select(lax.lt(start, _i32(0)), lax.add(start, _i32(extent)), start)
   last = lax.max(lax.sub(_i32(extent), _i32(size)), _i32(0))
-  return lax.clamp(_i32(0), wrapped, last)
+  return _clamp(_i32(0), wrapped, last)
 
 
 def _offset(base: Size, start: Size) -> Size:
   if is_static(base) and is_static(start):
     return int(base) + int(start)
   return lax.add(_i32(base), _i32(start))
+
+
+def _clamp(low: Any, x: Any, high: Any) -> Any:
+  """`x` limited to [low, high] (low <= high). Not JAX's clamp: these windows are also
+  computed per device under `jax.vmap` (pallet.distributed's lockstep run), where JAX's
+  clamp batching rule fails for a shared scalar `x` between per-device bounds."""
+  return lax.min(lax.max(x, low), high)
 
 
 def _i32(x: Any) -> Any:

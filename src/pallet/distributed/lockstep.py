@@ -43,7 +43,7 @@ from jax import lax
 from jax.extend.core import ClosedJaxpr, Jaxpr, jaxprs_in_params
 
 from pallet import _internals as internals
-from pallet.core import checks, dma, ref_views, trace_cache
+from pallet.core import checks, dma, dynamic_views, ref_views, trace_cache
 from pallet.distributed import lockstep_ops, lockstep_schedule, remote
 from pallet.core.grid_mapping import BlockDimension
 from pallet.errors import PalletError
@@ -220,8 +220,12 @@ class _Lockstep:
       outs = prim.bind(*xs, **params)
       outs = outs if prim.multiple_results else [outs]
       return [_Val(o, False) for o in outs]
-    axes = [0 if v.batched else None for v in ins]
-    outs = jax.vmap(lambda *a: prim.bind(*a, **params), in_axes=axes)(*xs)
+    # Every operand gets the device axis: JAX's batching rules do not all handle an
+    # unbatched operand beside batched ones (clamp of a shared scalar between per-device
+    # bounds fails its shape check), and a uniform batch is what every rule supports.
+    n = next(v.x.shape[0] for v in ins if v.batched)
+    xs = [x if v.batched else jnp.broadcast_to(x, (n,) + jnp.shape(x)) for x, v in zip(xs, ins)]
+    outs = jax.vmap(lambda *a: prim.bind(*a, **params))(*xs)
     outs = outs if prim.multiple_results else [outs]
     return [_Val(o, True) for o in outs]
 
@@ -333,8 +337,15 @@ class _Lockstep:
     if eqn.primitive.name == "dma_wait":
       ref, ref_t, sem, sem_t = jax.tree_util.tree_unflatten(eqn.params["tree"], ins)
       views = self._views(ref_t)
-      view = jax.eval_shape(jax.vmap(ref_views.read), ref.ref[...], views)
-      amount = _Val(np.int32(math.prod(view.shape[1:])), False)
+      if dynamic_views.has_dynamic_size(ref_t):
+        # `ref.at[pl.ds(start, n)]` with a run-time n, possibly different per device:
+        # each device waits for the elements its own view holds
+        shape = jax.typeof(ref.ref).shape[1:]
+        amount = _Val(jax.vmap(lambda t: jnp.asarray(
+            dynamic_views.window(shape, t).count(), jnp.int32))(views), True)
+      else:
+        view = jax.eval_shape(jax.vmap(ref_views.read), ref.ref[...], views)
+        amount = _Val(np.int32(math.prod(view.shape[1:])), False)
       what, decrement = "DMA wait", True
     else:
       *flat, amount = ins

@@ -11,7 +11,9 @@ their in-bounds part, as on a TPU. Inside the body and the pipeline's index maps
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import math
 import numbers
 from typing import Any, Callable, Sequence
@@ -30,6 +32,7 @@ from pallet.errors import PalletError
 from pallet.core.specs import (BlockSpec, Blocked, BoundedSlice, Element, MemorySpace, ScratchShape,
                                Squeezed, no_block_spec)
 from pallet.core.unsupported import Unsupported
+from pallet.tpu import pipeline_prefetch, pipeline_vmap
 
 # The Mosaic scheduler's own buffers and its mesh-wide prefetching have no meaning
 # here: the pipeline is a plain loop of copies.
@@ -52,19 +55,27 @@ class PipelineStep:
 
 @dataclasses.dataclass(frozen=True)
 class _Window:
-  """How one operand is cut: its block dims and the index map (grid indices -> block)."""
+  """How one operand is cut: its block dims and the index map (grid indices -> block).
+  Under `jax.vmap` the ref is the whole batched ref: its `batched` dimensions (each
+  with its batch axis) are squeezed from every block, and the spec describes the rest."""
   spec: BlockSpec
   shape: tuple[int, ...]
   dtype: Any
   where: str
+  batched: tuple[tuple[int, int], ...] = ()
 
   @property
   def dims(self) -> list[tuple[str, int]]:
     """(kind, size) per array dimension: 'blocked', 'squeezed', 'element' or 'bounded'
     (a pl.BoundedSlice: the index map's pl.ds(start, size) fills the first `size`
     elements of the buffer and the step writes back only those)."""
-    out = []
-    for d, n in zip(self.spec.block_shape, self.shape):
+    out, block_dims = [], iter(self.spec.block_shape)
+    batched = {d for d, _ in self.batched}
+    for i, n in enumerate(self.shape):
+      if i in batched:
+        out.append(("squeezed", 1))
+        continue
+      d = next(block_dims)
       if d is None or isinstance(d, Squeezed):
         out.append(("squeezed", 1))
       elif isinstance(d, Element):
@@ -86,16 +97,22 @@ class _Window:
     return ScratchShape(tuple(n for kind, n in self.dims if kind != "squeezed"),
                         self.dtype, MemorySpace.VMEM)
 
-  def starts(self, indices: Sequence[Any]) -> list[tuple[Any, Any]]:
+  def starts(self, indices: Sequence[Any], batch_ids: Sequence[Any] = ()
+             ) -> list[tuple[Any, Any]]:
     """(element offset, valid length or None) of the block in every array dimension
-    at grid step `indices`; only a bounded dimension has a length."""
-    index_map = self.spec.index_map or (lambda *_: (0,) * len(self.shape))
+    at grid step `indices` of batch element `batch_ids`; only a bounded dimension has a
+    length."""
+    rank = len(self.shape) - len(self.batched)
+    index_map = self.spec.index_map or (lambda *_: (0,) * rank)
     block = index_map(*indices)
     if not isinstance(block, (tuple, list)):
       block = (block,)
-    if len(block) != len(self.shape):
+    if len(block) != rank:
       raise PalletError(f"{self.where}: index_map returned {len(block)} indices but the "
-                        f"array has rank {len(self.shape)}")
+                        f"array has rank {rank}")
+    block = list(block)
+    for d, axis in sorted(self.batched):
+      block.insert(d, batch_ids[axis])
     out = []
     for i, (b, (kind, n)) in enumerate(zip(block, self.dims)):
       if (kind == "bounded") != isinstance(b, Slice):
@@ -181,12 +198,15 @@ def _normalize(specs: Any) -> tuple[Any, ...]:
   return tuple(specs) if isinstance(specs, (list, tuple)) else (specs,)
 
 
-def _windows(specs: tuple[Any, ...], refs: Sequence[Any], what: str, site: str):
-  """Flat (ref, window or None) pairs of a tuple of ref pytrees and matching specs."""
+def _windows(specs: tuple[Any, ...], refs: Sequence[Any], what: str, site: str,
+             batch: pipeline_vmap.Batch = pipeline_vmap.Batch(), first_leaf: int = 0):
+  """Flat (ref, window or None, batched dims) triples of a tuple of ref pytrees and
+  matching specs, each followed by its pytree's treedef. Leaves are numbered from
+  `first_leaf` in `batch`."""
   if len(specs) != len(refs):
     raise PalletError(f"emit_pipeline in {site}: {len(specs)} {what} specs for "
                       f"{len(refs)} {what} refs")
-  pairs = []
+  pairs, leaf = [], first_leaf
   for i, (spec, tree) in enumerate(zip(specs, refs)):
     leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_is_ref_leaf)
     spec_leaves = ([spec] * len(leaves) if spec is None or spec is no_block_spec
@@ -195,14 +215,18 @@ def _windows(specs: tuple[Any, ...], refs: Sequence[Any], what: str, site: str):
     for j, (s, r) in enumerate(zip(spec_leaves, leaves)):
       where = f"emit_pipeline in {site}, {what} {i}" + (f" leaf {j}" if len(leaves) > 1 else "")
       aval = _ref_aval(r, where)
+      batched = batch.dims_of(leaf)
+      leaf += 1
       _refuse_any_block(s, where)
       if _is_windowed(s):
-        if len(s.block_shape) != len(aval.shape):
+        skipped = {d for d, _ in batched}
+        shape = tuple(n for d, n in enumerate(aval.shape) if d not in skipped)
+        if len(s.block_shape) != len(shape):
           raise PalletError(f"{where}: block_shape {tuple(s.block_shape)} has rank "
-                            f"{len(s.block_shape)} but the ref has shape {aval.shape}")
-        pairs.append((r, _Window(s, tuple(aval.shape), aval.dtype, where)))
+                            f"{len(s.block_shape)} but the ref has shape {shape}")
+        pairs.append((r, _Window(s, tuple(aval.shape), aval.dtype, where, batched), batched))
       else:
-        pairs.append((r, None))
+        pairs.append((r, None, batched))
     pairs.append(treedef)
   return pairs
 
@@ -273,64 +297,153 @@ def emit_pipeline(body: Callable[..., None], *, grid: Sequence[Any], in_specs: A
                body_prologue: Callable[[], None] | None = None) -> None:
     """`body_prologue` (JAX 0.10) runs before the body at every step, in its grid."""
     site = kernel_site()
+    levels, vmaps = [], []
+    with contextlib.ExitStack() as outside:
+      while (stepped := pipeline_vmap.step_out(
+          refs, grid, {"scratch refs": scratches, "allocations": allocations}, site)):
+        level, refs, vmap = stepped
+        outside.enter_context(internals.outside_vmap(vmap))
+        levels.append(level)
+        vmaps.append(vmap)
+      if not levels:
+        return emit(refs, scratches, allocations, body_prologue, site, ())
+      pipeline_vmap.run_apart(
+          lambda whole: emit(whole, scratches, allocations, body_prologue, site, levels),
+          refs, vmaps, site)
+
+  def emit(refs, scratches, allocations, body_prologue, site, levels) -> None:
+    """The pipeline over `refs`; under `jax.vmap`, over the whole refs of every vmap
+    level around it (`levels`, innermost first), the batch looped over as outer axes."""
+    batch = pipeline_vmap.Batch()
+    if levels:
+      ndims = [len(_ref_aval(r, f"emit_pipeline in {site}").shape) for r in
+               jax.tree_util.tree_leaves(refs, is_leaf=_is_ref_leaf)]
+      batch = pipeline_vmap.batch_of(levels, ndims)
     steps_grid, n_steps = _grid_steps(grid, site)
-    ins = _windows(in_specs, refs[:len(in_specs)], "input", site)
-    outs = _windows(out_specs, refs[len(in_specs):], "output", site)
+    ins = _windows(in_specs, refs[:len(in_specs)], "input", site, batch)
+    n_in = sum(isinstance(p, tuple) for p in ins)
+    outs = _windows(out_specs, refs[len(in_specs):], "output", site, batch, n_in)
     scratch = () if scratches is None else tuple(scratches)
     operands = [p for p in ins + outs if isinstance(p, tuple)]
-    windows = [w for _, w in operands if w is not None]
+    windows = [w for _, w, _ in operands if w is not None]
+    n_in_windows = sum(w is not None for _, w, _ in operands[:n_in])
+
+    def run(allocated: list) -> None:
+      """The loop over allocated buffers, each input's prefetched window bound."""
+      bufs, prefetched = [], []
+      for k, (w, a) in enumerate(zip(windows, allocated)):
+        buf = a.buffer if isinstance(a, pipeline_prefetch.PrefetchedInputAllocation) else a
+        bufs.append(buf)
+        prefetched.append(pipeline_prefetch.bind(a, w.spec, w.buffer.shape, w.where)
+                          if k < n_in_windows else None)
+      if batch.axes and any(prefetched):
+        raise PalletError(f"emit_pipeline in {site}: prefetched inputs "
+                          f"(pl.Buffered(prefetched_count=...)) under jax.vmap are not "
+                          f"supported")
+      _run(step_body, body_prologue, steps_grid, n_steps, ins, outs, scratch, bufs,
+           batch.axes, prefetched)
+
     if allocations is None:
-      return primitives.run_scoped(
-          lambda *bufs: _run(step_body, body_prologue, steps_grid, n_steps, ins, outs,
-                             scratch, list(bufs)),
-          *[w.buffer for w in windows])
-    bufs = jax.tree_util.tree_leaves(allocations, is_leaf=_is_ref_leaf)
-    if len(bufs) != len(windows):
-      raise PalletError(f"emit_pipeline in {site}: allocations hold {len(bufs)} buffers, "
-                        f"the pipeline needs {len(windows)} (one per windowed operand); "
-                        f"make them with emit_pipeline_with_allocations")
-    return _run(step_body, body_prologue, steps_grid, n_steps, ins, outs, scratch, bufs)
+      return primitives.run_scoped(lambda *bufs: run(list(bufs)),
+                                   *[w.buffer for w in windows])
+    allocated = jax.tree_util.tree_leaves(allocations, is_leaf=_is_allocation)
+    if len(allocated) != len(windows):
+      raise PalletError(f"emit_pipeline in {site}: allocations hold {len(allocated)} "
+                        f"buffers, the pipeline needs {len(windows)} (one per windowed "
+                        f"operand); make them with emit_pipeline_with_allocations")
+    return run(allocated)
 
   return pipeline
 
 
-def _run(body, prologue, grid, n_steps, ins, outs, scratch, bufs) -> None:
-  """The loop: per step, blocks in, body, blocks out."""
+def _is_allocation(x: Any) -> bool:
+  return _is_ref_leaf(x) or isinstance(x, pipeline_prefetch.PrefetchedInputAllocation)
+
+
+def _run(body, prologue, grid, n_steps, ins, outs, scratch, bufs,
+         batch_axes: tuple[pipeline_vmap.BatchAxis, ...] = (), prefetched: Sequence[Any] = ()
+         ) -> None:
+  """The loop: per step, blocks in, body, blocks out. Batch axes (vmap) are outer loop
+  axes that the index maps and the body do not see as grid axes. An input with a
+  prefetched window reads its first fetches from that window; the loop carries how
+  many times its block index changed."""
   n_in_leaves = sum(isinstance(p, tuple) for p in ins)
   operands = [p for p in ins + outs if isinstance(p, tuple)]
-  buf_of, it = [], iter(bufs)
-  for _, w in operands:
+  buf_of, pre_of, it, pre_it = [], [], iter(bufs), iter(prefetched)
+  for _, w, _ in operands:
     buf_of.append(next(it) if w is not None else None)
+    pre_of.append(next(pre_it, None) if w is not None else None)
+  fetching = [k for k, pre in enumerate(pre_of) if pre is not None]
   kernel_name = primitives.current_kernel_name()
+  batch_sizes = tuple(a.size for a in batch_axes)
+  n_batch = math.prod(batch_sizes)
 
   def step(i, carry):
-    ids = _unravel(i, grid)
-    # Index maps, like the body, see the pipeline's own grid: `pl.program_id` and
-    # `pl.num_programs` there answer for this step of the inner grid.
-    with primitives.grid_context(ids, grid, kernel_name=kernel_name, nested=True):
-      views = [(r, w, buf) + (w.view(w.starts(ids)) if w is not None else ((), None))
-               for (r, w), buf in zip(operands, buf_of)]
-    block_refs = []
-    for r, w, buf, idx, mask in views:
-      if w is None:
-        block_refs.append(r)
-        continue
-      buf[...] = primitives.load(r, idx, mask=mask)
-      block_refs.append(buf)
-    with primitives.grid_context(ids, grid, kernel_name=kernel_name, nested=True):
-      if prologue is not None:
-        prologue()
-      body(PipelineStep(tuple(ids), i), *_unflatten(ins, block_refs[:n_in_leaves]),
-           *_unflatten(outs, block_refs[n_in_leaves:]), *scratch)
+    all_ids = _unravel(i, batch_sizes + tuple(grid))
+    batch_ids, ids = all_ids[:len(batch_sizes)], all_ids[len(batch_sizes):]
+    with _batch_context(batch_ids, batch_axes, kernel_name):
+      # Index maps, like the body, see the pipeline's own grid: `pl.program_id` and
+      # `pl.num_programs` there answer for this step of the inner grid.
+      with primitives.grid_context(ids, grid, kernel_name=kernel_name, nested=True):
+        starts = [w.starts(ids, batch_ids) if w is not None else None
+                  for (_, w, _) in operands]
+        views = [(r, w, buf) + (w.view(s) if w is not None else ((), None))
+                 for (r, w, _), buf, s in zip(operands, buf_of, starts)]
+      fetches = dict(zip(fetching, carry))
+      if fetching:
+        previous = _unravel(jnp.maximum(i - 1, 0), tuple(grid))
+        with primitives.grid_context(previous, grid, kernel_name=kernel_name, nested=True):
+          for k in fetching:
+            before = operands[k][1].starts(previous)
+            changed = functools.reduce(jnp.logical_or, [
+                jnp.asarray(a != b) for (a, _), (b, _) in zip(starts[k], before)],
+                jnp.bool_(False))
+            fetches[k] = fetches[k] + ((i > 0) & changed).astype(jnp.int32)
+      block_refs = []
+      for k, ((r, w, buf, idx, mask), (_, _, batched)) in enumerate(zip(views, operands)):
+        if w is None:
+          block_refs.append(pipeline_vmap.batch_element(r, batched, batch_ids))
+          continue
+        block = primitives.load(r, idx, mask=mask)
+        if k in fetches:   # fetches before `count` are in the prefetched window
+          block = jnp.where(fetches[k] < pre_of[k].count, pre_of[k].slot(fetches[k]), block)
+        buf[...] = block
+        block_refs.append(buf)
+      with primitives.grid_context(ids, grid, kernel_name=kernel_name, nested=True):
+        if prologue is not None:
+          prologue()
+        body(PipelineStep(tuple(ids), i), *_unflatten(ins, block_refs[:n_in_leaves]),
+             *_unflatten(outs, block_refs[n_in_leaves:]), *scratch)
     for r, w, buf, idx, mask in views[n_in_leaves:]:
       if w is not None:
         primitives.store(r, idx, buf[...], mask=mask)
-    return carry
+    return tuple(fetches[k] for k in fetching)
 
-  if isinstance(n_steps, int) and n_steps == 1:
-    step(jnp.int32(0), ())
+  total = n_steps * n_batch
+  no_fetches = tuple(jnp.int32(0) for _ in fetching)
+  if isinstance(total, int) and total == 1:
+    step(jnp.int32(0), no_fetches)
   else:
-    lax.fori_loop(0, n_steps, step, ())
+    lax.fori_loop(0, total, step, no_fetches)
+
+
+def _batch_context(batch_ids: Sequence[Any], axes: Sequence[pipeline_vmap.BatchAxis],
+                   kernel_name: str | None) -> Any:
+  """Under vmap: `lax.axis_index` of a named vmap axis answers the batch element."""
+  if not axes:
+    return contextlib.nullcontext()
+  return primitives.grid_context(batch_ids, [a.size for a in axes], kernel_name=kernel_name,
+                                 grid_names=[a.name for a in axes], nested=True)
+
+
+def _input_allocation(w: _Window) -> Any:
+  """An input's block buffer; with `pl.Buffered(prefetched_count=k)`, one whose
+  `with_window_ref` binds the window its first blocks were prefetched into."""
+  k = pipeline_prefetch.prefetched_count(w.spec)
+  if k <= 0:
+    return w.buffer
+  return pipeline_prefetch.PrefetchedInputAllocation(w.buffer, None, k,
+                                                     pipeline_prefetch.buffer_count(w.spec))
 
 
 def emit_pipeline_with_allocations(body: Callable[..., None], *, grid: Sequence[Any],
@@ -340,11 +453,13 @@ def emit_pipeline_with_allocations(body: Callable[..., None], *, grid: Sequence[
   in_specs_, out_specs_ = _normalize(in_specs), _normalize(out_specs)
   pipeline = emit_pipeline(body, grid=grid, in_specs=in_specs, out_specs=out_specs)
 
-  def make_allocations(*refs: Any) -> tuple[ScratchShape, ...]:
+  def make_allocations(*refs: Any) -> tuple[Any, ...]:
     site = kernel_site()
-    pairs = (_windows(in_specs_, refs[:len(in_specs_)], "input", site)
-             + _windows(out_specs_, refs[len(in_specs_):], "output", site))
-    windows = [p[1] for p in pairs if isinstance(p, tuple)]
-    return tuple(w.buffer for w in windows if w is not None)
+    ins = _windows(in_specs_, refs[:len(in_specs_)], "input", site)
+    outs = _windows(out_specs_, refs[len(in_specs_):], "output", site)
+    in_windows = [p[1] for p in ins if isinstance(p, tuple) and p[1] is not None]
+    out_windows = [p[1] for p in outs if isinstance(p, tuple) and p[1] is not None]
+    return (tuple(_input_allocation(w) for w in in_windows)
+            + tuple(w.buffer for w in out_windows))
 
   return pipeline, make_allocations
