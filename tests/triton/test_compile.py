@@ -14,7 +14,7 @@ from cases import CASES, DMA_CASES, DYNAMIC_GRID_CASES, MIXED_DOT_CASES, call
 from compiled import TARGETS, compile_for, kernels_of, spill_bytes
 from helpers import random_array, sds
 import pallet.tpu as pltpu
-from pallet.backends.triton import TritonLoweringError
+from pallet.backends.triton import DUMP_DIR_ENV, TritonLoweringError
 from pallet.ops import launch_table
 
 
@@ -150,7 +150,10 @@ def _benchmark_kernels():
 
 
 @pytest.mark.parametrize("kernel", _benchmark_kernels())
-def test_benchmark_kernels_do_not_spill_registers_on_sm80(kernel):
+def test_benchmark_kernels_do_not_spill_registers_on_sm80(kernel, monkeypatch):
+  # These CPU-sized kernels are checked here, their known misfits listed above; they are
+  # not recorded for the compile suite (test_compile_suite.py), which has no such list.
+  monkeypatch.delenv(DUMP_DIR_ENV, raising=False)
   ptx = compile_for(kernel, "sm80").asm["ptx"]
   assert spill_bytes(ptx) == 0
 
