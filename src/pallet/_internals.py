@@ -113,6 +113,17 @@ def register_discharge_rule(primitive: Any) -> Callable:
   return register
 
 
+def consts_as_inputs(closed_jaxpr: Any) -> Any:
+  """The open jaxpr of `closed_jaxpr` taking its constants as leading inputs (effects
+  on closed-over refs then name those inputs)."""
+  return _pe.convert_constvars_jaxpr(closed_jaxpr.jaxpr)
+
+
+def input_effects(jaxpr: Any) -> set:
+  """`jaxpr`'s effects, those on its inputs named by input position."""
+  return set(_core.positional_effects(jaxpr))
+
+
 def is_tracer(x: Any) -> bool:
   return isinstance(x, _core.Tracer)
 
