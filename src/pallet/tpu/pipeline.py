@@ -26,7 +26,7 @@ from jax import lax
 from pallet import _internals as internals
 from pallet.core import checks
 from pallet._internals import Slice
-from pallet.core import primitives, regions
+from pallet.core import hitypes, primitives, regions
 from pallet.core.dma import kernel_site
 from pallet.errors import PalletError
 from pallet.core.specs import (BlockSpec, Blocked, BoundedSlice, Element, MemorySpace, ScratchShape,
@@ -297,6 +297,11 @@ def emit_pipeline(body: Callable[..., None], *, grid: Sequence[Any], in_specs: A
                body_prologue: Callable[[], None] | None = None) -> None:
     """`body_prologue` (JAX 0.10) runs before the body at every step, in its grid."""
     site = kernel_site()
+    lowered = hitypes.lower_pipeline(refs, in_specs, out_specs, site)
+    if lowered is not None:   # hi-typed refs: the pipeline over their lo refs
+      return _over_lo_refs(lowered, body, grid, _explicit_indices)(
+          *lowered.refs, scratches=scratches, allocations=allocations,
+          body_prologue=body_prologue)
     levels, vmaps = [], []
     with contextlib.ExitStack() as outside:
       while (stepped := pipeline_vmap.step_out(
@@ -366,6 +371,26 @@ def emit_pipeline(body: Callable[..., None], *, grid: Sequence[Any], in_specs: A
     return run(allocated)
 
   return pipeline
+
+
+def _over_lo_refs(lowered: hitypes.LoweredPipeline, body: Callable[..., None],
+                  grid: Sequence[Any], explicit_indices: bool) -> Callable[..., None]:
+  """The pipeline over the lo refs of hi-typed operands (core/hitypes.py): its body
+  gets hi refs made of the lo block buffers (in a lowering trace of its own, so that
+  a hi ref never crosses into the loop's trace as a captured value)."""
+  n = len(lowered.trees)
+
+  def lo_body(step: PipelineStep, *refs: Any) -> None:
+    def hi_body(refs):
+      blocks = lowered.raise_blocks(refs[:n])
+      if explicit_indices:
+        body(step, *blocks, *refs[n:])
+      else:
+        body(*blocks, *refs[n:])
+    hitypes.run_lowering(hi_body, refs)
+
+  return emit_pipeline(lo_body, grid=grid, in_specs=lowered.in_specs,
+                       out_specs=lowered.out_specs, _explicit_indices=True)
 
 
 def _is_allocation(x: Any) -> bool:
