@@ -20,7 +20,6 @@ Without hijax in JAX no value is hi-typed and none of this applies.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from typing import Any, Callable, Sequence
 
 import jax
@@ -38,12 +37,11 @@ def is_hi_type(aval: Any) -> bool:
 
 def _value_type(x: Any) -> Any:
   """The hi type of an operand value, or None for an ordinary one."""
-  if internals.HiType is None or hasattr(x, "__jax_array__") or isinstance(
-      x, (numbers.Number, jax.Array)):
+  if internals.HiType is None or x is None:
     return None
   try:
     aval = jax.typeof(x)
-  except TypeError:
+  except TypeError:   # not a JAX value: pallas_call reports it as such
     return None
   return aval if is_hi_type(aval) else None
 
