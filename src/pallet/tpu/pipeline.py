@@ -2,9 +2,11 @@
 
 On a TPU the emitted pipeline double-buffers: it copies the next blocks in while
 the body works on the current ones. Its observable meaning is a sequential loop
-over the inner grid that, per step, copies each operand's block into a buffer,
-runs the body on the buffers and copies the output blocks back; that is what
-this module builds (one `fori_loop`, buffers allocated once). Blocks that
+over the inner grid that, per step, copies each input's block into a buffer,
+runs the body on the buffers and copies the output blocks back (an output buffer
+is never filled from the output: it keeps its contents while its block stays and is
+fresh memory when a new block starts); that is what this module builds (one
+`fori_loop`, buffers allocated once). Blocks that
 overhang an array edge read unspecified values there (zeros) and write only
 their in-bounds part, as on a TPU. Inside the body and the pipeline's index maps,
 `pl.program_id` and `pl.num_programs` answer for the inner grid.
