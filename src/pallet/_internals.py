@@ -113,6 +113,17 @@ def register_discharge_rule(primitive: Any) -> Callable:
   return register
 
 
+def consts_as_inputs(closed_jaxpr: Any) -> Any:
+  """The open jaxpr of `closed_jaxpr` taking its constants as leading inputs (effects
+  on closed-over refs then name those inputs)."""
+  return _pe.convert_constvars_jaxpr(closed_jaxpr.jaxpr)
+
+
+def input_effects(jaxpr: Any) -> set:
+  """`jaxpr`'s effects, those on its inputs named by input position."""
+  return set(_core.positional_effects(jaxpr))
+
+
 def is_tracer(x: Any) -> bool:
   return isinstance(x, _core.Tracer)
 
@@ -394,3 +405,31 @@ def jaxlib_triton_kernel_call() -> Any:
   except ImportError:
     return None
   return gpu_triton if hasattr(gpu_triton, "TritonKernel") else None
+
+
+# --- user-defined high-level types (JAX's hijax): pallet/core/hitypes.py -------------
+try:
+  from jax._src import hijax as _hijax
+  HiType = _hijax.HiType
+except (ImportError, AttributeError):   # a JAX without hijax: no value is hi-typed
+  HiType = None
+
+
+def hi_ref(ty: Any, lo_refs: Sequence[Any]) -> Any:
+  """A ref of hi type `ty` made of its lo refs (what JAX hands a kernel for a hi ref)."""
+  return _core.Ref(AbstractRef(ty), ty.raise_val(*lo_refs))
+
+
+def lo_refs(ref: Any) -> list[Any]:
+  """The lo refs a (plain, untransformed) ref of a hi type is made of."""
+  return list(jax.typeof(ref).inner_aval.lower_val(ref._refs))
+
+
+def trace_lowering(fn: Callable[..., Any], avals: Sequence[Any]) -> tuple[Any, list]:
+  """(jaxpr, consts) of `fn` traced over `avals` in a trace that lowers as it goes:
+  every operation on a hi-typed value or ref becomes its type's lo operations."""
+  from jax._src import api_util, linear_util
+  wrapped = linear_util.wrap_init(fn, debug_info=api_util.debug_info(
+      "pallet hi-typed kernel", fn, tuple(avals), {}))
+  jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(wrapped, list(avals), lower=True)
+  return jaxpr, list(consts)

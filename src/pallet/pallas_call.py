@@ -29,6 +29,7 @@ from pallet.core import gc_pause
 from pallet.distributed import mesh_launch
 from pallet.distributed import plain_call
 from pallet.core import grid_mapping as gm_lib
+from pallet.core import hitypes
 from pallet.core import specs as specs_lib
 from pallet.core import spec_trees
 from pallet.core import static_bounds
@@ -88,11 +89,17 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *,
       check_options = checking.options(interpret)
     except ValueError as e:
       raise PalletError(f"pallas_call of kernel '{name}': {e}") from None
+    # hi-typed operands and results (JAX's hijax) run as their lo arrays: core/hitypes.py
+    lowered = hitypes.lower_call(kernel, name, args, out_shape, in_specs, out_specs,
+                                 num_scalar_prefetch, aliases)
+    call = (kernel, args, out_shape, in_specs, out_specs) if lowered is None else (
+        lowered.kernel, lowered.args, lowered.out_shape, lowered.in_specs, lowered.out_specs)
     with _checking_trace(check_options, poison=interpret is True), gc_pause.paused():
-      return _launch(kernel, name, args, out_shape, grid, dynamic_sizes, in_specs, out_specs,
-                     specs_lib.scratch_tree(scratch_shapes), num_scalar_prefetch, aliases, debug,
-                     backend_name, run_interpret, compiler_params, dimension_semantics,
-                     grid_names, metadata, check_options)
+      results = _launch(call[0], name, *call[1:3], grid, dynamic_sizes, *call[3:],
+                        specs_lib.scratch_tree(scratch_shapes), num_scalar_prefetch, aliases,
+                        debug, backend_name, run_interpret, compiler_params,
+                        dimension_semantics, grid_names, metadata, check_options)
+    return results if lowered is None else lowered.raise_results(results)
   return launch
 
 

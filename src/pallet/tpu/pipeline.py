@@ -2,9 +2,11 @@
 
 On a TPU the emitted pipeline double-buffers: it copies the next blocks in while
 the body works on the current ones. Its observable meaning is a sequential loop
-over the inner grid that, per step, copies each operand's block into a buffer,
-runs the body on the buffers and copies the output blocks back; that is what
-this module builds (one `fori_loop`, buffers allocated once). Blocks that
+over the inner grid that, per step, copies each input's block into a buffer,
+runs the body on the buffers and copies the output blocks back (an output buffer
+is never filled from the output: it keeps its contents while its block stays and is
+fresh memory when a new block starts); that is what this module builds (one
+`fori_loop`, buffers allocated once). Blocks that
 overhang an array edge read unspecified values there (zeros) and write only
 their in-bounds part, as on a TPU. Inside the body and the pipeline's index maps,
 `pl.program_id` and `pl.num_programs` answer for the inner grid.
@@ -26,7 +28,7 @@ from jax import lax
 from pallet import _internals as internals
 from pallet.core import checks
 from pallet._internals import Slice
-from pallet.core import primitives
+from pallet.core import hitypes, primitives, regions
 from pallet.core.dma import kernel_site
 from pallet.errors import PalletError
 from pallet.core.specs import (BlockSpec, Blocked, BoundedSlice, Element, MemorySpace, ScratchShape,
@@ -297,6 +299,11 @@ def emit_pipeline(body: Callable[..., None], *, grid: Sequence[Any], in_specs: A
                body_prologue: Callable[[], None] | None = None) -> None:
     """`body_prologue` (JAX 0.10) runs before the body at every step, in its grid."""
     site = kernel_site()
+    lowered = hitypes.lower_pipeline(refs, in_specs, out_specs, site)
+    if lowered is not None:   # hi-typed refs: the pipeline over their lo refs
+      return _over_lo_refs(lowered, body, grid, _explicit_indices)(
+          *lowered.refs, scratches=scratches, allocations=allocations,
+          body_prologue=body_prologue)
     levels, vmaps = [], []
     with contextlib.ExitStack() as outside:
       while (stepped := pipeline_vmap.step_out(
@@ -313,7 +320,19 @@ def emit_pipeline(body: Callable[..., None], *, grid: Sequence[Any], in_specs: A
 
   def emit(refs, scratches, allocations, body_prologue, site, levels) -> None:
     """The pipeline over `refs`; under `jax.vmap`, over the whole refs of every vmap
-    level around it (`levels`, innermost first), the batch looped over as outer axes."""
+    level around it (`levels`, innermost first), the batch looped over as outer axes.
+
+    Inside a kernel the loop is traced inline: the kernel's jaxpr, buffers included, is
+    pallet's to run and check. Called on refs anywhere else (`jax.make_jaxpr`,
+    `jax.jit` over refs) it is a region whose effects are Pallas's: its inputs read and
+    its outputs written, the buffers it allocates hidden."""
+    if primitives.current_kernel_name() is None:
+      return regions.run_region(
+          lambda r, s, a: emit_inline(r, s, a, body_prologue, site, levels),
+          refs, scratches, allocations)
+    return emit_inline(refs, scratches, allocations, body_prologue, site, levels)
+
+  def emit_inline(refs, scratches, allocations, body_prologue, site, levels) -> None:
     batch = pipeline_vmap.Batch()
     if levels:
       ndims = [len(_ref_aval(r, f"emit_pipeline in {site}").shape) for r in
@@ -356,6 +375,26 @@ def emit_pipeline(body: Callable[..., None], *, grid: Sequence[Any], in_specs: A
   return pipeline
 
 
+def _over_lo_refs(lowered: hitypes.LoweredPipeline, body: Callable[..., None],
+                  grid: Sequence[Any], explicit_indices: bool) -> Callable[..., None]:
+  """The pipeline over the lo refs of hi-typed operands (core/hitypes.py): its body
+  gets hi refs made of the lo block buffers (in a lowering trace of its own, so that
+  a hi ref never crosses into the loop's trace as a captured value)."""
+  n = len(lowered.trees)
+
+  def lo_body(step: PipelineStep, *refs: Any) -> None:
+    def hi_body(refs):
+      blocks = lowered.raise_blocks(refs[:n])
+      if explicit_indices:
+        body(step, *blocks, *refs[n:])
+      else:
+        body(*blocks, *refs[n:])
+    hitypes.run_lowering(hi_body, refs)
+
+  return emit_pipeline(lo_body, grid=grid, in_specs=lowered.in_specs,
+                       out_specs=lowered.out_specs, _explicit_indices=True)
+
+
 def _is_allocation(x: Any) -> bool:
   return _is_ref_leaf(x) or isinstance(x, pipeline_prefetch.PrefetchedInputAllocation)
 
@@ -366,7 +405,8 @@ def _run(body, prologue, grid, n_steps, ins, outs, scratch, bufs,
   """The loop: per step, blocks in, body, blocks out. Batch axes (vmap) are outer loop
   axes that the index maps and the body do not see as grid axes. An input with a
   prefetched window reads its first fetches from that window; the loop carries how
-  many times its block index changed."""
+  many times its block index changed, and each windowed output the block its buffer
+  holds."""
   n_in_leaves = sum(isinstance(p, tuple) for p in ins)
   operands = [p for p in ins + outs if isinstance(p, tuple)]
   buf_of, pre_of, it, pre_it = [], [], iter(bufs), iter(prefetched)
@@ -374,11 +414,13 @@ def _run(body, prologue, grid, n_steps, ins, outs, scratch, bufs,
     buf_of.append(next(it) if w is not None else None)
     pre_of.append(next(pre_it, None) if w is not None else None)
   fetching = [k for k, pre in enumerate(pre_of) if pre is not None]
+  writing = [k for k in range(n_in_leaves, len(operands)) if operands[k][1] is not None]
   kernel_name = primitives.current_kernel_name()
   batch_sizes = tuple(a.size for a in batch_axes)
   n_batch = math.prod(batch_sizes)
 
   def step(i, carry):
+    carry, held = carry
     all_ids = _unravel(i, batch_sizes + tuple(grid))
     batch_ids, ids = all_ids[:len(batch_sizes)], all_ids[len(batch_sizes):]
     with _batch_context(batch_ids, batch_axes, kernel_name):
@@ -390,6 +432,7 @@ def _run(body, prologue, grid, n_steps, ins, outs, scratch, bufs,
         views = [(r, w, buf) + (w.view(s) if w is not None else ((), None))
                  for (r, w, _), buf, s in zip(operands, buf_of, starts)]
       fetches = dict(zip(fetching, carry))
+      held = dict(zip(writing, held))
       if fetching:
         previous = _unravel(jnp.maximum(i - 1, 0), tuple(grid))
         with primitives.grid_context(previous, grid, kernel_name=kernel_name, nested=True):
@@ -404,6 +447,10 @@ def _run(body, prologue, grid, n_steps, ins, outs, scratch, bufs,
         if w is None:
           block_refs.append(pipeline_vmap.batch_element(r, batched, batch_ids))
           continue
+        if k >= n_in_leaves:
+          held[k] = _start_output_block(buf, i, starts[k], held[k])
+          block_refs.append(buf)
+          continue
         block = primitives.load(r, idx, mask=mask)
         if k in fetches:   # fetches before `count` are in the prefetched window
           block = jnp.where(fetches[k] < pre_of[k].count, pre_of[k].slot(fetches[k]), block)
@@ -417,14 +464,39 @@ def _run(body, prologue, grid, n_steps, ins, outs, scratch, bufs,
     for r, w, buf, idx, mask in views[n_in_leaves:]:
       if w is not None:
         primitives.store(r, idx, buf[...], mask=mask)
-    return tuple(fetches[k] for k in fetching)
+    return tuple(fetches[k] for k in fetching), tuple(held[k] for k in writing)
 
   total = n_steps * n_batch
   no_fetches = tuple(jnp.int32(0) for _ in fetching)
+  nothing_held = tuple(_block_key([(0, 0 if kind == "bounded" else None) for kind, _ in
+                                   operands[k][1].dims]) for k in writing)
   if isinstance(total, int) and total == 1:
-    step(jnp.int32(0), no_fetches)
+    step(jnp.int32(0), (no_fetches, nothing_held))
   else:
-    lax.fori_loop(0, total, step, no_fetches)
+    lax.fori_loop(0, total, step, (no_fetches, nothing_held))
+
+
+def _block_key(starts: Sequence[tuple[Any, Any]]) -> jax.Array:
+  """A block's offsets (and bounded lengths) as one int32 vector, to compare blocks."""
+  parts = [p for start, length in starts for p in ((start,) if length is None
+                                                   else (start, length))]
+  return jnp.stack([jnp.asarray(p, jnp.int32) for p in parts]) if parts else \
+      jnp.zeros((0,), jnp.int32)
+
+
+def _start_output_block(buf: Any, i: Any, starts: Sequence[tuple[Any, Any]],
+                        held: jax.Array) -> jax.Array:
+  """An output's buffer at step `i`: kept while its block stays the one the buffer
+  holds (`held`; so a body can accumulate into it across steps, as on a TPU), and
+  fresh memory (zeros, or poison with `pl.enable_poison_buffers`) when a new block
+  starts. Outputs are never read: a step writes its whole block back, so elements the
+  body leaves unwritten are unspecified there, as in Pallas. Returns the block held."""
+  key = _block_key(starts)
+
+  @primitives.when((jnp.asarray(i) == 0) | jnp.any(key != held))
+  def _():
+    buf[...] = checks.uninitialized(tuple(buf.shape), buf.dtype)
+  return key
 
 
 def _batch_context(batch_ids: Sequence[Any], axes: Sequence[pipeline_vmap.BatchAxis],
