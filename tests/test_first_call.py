@@ -140,3 +140,51 @@ def test_the_garbage_collector_is_paused_while_tracing_and_restored():
     assert not gc.isenabled()
   finally:
     gc.enable()
+
+
+def _blocked_matmul(x, y):
+  """A k grid axis the plan sums over, i and j vectorized: slabs change layout."""
+  def kernel(x_ref, y_ref, o_ref):
+    @pl.when(pl.program_id(2) == 0)
+    def _():
+      o_ref[...] = jnp.zeros(o_ref.shape, f32)
+    o_ref[...] += jnp.dot(x_ref[...], y_ref[...], preferred_element_type=f32)
+  return pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((x.shape[0], y.shape[1]), f32),
+                     grid=(2, 2, 2),
+                     in_specs=[pl.BlockSpec((8, 8), lambda i, j, k: (i, k)),
+                               pl.BlockSpec((8, 8), lambda i, j, k: (k, j))],
+                     out_specs=pl.BlockSpec((8, 8), lambda i, j, k: (i, j)))(x, y)
+
+
+def test_emitted_program_moves_axes_without_tracing_jnp_moveaxis(monkeypatch):
+  # jnp.moveaxis is jitted: each new shape is a trace of its own on a first call
+  from pallet.core import trace_cache
+  calls = []
+  real = jnp.moveaxis
+  monkeypatch.setattr(jnp, "moveaxis", lambda *a, **k: calls.append(1) or real(*a, **k))
+  x, y = random_array((16, 16)), random_array((16, 16))
+  trace_cache.clear()
+  assert_close(jax.jit(_blocked_matmul)(x, y), x @ y, matmul=True)
+  z = random_array((4, 8))    # the static-index rewrite of a masked index-vector load
+  assert_close(_masked_row_load(z), jnp.where(jnp.arange(8) < 6, z * 2, 0.0))
+  assert calls == []
+
+
+def test_gradient_program_is_not_traced_again_for_its_2d_products(monkeypatch):
+  from pallet.backends.xla import canonical_dots
+  from pallet.core import trace_cache
+  traced = []
+  real = canonical_dots.canonical
+  monkeypatch.setattr(canonical_dots, "canonical", lambda c: traced.append(1) or real(c))
+  rewritten = []
+  real_dot = canonical_dots._dot
+  monkeypatch.setattr(canonical_dots, "_dot", lambda *a: rewritten.append(1) or real_dot(*a))
+  x, y = random_array((16, 16)), random_array((16, 16))
+  loss = lambda x, y: jnp.sum(jnp.sin(_blocked_matmul(x, y)))
+  trace_cache.clear()
+  gx, gy = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, y)
+  wx, wy = jax.grad(lambda x, y: jnp.sum(jnp.sin(x @ y)), argnums=(0, 1))(x, y)
+  assert_close(gx, wx, matmul=True)
+  assert_close(gy, wy, matmul=True)
+  assert rewritten            # the vectorized product was made 2-D ...
+  assert traced == []         # ... while the caller traced it, not in a trace of its own

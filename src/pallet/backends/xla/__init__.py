@@ -94,13 +94,16 @@ def differentiable_function(kernel: KernelDescription,
   plan, fn = _planned(kernel)
   if not plan.vectorized or not _binds_dot(kernel):
     return fn
-  closed = _canonical_program(kernel, avals)
-  return lambda *args: jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
+  closed = _emitted_program(kernel, avals)
+  if not canonical_dots.needs_rewrite(closed.jaxpr):
+    return lambda *args: jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
+  # rewritten while the caller traces it: no trace of the rewritten program of its own
+  return lambda *args: canonical_dots.evaluate(closed, args)
 
 
 @trace_cache.kernel_cache
-def _canonical_program(kernel: KernelDescription, avals: tuple[Any, ...]) -> Any:
-  return canonical_dots.canonical(jax.make_jaxpr(kernel_as_function(kernel))(*avals))
+def _emitted_program(kernel: KernelDescription, avals: tuple[Any, ...]) -> Any:
+  return jax.make_jaxpr(kernel_as_function(kernel))(*avals)
 
 
 def _binds_dot(kernel: KernelDescription) -> bool:
