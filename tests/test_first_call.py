@@ -188,3 +188,50 @@ def test_gradient_program_is_not_traced_again_for_its_2d_products(monkeypatch):
   assert_close(gy, wy, matmul=True)
   assert rewritten            # the vectorized product was made 2-D ...
   assert traced == []         # ... while the caller traced it, not in a trace of its own
+
+
+def test_masked_index_vector_access_discharges_without_jnp_indexing(monkeypatch):
+  # jax.numpy's `.at[...]` analyses the index in Python and traces jitted helpers per
+  # shape: the load and store below discharge to the same gather and scatter without it
+  from jax._src.numpy import indexing
+  from jax._src.ops import scatter
+  from pallet.core import trace_cache
+  calls = []
+  take, update = indexing.rewriting_take, scatter._scatter_update
+  monkeypatch.setattr(indexing, "rewriting_take", lambda *a, **k: calls.append(1) or take(*a, **k))
+  monkeypatch.setattr(scatter, "_scatter_update",
+                      lambda *a, **k: calls.append(2) or update(*a, **k))
+
+  def kernel(x_ref, o_ref):
+    cols = jnp.arange(8)
+    row = pl.load(x_ref.at[0, cols], mask=cols < 6, other=-1.0)
+    pl.store(o_ref, (0, cols), row * 2, mask=cols > 0)
+  x = random_array((4, 8))
+  trace_cache.clear()
+  out = pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((4, 8), f32), grid=(4,),
+                    in_specs=[pl.BlockSpec((1, 8), lambda i: (i, 0))],
+                    out_specs=pl.BlockSpec((1, 8), lambda i: (i, 0)))(x)
+  assert calls == []
+  cols = np.arange(8)
+  want = np.where(cols < 6, np.asarray(x) * 2, -2.0)
+  assert_close(np.asarray(out)[:, 1:], want[:, 1:])    # column 0 is never written
+
+
+@pytest.mark.parametrize("shape,index_shapes", [((16,), [(5,)]), ((4, 6), [(3, 1), (1, 5)]),
+                                                ((3, 4, 5), [(2,), (2,), (2,)])])
+def test_lax_gather_and_scatter_match_jax_numpy_indexing(shape, index_shapes):
+  from pallet.core import array_ops
+  rng = np.random.default_rng(len(shape))
+  x = random_array(shape)
+  # positions in and out of bounds, negative ones too (counted from the end)
+  positions = [jnp.asarray(rng.integers(-n - 2, n + 2, s), jnp.int32)
+               for n, s in zip(shape, index_shapes)]
+  want = x.at[tuple(positions)].get(mode="fill", fill_value=-7.0)
+  np.testing.assert_array_equal(array_ops.take_or_fill(x, positions, -7.0), want)
+  flat = x.reshape(-1)
+  index = jnp.asarray(rng.permutation(np.arange(-3, flat.size + 3))[:flat.size // 2], jnp.int32)
+  updates = random_array(index.shape)
+  np.testing.assert_array_equal(array_ops.set_or_drop(flat, index, updates),
+                                flat.at[index].set(updates, mode="drop"))
+  moved = array_ops.moveaxis(x, [0], [len(shape) - 1])
+  np.testing.assert_array_equal(moved, jnp.moveaxis(x, 0, -1))
