@@ -12,6 +12,7 @@ from typing import Any, Callable
 import jax
 from jax.interpreters import mlir
 
+from pallet import _internals as internals
 from pallet.backends.xla.executor import build
 from pallet.backends.xla.plan import ExecutionPlan, make_plan, vectorization_failure
 from pallet.backends.xla import canonical_dots, scatter_accumulators
@@ -103,7 +104,7 @@ def differentiable_function(kernel: KernelDescription,
 
 @trace_cache.kernel_cache
 def _emitted_program(kernel: KernelDescription, avals: tuple[Any, ...]) -> Any:
-  return jax.make_jaxpr(kernel_as_function(kernel))(*avals)
+  return internals.trace_jaxpr(kernel_as_function(kernel), avals, "pallas_call jvp")
 
 
 def _binds_dot(kernel: KernelDescription) -> bool:

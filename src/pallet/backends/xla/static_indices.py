@@ -57,7 +57,7 @@ def fold_static_indices(closed: ClosedJaxpr, varying: Sequence[bool] | None = No
   if not _may_rewrite(closed.jaxpr, [False] * n, list(varying or [False] * n))[0]:
     return closed     # tracing the body again would change nothing: skip it
   avals = [v.aval for v in closed.jaxpr.invars]
-  args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+  args = [jax.core.ShapedArray(a.shape, a.dtype) for a in avals]
 
   folder = _Folder()
 
@@ -69,7 +69,7 @@ def fold_static_indices(closed: ClosedJaxpr, varying: Sequence[bool] | None = No
       if v:
         folder.varying.add(id(x))
     return [_value(x) for x in folder.run(closed.jaxpr, closed.consts, xs)]
-  folded = jax.make_jaxpr(run)(*args)
+  folded = internals.trace_jaxpr(run, args, "static-index pass")
   # Folding alone (constants for iotas, inlined calls) is no gain and can cost (XLA
   # fuses an iota better than a literal table): keep the body unless a rewrite fired.
   return folded if folder.changed else closed
