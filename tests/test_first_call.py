@@ -217,7 +217,8 @@ def test_masked_index_vector_access_discharges_without_jnp_indexing(monkeypatch)
   assert_close(np.asarray(out)[:, 1:], want[:, 1:])    # column 0 is never written
 
 
-@pytest.mark.parametrize("shape,index_shapes", [((16,), [(5,)]), ((4, 6), [(3, 1), (1, 5)]),
+@pytest.mark.parametrize("shape,index_shapes", [((), []), ((16,), [(5,)]),
+                                                ((4, 6), [(3, 1), (1, 5)]),
                                                 ((3, 4, 5), [(2,), (2,), (2,)])])
 def test_lax_gather_and_scatter_match_jax_numpy_indexing(shape, index_shapes):
   from pallet.core import array_ops
@@ -233,8 +234,9 @@ def test_lax_gather_and_scatter_match_jax_numpy_indexing(shape, index_shapes):
   updates = random_array(index.shape)
   np.testing.assert_array_equal(array_ops.set_or_drop(flat, index, updates),
                                 flat.at[index].set(updates, mode="drop"))
-  moved = array_ops.moveaxis(x, [0], [len(shape) - 1])
-  np.testing.assert_array_equal(moved, jnp.moveaxis(x, 0, -1))
+  if shape:
+    moved = array_ops.moveaxis(x, [0], [len(shape) - 1])
+    np.testing.assert_array_equal(moved, jnp.moveaxis(x, 0, -1))
 
 
 def test_kernel_and_index_maps_are_traced_without_make_jaxpr(monkeypatch):
@@ -252,3 +254,21 @@ def test_kernel_and_index_maps_are_traced_without_make_jaxpr(monkeypatch):
                 if e.primitive.name == "pallas_call")
   assert len(kernel.jaxpr.jaxpr.invars) == 3      # the grid index and two block refs
   assert_close(jax.jit(_row_softmax)(x), jax.nn.softmax(x, axis=-1), rtol=1e-5, atol=1e-6)
+
+
+def test_masked_atomic_into_a_scalar_output():
+  # the element offsets of a 0-d ref (indexed by ()) are the ref itself
+  import pallet.triton as plgpu
+
+  def kernel(x_ref, o_ref):
+    @pl.when(pl.program_id(0) == 0)
+    def _():
+      o_ref[...] = jnp.zeros((), f32)
+    row = jnp.sum(x_ref[...])
+    plgpu.atomic_add(o_ref, (), row, mask=row > 0)
+  x = random_array((6, 8))
+  out = pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((), f32), grid=(6,),
+                    in_specs=[pl.BlockSpec((1, 8), lambda i: (i, 0))],
+                    out_specs=pl.BlockSpec((), lambda i: ()))(x)
+  rows = jnp.sum(x, axis=1)
+  assert_close(out, jnp.sum(jnp.where(rows > 0, rows, 0.0)), rtol=1e-5, atol=1e-5)

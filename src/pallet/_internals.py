@@ -56,6 +56,9 @@ def trace_jaxpr(fn: Callable[..., Sequence[Any]], avals: Sequence[Any],
   debug = _api_util.debug_info(traced_for, fn, tuple(avals), {})
   flat = _linear_util.wrap_init(lambda *args: list(fn(*args)), debug_info=debug)
   jaxpr, _, consts = _partial_eval.trace_to_jaxpr_dynamic(flat, list(avals))
+  if jaxpr.debug_info is not None:   # results named as make_jaxpr names them
+    jaxpr = jaxpr.replace(debug_info=jaxpr.debug_info._replace(
+        result_paths=tuple(f"result[{i}]" for i in range(len(jaxpr.outvars)))))
   return _ClosedJaxpr(jaxpr, consts)
 
 

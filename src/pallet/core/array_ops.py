@@ -43,6 +43,8 @@ def take_or_fill(x: Any, positions: Sequence[Any], fill: Any) -> Any:
   if len(positions) != len(x.shape):
     raise ValueError(f"take_or_fill: {len(positions)} index arrays for {len(x.shape)} "
                      f"dimensions")
+  if not positions:   # a 0-d array indexed by (): itself
+    return x
   shape = tuple(np.broadcast_shapes(*(tuple(p.shape) for p in positions)))
   positions = [p if tuple(p.shape) == shape else lax.broadcast_in_dim(
       p, shape, tuple(range(len(shape) - len(p.shape), len(shape)))) for p in positions]
