@@ -140,3 +140,135 @@ def test_the_garbage_collector_is_paused_while_tracing_and_restored():
     assert not gc.isenabled()
   finally:
     gc.enable()
+
+
+def _blocked_matmul(x, y):
+  """A k grid axis the plan sums over, i and j vectorized: slabs change layout."""
+  def kernel(x_ref, y_ref, o_ref):
+    @pl.when(pl.program_id(2) == 0)
+    def _():
+      o_ref[...] = jnp.zeros(o_ref.shape, f32)
+    o_ref[...] += jnp.dot(x_ref[...], y_ref[...], preferred_element_type=f32)
+  return pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((x.shape[0], y.shape[1]), f32),
+                     grid=(2, 2, 2),
+                     in_specs=[pl.BlockSpec((8, 8), lambda i, j, k: (i, k)),
+                               pl.BlockSpec((8, 8), lambda i, j, k: (k, j))],
+                     out_specs=pl.BlockSpec((8, 8), lambda i, j, k: (i, j)))(x, y)
+
+
+def test_emitted_program_moves_axes_without_tracing_jnp_moveaxis(monkeypatch):
+  # jnp.moveaxis is jitted: each new shape is a trace of its own on a first call
+  from pallet.core import trace_cache
+  calls = []
+  real = jnp.moveaxis
+  monkeypatch.setattr(jnp, "moveaxis", lambda *a, **k: calls.append(1) or real(*a, **k))
+  x, y = random_array((16, 16)), random_array((16, 16))
+  trace_cache.clear()
+  assert_close(jax.jit(_blocked_matmul)(x, y), x @ y, matmul=True)
+  z = random_array((4, 8))    # the static-index rewrite of a masked index-vector load
+  assert_close(_masked_row_load(z), jnp.where(jnp.arange(8) < 6, z * 2, 0.0))
+  assert calls == []
+
+
+def test_gradient_program_is_not_traced_again_for_its_2d_products(monkeypatch):
+  from pallet.backends.xla import canonical_dots
+  from pallet.core import trace_cache
+  traced = []
+  real = canonical_dots.canonical
+  monkeypatch.setattr(canonical_dots, "canonical", lambda c: traced.append(1) or real(c))
+  rewritten = []
+  real_dot = canonical_dots._dot
+  monkeypatch.setattr(canonical_dots, "_dot", lambda *a: rewritten.append(1) or real_dot(*a))
+  x, y = random_array((16, 16)), random_array((16, 16))
+  loss = lambda x, y: jnp.sum(jnp.sin(_blocked_matmul(x, y)))
+  trace_cache.clear()
+  gx, gy = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, y)
+  wx, wy = jax.grad(lambda x, y: jnp.sum(jnp.sin(x @ y)), argnums=(0, 1))(x, y)
+  assert_close(gx, wx, matmul=True)
+  assert_close(gy, wy, matmul=True)
+  assert rewritten            # the vectorized product was made 2-D ...
+  assert traced == []         # ... while the caller traced it, not in a trace of its own
+
+
+def test_masked_index_vector_access_discharges_without_jnp_indexing(monkeypatch):
+  # jax.numpy's `.at[...]` analyses the index in Python and traces jitted helpers per
+  # shape: the load and store below discharge to the same gather and scatter without it
+  from jax._src.numpy import indexing
+  from jax._src.ops import scatter
+  from pallet.core import trace_cache
+  calls = []
+  take, update = indexing.rewriting_take, scatter._scatter_update
+  monkeypatch.setattr(indexing, "rewriting_take", lambda *a, **k: calls.append(1) or take(*a, **k))
+  monkeypatch.setattr(scatter, "_scatter_update",
+                      lambda *a, **k: calls.append(2) or update(*a, **k))
+
+  def kernel(x_ref, o_ref):
+    cols = jnp.arange(8)
+    row = pl.load(x_ref.at[0, cols], mask=cols < 6, other=-1.0)
+    pl.store(o_ref, (0, cols), row * 2, mask=cols > 0)
+  x = random_array((4, 8))
+  trace_cache.clear()
+  out = pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((4, 8), f32), grid=(4,),
+                    in_specs=[pl.BlockSpec((1, 8), lambda i: (i, 0))],
+                    out_specs=pl.BlockSpec((1, 8), lambda i: (i, 0)))(x)
+  assert calls == []
+  cols = np.arange(8)
+  want = np.where(cols < 6, np.asarray(x) * 2, -2.0)
+  assert_close(np.asarray(out)[:, 1:], want[:, 1:])    # column 0 is never written
+
+
+@pytest.mark.parametrize("shape,index_shapes", [((), []), ((16,), [(5,)]),
+                                                ((4, 6), [(3, 1), (1, 5)]),
+                                                ((3, 4, 5), [(2,), (2,), (2,)])])
+def test_lax_gather_and_scatter_match_jax_numpy_indexing(shape, index_shapes):
+  from pallet.core import array_ops
+  rng = np.random.default_rng(len(shape))
+  x = random_array(shape)
+  # positions in and out of bounds, negative ones too (counted from the end)
+  positions = [jnp.asarray(rng.integers(-n - 2, n + 2, s), jnp.int32)
+               for n, s in zip(shape, index_shapes)]
+  want = x.at[tuple(positions)].get(mode="fill", fill_value=-7.0)
+  np.testing.assert_array_equal(array_ops.take_or_fill(x, positions, -7.0), want)
+  flat = x.reshape(-1)
+  index = jnp.asarray(rng.permutation(np.arange(-3, flat.size + 3))[:flat.size // 2], jnp.int32)
+  updates = random_array(index.shape)
+  np.testing.assert_array_equal(array_ops.set_or_drop(flat, index, updates),
+                                flat.at[index].set(updates, mode="drop"))
+  if shape:
+    moved = array_ops.moveaxis(x, [0], [len(shape) - 1])
+    np.testing.assert_array_equal(moved, jnp.moveaxis(x, 0, -1))
+
+
+def test_kernel_and_index_maps_are_traced_without_make_jaxpr(monkeypatch):
+  # make_jaxpr runs jit's argument handling around each trace: a fixed cost that a
+  # first call would pay for the kernel and each of its index maps
+  from pallet.core import trace_cache
+  calls = []
+  real = jax.make_jaxpr
+  monkeypatch.setattr(jax, "make_jaxpr", lambda *a, **k: calls.append(1) or real(*a, **k))
+  x = random_array((16, 8))
+  trace_cache.clear()
+  traced = jax.jit(_row_softmax).trace(x)
+  assert calls == []
+  kernel = next(e.params["kernel"] for e in traced.jaxpr.jaxpr.eqns
+                if e.primitive.name == "pallas_call")
+  assert len(kernel.jaxpr.jaxpr.invars) == 3      # the grid index and two block refs
+  assert_close(jax.jit(_row_softmax)(x), jax.nn.softmax(x, axis=-1), rtol=1e-5, atol=1e-6)
+
+
+def test_masked_atomic_into_a_scalar_output():
+  # the element offsets of a 0-d ref (indexed by ()) are the ref itself
+  import pallet.triton as plgpu
+
+  def kernel(x_ref, o_ref):
+    @pl.when(pl.program_id(0) == 0)
+    def _():
+      o_ref[...] = jnp.zeros((), f32)
+    row = jnp.sum(x_ref[...])
+    plgpu.atomic_add(o_ref, (), row, mask=row > 0)
+  x = random_array((6, 8))
+  out = pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((), f32), grid=(6,),
+                    in_specs=[pl.BlockSpec((1, 8), lambda i: (i, 0))],
+                    out_specs=pl.BlockSpec((), lambda i: ()))(x)
+  rows = jnp.sum(x, axis=1)
+  assert_close(out, jnp.sum(jnp.where(rows > 0, rows, 0.0)), rtol=1e-5, atol=1e-5)

@@ -313,3 +313,19 @@ def test_poisoned_output_of_an_in_order_axis_is_fully_written():
                     scratch_shapes=[pltpu.VMEM((8,), f32)],
                     input_output_aliases={1: 0})(x, poisoned((40,)))
   assert_close(out, jnp.cumsum(x), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_output_block_ids_are_those_of_sorting_whole_rows(seed):
+  # the shared-output check labels each step's block by its rank among the distinct
+  # blocks; one integer key per row must give NumPy's labels exactly
+  import numpy as np
+  rng = np.random.default_rng(seed)
+  n, k = int(rng.integers(1, 400)), int(rng.integers(1, 4))
+  scale = 10 ** int(rng.integers(1, 18))
+  rows = rng.integers(-scale, scale, (n, k)) if seed % 2 else rng.integers(0, 4, (n, k))
+  want = np.unique(rows, axis=0, return_inverse=True)[1].reshape(-1)
+  np.testing.assert_array_equal(grid_analysis._row_ids(rows), want)
+  wide = np.array([[2 ** 62, 0], [-2 ** 62, 1], [2 ** 62, 0]], np.int64)   # keys too wide
+  np.testing.assert_array_equal(grid_analysis._row_ids(wide),
+                                np.unique(wide, axis=0, return_inverse=True)[1].reshape(-1))

@@ -11,13 +11,17 @@ import inspect
 from typing import Any, Callable, Sequence
 
 import jax
+from jax._src import api_util as _api_util
 from jax._src import core as _core
 from jax._src import debugging as _debugging
 from jax._src import dispatch as _dispatch
+from jax._src import linear_util as _linear_util
 from jax._src import traceback_util as _traceback_util
+from jax._src.interpreters import partial_eval as _partial_eval
 from jax._src.state import discharge as _discharge
 from jax._src.state import indexing as _indexing
 from jax._src.state import types as _state_types
+from jax.extend.core import ClosedJaxpr as _ClosedJaxpr
 
 # --- ref indexing: JAX's own indexer objects, so `ref[...]` and `pl.ds` agree ----
 Slice = _indexing.Slice
@@ -41,6 +45,22 @@ def require_devices_during_lowering(primitive: Any) -> None:
   """jit then lowers programs using `primitive` with their devices and mesh known,
   which a custom-partitioned lowering needs."""
   _dispatch.prim_requires_devices_during_lowering.add(primitive)
+
+# --- tracing a function of flat arguments into a jaxpr -----------------------------
+def trace_jaxpr(fn: Callable[..., Sequence[Any]], avals: Sequence[Any],
+                traced_for: str) -> Any:
+  """`jax.make_jaxpr(fn)(*avals)` for `fn` of flat arguments returning a flat sequence
+  of arrays, traced directly: make_jaxpr goes through `jit`'s argument handling and
+  caches, about 0.25 ms per trace that a first call pays for the kernel and each of
+  its index maps."""
+  debug = _api_util.debug_info(traced_for, fn, tuple(avals), {})
+  flat = _linear_util.wrap_init(lambda *args: list(fn(*args)), debug_info=debug)
+  jaxpr, _, consts = _partial_eval.trace_to_jaxpr_dynamic(flat, list(avals))
+  if jaxpr.debug_info is not None:   # results named as make_jaxpr names them
+    jaxpr = jaxpr.replace(debug_info=jaxpr.debug_info._replace(
+        result_paths=tuple(f"result[{i}]" for i in range(len(jaxpr.outvars)))))
+  return _ClosedJaxpr(jaxpr, consts)
+
 
 # --- state discharge: turning a jaxpr over refs into a pure function --------------
 transform_array = _discharge.transform_array

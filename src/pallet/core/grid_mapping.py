@@ -18,6 +18,7 @@ import numpy as np
 
 from pallet.core import primitives
 from pallet.core import specs as specs_lib
+from pallet import _internals as internals
 from pallet._internals import AbstractRef, Slice, is_tracer
 from pallet.errors import PalletError, PalletSignatureError
 
@@ -295,7 +296,7 @@ def trace_index_map(index_map: Callable | None, grid: tuple[int | None, ...],
 
   arg_avals = ([jax.core.ShapedArray((), jnp.int32)] * len(grid)
                + [AbstractRef(a) for a in prefetch_avals])
-  jaxpr = jax.make_jaxpr(flat_index_map)(*arg_avals)
+  jaxpr = internals.trace_jaxpr(flat_index_map, arg_avals, "index_map")
   if any(isinstance(jax.typeof(c), AbstractRef) for c in jaxpr.consts):
     # pallet evaluates index maps while planning the grid, so a mutable ref would be
     # read once and its later values silently ignored

@@ -20,7 +20,7 @@ from jax.extend.core import Literal, Primitive
 from jax.interpreters import mlir
 
 from pallet import _internals as internals
-from pallet.core import checks
+from pallet.core import array_ops, checks
 from pallet.core.grid_context import (_GridContext, _grid_contexts, current_grid_names,
                                       current_kernel_name, grid_context)
 from pallet.core.specs import MemorySpace, ScratchShape
@@ -183,8 +183,7 @@ def _element_offsets(base_shape: tuple[int, ...], transforms: Sequence[Any]) -> 
   last = transforms[-1]
   if not isinstance(last, internals.NDIndexer):
     return internals.transform_array(offsets, [last])
-  positions = _indexer_positions(last)
-  return offsets.at[positions].get(mode="fill", fill_value=-1)
+  return array_ops.take_or_fill(offsets, _indexer_positions(last), -1)
 
 
 def _window(ref_shape: tuple[int, ...], transforms: Sequence[Any]) -> Any:
@@ -262,12 +261,17 @@ def _as_window(x: Any, sizes: Sequence[int]) -> Any:
 def _gather(ref_value: jax.Array, offsets: jax.Array) -> jax.Array:
   """Values at flat `offsets` (negative offsets read 0)."""
   flat = ref_value.reshape(-1)
-  return flat.at[offsets.reshape(-1)].get(mode="fill", fill_value=0).reshape(offsets.shape)
+  return array_ops.take_or_fill(flat, [offsets.reshape(-1)], 0).reshape(offsets.shape)
 
 
 # Discharge rules below flatten operands with `jnp.ravel`, never `x.reshape`: an operand
 # may arrive as a concrete NumPy literal (a scalar value or mask), and NumPy's reshape
 # would turn it into a jaxpr constant, which JAX's while-loop discharge rejects.
+def _flattened(x: Any) -> Any:
+  """`jnp.ravel(x)`; a traced value as one reshape, without jnp.ravel's jitted trace."""
+  return lax.reshape(x, (math.prod(x.shape),)) if internals.is_tracer(x) else jnp.ravel(x)
+
+
 def _split(args: Sequence[Any], counts: Sequence[int]) -> list[list[Any]]:
   out, i = [], 0
   for c in counts:
@@ -356,14 +360,14 @@ store_p.def_effectful_abstract_eval(_store_abstract_eval)
 
 
 def _scatter_into(ref_value, offsets, mask, update_fn):
-  """Applies `update_fn(flat_ref.at[offsets])` with masked-out offsets dropped."""
+  """Applies `update_fn(flat_ref, flat_offsets)` with masked-out offsets dropped."""
   size = math.prod(ref_value.shape)
   # lax, not jnp.where: jnp.where traces its jitted implementation per new shape
   past_end = lax.full_like(offsets, size)
   offsets = lax.select(lax.lt(offsets, lax.full_like(offsets, 0)), past_end, offsets)
   if mask is not None:
     offsets = lax.select(mask, offsets, past_end)
-  flat = update_fn(ref_value.reshape(-1).at[offsets.reshape(-1)])
+  flat = update_fn(ref_value.reshape(-1), offsets.reshape(-1))
   return flat.reshape(ref_value.shape)
 
 
@@ -390,7 +394,7 @@ def _store_discharge(in_avals, out_avals, ref_value, *args, tree):
     return (new,) + (None,) * (len(in_avals) - 1), []
   offsets = _element_offsets(ref_value.shape, transforms)
   new = _scatter_into(ref_value, offsets, mask,
-                      lambda at: at.set(jnp.ravel(value), mode="drop"))
+                      lambda flat, idx: array_ops.set_or_drop(flat, idx, _flattened(value)))
   return (new,) + (None,) * (len(in_avals) - 1), []
 
 
@@ -529,7 +533,8 @@ def _atomic_operands(ref_value, args, tree, has_mask):
 
 def _atomic_scatter(ref_value, offsets, value, mask, op):
   return _scatter_into(ref_value, offsets, mask,
-                       lambda at: getattr(at, op)(jnp.ravel(value), mode="drop"))
+                       lambda flat, idx: getattr(flat.at[idx], op)(jnp.ravel(value),
+                                                                   mode="drop"))
 
 
 def _static_int(x: Any) -> int | None:

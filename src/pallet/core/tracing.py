@@ -101,7 +101,7 @@ def trace_kernel(kernel: Callable, name: str, grid_mapping: GridMapping,
     return []
 
   try:
-    jaxpr = jax.make_jaxpr(stateful_body)(*id_avals, *ref_avals)
+    jaxpr = internals.trace_jaxpr(stateful_body, [*id_avals, *ref_avals], "pallas_call kernel")
   except jax.errors.ConcretizationTypeError as e:
     raise PalletError(
         f"kernel '{name}' ({source}) used a traced value (such as pl.program_id) where "

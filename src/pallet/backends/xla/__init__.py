@@ -12,6 +12,7 @@ from typing import Any, Callable
 import jax
 from jax.interpreters import mlir
 
+from pallet import _internals as internals
 from pallet.backends.xla.executor import build
 from pallet.backends.xla.plan import ExecutionPlan, make_plan, vectorization_failure
 from pallet.backends.xla import canonical_dots, scatter_accumulators
@@ -94,13 +95,16 @@ def differentiable_function(kernel: KernelDescription,
   plan, fn = _planned(kernel)
   if not plan.vectorized or not _binds_dot(kernel):
     return fn
-  closed = _canonical_program(kernel, avals)
-  return lambda *args: jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
+  closed = _emitted_program(kernel, avals)
+  if not canonical_dots.needs_rewrite(closed.jaxpr):
+    return lambda *args: jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
+  # rewritten while the caller traces it: no trace of the rewritten program of its own
+  return lambda *args: canonical_dots.evaluate(closed, args)
 
 
 @trace_cache.kernel_cache
-def _canonical_program(kernel: KernelDescription, avals: tuple[Any, ...]) -> Any:
-  return canonical_dots.canonical(jax.make_jaxpr(kernel_as_function(kernel))(*avals))
+def _emitted_program(kernel: KernelDescription, avals: tuple[Any, ...]) -> Any:
+  return internals.trace_jaxpr(kernel_as_function(kernel), avals, "pallas_call jvp")
 
 
 def _binds_dot(kernel: KernelDescription) -> bool:

@@ -91,9 +91,14 @@ def canonical(closed: ClosedJaxpr) -> ClosedJaxpr:
   """`closed` with its products (nested ones too) as 2-D products (itself if none)."""
   if not needs_rewrite(closed.jaxpr):
     return closed
-  jaxpr = closed.jaxpr
-  run = lambda *args: _evaluate(jaxpr, closed.consts, args)
-  return jax.make_jaxpr(run)(*[v.aval for v in jaxpr.invars])
+  return jax.make_jaxpr(lambda *args: evaluate(closed, args))(
+      *[v.aval for v in closed.jaxpr.invars])
+
+
+def evaluate(closed: ClosedJaxpr, args: Sequence[Any]) -> list[Any]:
+  """`closed` applied to `args` with its products as 2-D products: what `canonical`
+  traces, bound in the caller's trace instead of a trace of its own."""
+  return _evaluate(closed.jaxpr, closed.consts, args)
 
 
 def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:

@@ -19,7 +19,7 @@ import numpy as np
 from jax import lax
 
 from pallet import _internals as internals
-from pallet.core import checks
+from pallet.core import array_ops, checks
 from pallet.backends.xla.plan import ExecutionPlan, OperandPlan, element_scale, make_plan
 from pallet.backends.xla import body_analysis, bounded_loops, literal_folding, widening
 from pallet.backends.xla.static_indices import fold_static_indices
@@ -133,7 +133,7 @@ class _Slab:
     dimensions."""
     dst = [n_summed + self.batch_pos[g] for g in self.levels]
     if dst:
-      partial = jnp.moveaxis(partial, list(range(n_summed, n_summed + len(dst))), dst)
+      partial = array_ops.moveaxis(partial, list(range(n_summed, n_summed + len(dst))), dst)
     if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32:
       partial = partial.astype(jnp.float32)
     flat = partial.reshape(math.prod(partial.shape[:n_summed]), math.prod(self.sizes))
@@ -161,13 +161,13 @@ class _Slab:
 
   def batch_first(self, view: jax.Array) -> jax.Array:
     src = [self.batch_pos[g] for g in self.levels]
-    return jnp.moveaxis(view, src, list(range(len(src)))) if src else view
+    return array_ops.moveaxis(view, src, list(range(len(src)))) if src else view
 
   def merge(self, buf: jax.Array, slab: jax.Array, start: Any) -> jax.Array:
     """Writes a batch-first slab back into `buf` at `start`."""
     dst = [self.batch_pos[g] for g in self.levels]
     if dst:
-      slab = jnp.moveaxis(slab, list(range(len(dst))), dst)
+      slab = array_ops.moveaxis(slab, list(range(len(dst))), dst)
     return self.put(buf, slab.reshape(self.sizes), start)
 
 

@@ -199,8 +199,8 @@ def _terms_kernel(kernel: KernelDescription, pure: Any, terms: list) -> KernelDe
   outputs = []
   for k, aval in enumerate(avals):
     shape = tuple(aval.shape)
-    im = jax.make_jaxpr(lambda *g, n=len(shape): (*g, *([jnp.int32(0)] * n)))(
-        *[jax.core.ShapedArray((), jnp.int32)] * G)
+    im = internals.trace_jaxpr(lambda *g, n=len(shape): (*g, *([jnp.int32(0)] * n)),
+                               [jax.core.ShapedArray((), jnp.int32)] * G, "index_map")
     outputs.append(BlockMapping(
         origin=f"scatter {'indices' if k % 2 == 0 else 'updates'} {k // 2}",
         array_shape=(*gm.grid, *shape), dtype=aval.dtype,
@@ -219,6 +219,7 @@ def _terms_kernel(kernel: KernelDescription, pure: Any, terms: list) -> KernelDe
 
   ref_avals = ([jax.core.ShapedArray((), jnp.int32)] * G
                + [internals.AbstractRef(b.kernel_aval) for b in (*gm.inputs, *outputs)])
-  return kernel.replace(jaxpr=jax.make_jaxpr(body)(*ref_avals), grid_mapping=new_gm,
+  return kernel.replace(jaxpr=internals.trace_jaxpr(body, ref_avals, "one scatter"),
+                        grid_mapping=new_gm,
                         input_output_aliases=(),
                         ref_names=kernel.ref_names[:n_in] + ("",) * len(outputs))

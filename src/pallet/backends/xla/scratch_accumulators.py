@@ -359,5 +359,6 @@ def _virtual_kernel(kernel: KernelDescription, pure: Any, accumulated: list) -> 
 
   avals = ([jax.core.ShapedArray((), jnp.int32)] * G
            + [internals.AbstractRef(b.kernel_aval) for b in (*gm.inputs, *outputs)])
-  return kernel.replace(jaxpr=jax.make_jaxpr(body)(*avals), grid_mapping=new_gm,
+  return kernel.replace(jaxpr=internals.trace_jaxpr(body, avals, "scratch accumulators"),
+                        grid_mapping=new_gm,
                         ref_names=kernel.ref_names[:n_in] + kernel.ref_names[n_in + n_out:])

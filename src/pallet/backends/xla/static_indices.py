@@ -33,7 +33,7 @@ from jax import lax
 from jax.extend.core import ClosedJaxpr, Literal
 
 from pallet import _internals as internals
-from pallet.core import grid_eval
+from pallet.core import array_ops, grid_eval
 
 MAX_FOLDED_ELEMENTS = 1 << 16
 _CALLS = ("pjit", "jit", "closed_call", "core_call", "eval_jaxpr")
@@ -57,7 +57,7 @@ def fold_static_indices(closed: ClosedJaxpr, varying: Sequence[bool] | None = No
   if not _may_rewrite(closed.jaxpr, [False] * n, list(varying or [False] * n))[0]:
     return closed     # tracing the body again would change nothing: skip it
   avals = [v.aval for v in closed.jaxpr.invars]
-  args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+  args = [jax.core.ShapedArray(a.shape, a.dtype) for a in avals]
 
   folder = _Folder()
 
@@ -69,7 +69,7 @@ def fold_static_indices(closed: ClosedJaxpr, varying: Sequence[bool] | None = No
       if v:
         folder.varying.add(id(x))
     return [_value(x) for x in folder.run(closed.jaxpr, closed.consts, xs)]
-  folded = jax.make_jaxpr(run)(*args)
+  folded = internals.trace_jaxpr(run, args, "static-index pass")
   # Folding alone (constants for iotas, inlined calls) is no gain and can cost (XLA
   # fuses an iota better than a literal table): keep the body unless a rewrite fired.
   return folded if folder.changed else closed
@@ -397,7 +397,7 @@ def _gather_as_slice(eqn: Any, operand: Any, indices: np.ndarray) -> Any | None:
     taken = _extend(taken, d, n - b, right, -1, p.get("fill_value"))
   out_rank = len(shape)   # the collapsed dimension's place is taken by the batch one
   batch_pos = next(k for k in range(out_rank) if k not in tuple(dn.offset_dims))
-  return jnp.moveaxis(taken, d, batch_pos)
+  return array_ops.moveaxis(taken, [d], [batch_pos])
 
 
 def _extend(x: Any, d: int, count: int, kind: str, end: int, fill: Any) -> Any:
@@ -429,7 +429,7 @@ def _scatter_as_update(eqn: Any, operand: Any, indices: np.ndarray, updates: Any
   shape = operand.shape
   window = tuple(dn.update_window_dims)
   batch_pos = next(k for k in range(updates.ndim) if k not in window)
-  moved = jnp.moveaxis(updates, batch_pos, d)
+  moved = array_ops.moveaxis(updates, [batch_pos], [d])
   if moved.shape[:d] + moved.shape[d + 1:] != shape[:d] + shape[d + 1:]:
     return None
   run = _contiguous_run(indices[:, 0], shape[d], p["mode"])
