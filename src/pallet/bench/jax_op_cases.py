@@ -235,16 +235,24 @@ def _mha_row(name: str, b: int, t: int, h: int, d: int, block: int, *, causal: b
                make_inputs=lambda key: _normal(key, 3, *[(b, t, h, d)] * 3), twin=twin, run=run)
 
 
+# (batch, q heads, kv heads, seq, head dim, k splits, block_k) of the decode rows
+DECODE_GQA_SIZES = {"full": (8, 32, 8, 4096, 128, 16, 128), "test": (2, 16, 4, 1024, 64, 16, 128),
+                    "small": (2, 8, 2, 512, 64, 4, 64), "tiny": (2, 8, 2, 64, 32, 4, 16)}
+# (batch, heads, seq, head dim, k splits, block_k); one kv head
+DECODE_MQA_SIZES = {"full": (8, 32, 4096, 128, 16, 128), "test": (2, 8, 1024, 64, 16, 256),
+                    "small": (2, 8, 512, 64, 4, 64), "tiny": (2, 8, 64, 32, 4, 16)}
+# the query-head block both decode rows run with (the ops' default)
+DECODE_BLOCK_H = 16
+
+
 def _gpu_decode(size: Size) -> Benchmark:
-  b, hq, hkv, s, d, splits, block_k = {
-      "full": (8, 32, 8, 4096, 128, 16, 128), "test": (2, 16, 4, 1024, 64, 16, 128),
-      "small": (2, 8, 2, 512, 64, 4, 64), "tiny": (2, 8, 2, 64, 32, 4, 16)}[size]
+  b, hq, hkv, s, d, splits, block_k = DECODE_GQA_SIZES[size]
 
   def make_inputs(key):
     q, k, v = _normal(key, 3, (b, hq, d), (b, s, hkv, d), (b, s, hkv, d))
     return q, k, v, jnp.arange(b, dtype=jnp.int32) * (s // (2 * b)) + s // 2
 
-  run = lambda m, q, k, v, lengths, **kw: m.gqa(q, k, v, None, lengths, block_h=16,
+  run = lambda m, q, k, v, lengths, **kw: m.gqa(q, k, v, None, lengths, block_h=DECODE_BLOCK_H,
                                                 block_k=block_k, k_splits=splits, **kw)
 
   def twin(q, k, v, lengths):
@@ -261,16 +269,13 @@ def _gpu_decode(size: Size) -> Benchmark:
 
 
 def _gpu_decode_mqa(size: Size) -> Benchmark:
-  b, h, s, d, splits, block_k = {"full": (8, 32, 4096, 128, 16, 128),
-                                 "test": (2, 8, 1024, 64, 16, 256),
-                                 "small": (2, 8, 512, 64, 4, 64),
-                                 "tiny": (2, 8, 64, 32, 4, 16)}[size]
+  b, h, s, d, splits, block_k = DECODE_MQA_SIZES[size]
 
   def make_inputs(key):
     q, k, v = _normal(key, 3, (b, h, d), (b, s, d), (b, s, d))
     return q, k, v, jnp.arange(b, dtype=jnp.int32) * (s // (2 * b)) + s // 2
 
-  run = lambda m, q, k, v, lengths, **kw: m.mqa(q, k, v, None, lengths, block_h=16,
+  run = lambda m, q, k, v, lengths, **kw: m.mqa(q, k, v, None, lengths, block_h=DECODE_BLOCK_H,
                                                 block_k=block_k, k_splits=splits, **kw)
 
   def twin(q, k, v, lengths):

@@ -1,0 +1,142 @@
+"""A kernel's own algorithm written in jax.numpy: how much of a row's ratio is the algorithm.
+
+The jax.numpy twin of a row (`jax_op_cases.py`) is the plainest program for the op's
+result. Some kernels compute that result by an algorithm built for a GPU's parallelism
+that does more work on any machine. JAX's GPU decode attention is one: it pads each kv
+head's query heads up to `block_h` rows (16) and splits the keys into `k_splits` partial
+softmaxes, which a log-sum-exp step after the kernel combines (flash decoding). At the
+size of JAX's tests that is 2x (mqa: 8 heads in a block of 16) or 4x (gqa: 4 query heads
+per kv head in a block of 16) the plain twin's arithmetic, in smaller products.
+
+This module writes that algorithm in jax.numpy, with no pallet and no Pallas, so that a
+row's ratio splits into pallet/algorithm (what pallet adds) and algorithm/plain (what the
+kernel's algorithm costs on this machine):
+
+    python -m pallet.bench.algorithm_twins --size test --rounds 21
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallet.bench import jax_op_cases
+from pallet.bench.case import SIZES, Benchmark, Size
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def split_decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *,
+                           block_h: int, k_splits: int) -> jax.Array:
+  """Flash decoding as JAX's GPU decode kernel computes it, for every kv head at once.
+
+  q: [batch, kv_heads, heads_per_kv, d]; k, v: [batch, kv_heads, seq, d]; lengths: [batch].
+  Query heads are padded to a multiple of `block_h`, keys are cut into `k_splits` equal
+  splits, each split's masked softmax is kept unnormalised with its max and sum, and the
+  splits are combined by their maxima (the op's own step after its `pallas_call`).
+  """
+  batch, kv_heads, heads, d = q.shape
+  seq = k.shape[2]
+  padded = -(-heads // block_h) * block_h
+  q = jnp.pad(q, ((0, 0), (0, 0), (0, padded - heads), (0, 0)))
+  split = seq // k_splits
+  k = k.reshape(batch, kv_heads, k_splits, split, d)
+  v = v.reshape(batch, kv_heads, k_splits, split, d)
+  logits = jnp.einsum("bghd,bgjsd->bgjhs", q, k, precision=HIGHEST) * d ** -0.5
+  positions = jnp.arange(seq).reshape(k_splits, split)
+  visible = positions[None, :, None, :] < lengths[:, None, None, None]
+  logits = jnp.where(visible[:, None], logits, 0.7 * jnp.finfo(jnp.float32).min)
+  split_max = logits.max(-1)
+  weights = jnp.exp(logits - split_max[..., None])
+  split_sum = weights.sum(-1)
+  split_out = jnp.einsum("bgjhs,bgjsd->bgjhd", weights, v, precision=HIGHEST)
+  overall_max = jax.lax.optimization_barrier(split_max.max(2))
+  correction = jnp.exp(split_max - overall_max[:, :, None])
+  total = (split_sum * correction).sum(2)
+  out = (split_out * correction[..., None]).sum(2)
+  return (out / (total[..., None] + jnp.finfo(jnp.float32).eps))[:, :, :heads]
+
+
+def _mqa(size: Size) -> Callable[..., jax.Array]:
+  splits = jax_op_cases.DECODE_MQA_SIZES[size][4]
+
+  def twin(q, k, v, lengths):   # one kv head
+    return split_decode_attention(q[:, None], k[:, None], v[:, None], lengths,
+                                  block_h=jax_op_cases.DECODE_BLOCK_H, k_splits=splits)[:, 0]
+  return twin
+
+
+def _gqa(size: Size) -> Callable[..., jax.Array]:
+  splits = jax_op_cases.DECODE_GQA_SIZES[size][5]
+
+  def twin(q, k, v, lengths):
+    batch, heads, d = q.shape
+    kv_heads = k.shape[2]
+    out = split_decode_attention(q.reshape(batch, kv_heads, heads // kv_heads, d),
+                                 jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), lengths,
+                                 block_h=jax_op_cases.DECODE_BLOCK_H, k_splits=splits)
+    return out.reshape(batch, heads, d)
+  return twin
+
+
+# row name -> (size -> the row's kernel algorithm in jax.numpy: the row's inputs, its result)
+ALGORITHM_TWINS: dict[str, Callable[[Size], Callable[..., jax.Array]]] = {
+    "op_gpu_decode_mqa": _mqa,
+    "op_gpu_decode_gqa": _gqa,
+}
+
+
+def rows(size: Size) -> list[Benchmark]:
+  """The rows of `jax_op_cases` at `size` that have an algorithm twin (none before JAX 0.12)."""
+  return [b for b in jax_op_cases.benchmarks(size) if b.name in ALGORITHM_TWINS]
+
+
+def _median_seconds(fn: Callable, args: tuple, calls: int) -> float:
+  jax.block_until_ready(fn(*args))
+  start = time.perf_counter()
+  for _ in range(calls):
+    out = fn(*args)
+  jax.block_until_ready(out)
+  return (time.perf_counter() - start) / calls
+
+
+def measure(bench: Benchmark, size: Size, rounds: int, calls: int = 20,
+            seed: int = 0) -> dict[str, float]:
+  """Median seconds of pallet, the plain twin and the algorithm twin, interleaved per round."""
+  import pallet   # the benchmark's subject; imported here so the module loads without it
+  args = bench.make_inputs(jax.random.key(seed))
+  programs = {"pallet": jax.jit(bench.build_pallas(pallet)), "plain": jax.jit(bench.reference),
+              "algorithm": jax.jit(ALGORITHM_TWINS[bench.name](size))}
+  expected = programs["plain"](*args)
+  for name in ("pallet", "algorithm"):
+    np.testing.assert_allclose(programs[name](*args), expected, rtol=bench.rtol, atol=bench.atol,
+                               err_msg=f"{bench.name}: {name} differs from the plain twin")
+  times: dict[str, list[float]] = {name: [] for name in programs}
+  for _ in range(rounds):
+    for name, fn in programs.items():
+      times[name].append(_median_seconds(fn, args, calls))
+  return {name: float(np.median(t)) for name, t in times.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m pallet.bench.algorithm_twins",
+                                   description=__doc__.splitlines()[0])
+  parser.add_argument("--size", choices=SIZES, default="test")
+  parser.add_argument("--rounds", type=int, default=21)
+  args = parser.parse_args(argv)
+  print(f"{'row':<22}{'pallet us':>11}{'plain us':>10}{'algorithm us':>14}"
+        f"{'pallet/plain':>14}{'pallet/algorithm':>18}{'algorithm/plain':>17}")
+  for bench in rows(args.size):
+    t = measure(bench, args.size, args.rounds)
+    print(f"{bench.name:<22}{t['pallet'] * 1e6:>11.0f}{t['plain'] * 1e6:>10.0f}"
+          f"{t['algorithm'] * 1e6:>14.0f}{t['pallet'] / t['plain']:>14.2f}"
+          f"{t['pallet'] / t['algorithm']:>18.2f}{t['algorithm'] / t['plain']:>17.2f}")
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())

@@ -1,0 +1,33 @@
+"""pallet.bench.algorithm_twins: each twin computes its row's result by the kernel's algorithm."""
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from pallet.bench import algorithm_twins
+
+ROWS = algorithm_twins.rows("tiny")   # empty before JAX 0.12 (no kernel library to run)
+
+
+@pytest.mark.skipif(not ROWS, reason="the rows are JAX 0.12's kernel library (jax_op_cases)")
+@pytest.mark.parametrize("bench", ROWS, ids=lambda b: b.name)
+def test_algorithm_twin_computes_the_rows_result(bench):
+  args = bench.make_inputs(jax.random.key(7))
+  got = jax.jit(algorithm_twins.ALGORITHM_TWINS[bench.name]("tiny"))(*args)
+  np.testing.assert_allclose(got, jax.jit(bench.reference)(*args), rtol=1e-5, atol=1e-5)
+
+
+def test_split_decode_attention_is_softmax_attention_for_any_split_and_padding():
+  kq, kk, kv = jax.random.split(jax.random.key(3), 3)
+  q = jax.random.normal(kq, (2, 3, 5, 16))          # batch, kv heads, heads per kv head, d
+  k = jax.random.normal(kk, (2, 3, 64, 16))
+  v = jax.random.normal(kv, (2, 3, 64, 16))
+  lengths = jax.numpy.array([64, 23])
+  logits = jax.numpy.einsum("bghd,bgsd->bghs", q, k, precision="highest") / 4.0
+  logits = jax.numpy.where(jax.numpy.arange(64) < lengths[:, None, None, None], logits, -1e30)
+  want = jax.numpy.einsum("bghs,bgsd->bghd", jax.nn.softmax(logits, -1), v, precision="highest")
+  for block_h, splits in ((8, 4), (5, 16), (16, 1)):
+    got = algorithm_twins.split_decode_attention(q, k, v, lengths, block_h=block_h,
+                                                 k_splits=splits)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"{block_h=} {splits=}")
