@@ -340,6 +340,54 @@ def test_aliased_resident_output_accumulates_onto_the_input():
   assert_close(out, acc + x.sum(1, keepdims=True), rtol=1e-5, atol=1e-5)
 
 
+def test_a_dma_into_an_aliased_whole_input_lands_in_the_output():
+  # pl.ANY input and output aliased: one HBM buffer on a TPU, so a copy into the
+  # input's ref is in the result (JAX's test_dynamic_dma_on_2nd_minor does this).
+  def kernel(array_ref, data_ref, start_ref, size_ref, out_ref, sem):
+    del out_ref
+    pltpu.async_copy(data_ref.at[pl.ds(0, size_ref[0])],
+                     array_ref.at[pl.ds(start_ref[0], size_ref[0])], sem).wait()
+
+  array, data = random_array((64, 128)), random_array((8, 128))
+  start, size = jnp.array([13], jnp.int32), jnp.array([5], jnp.int32)
+  call = lambda *args: pl.pallas_call(
+      kernel, out_shape=sds(array),
+      in_specs=[pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pltpu.VMEM),
+                pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec(memory_space=pltpu.SMEM)],
+      out_specs=pl.BlockSpec(memory_space=pl.ANY), scratch_shapes=[pltpu.SemaphoreType.DMA],
+      input_output_aliases={0: 0})(*args)
+  expected = array.at[13:18].set(data[:5])
+  assert_close(call(array, data, start, size), expected)
+  assert_close(jax.jit(call)(array, data, start, size), expected)
+
+
+def test_an_aliased_whole_input_and_output_are_one_ref():
+  # writes through either ref are seen through the other and reach the result
+  def kernel(x_ref, o_ref):
+    o_ref[0:4] = x_ref[4:8] * 2.0     # the output's write ...
+    x_ref[8:12] = o_ref[0:4] + 1.0    # ... read back through the input, written through it
+
+  x = random_array((16, 8))
+  any_spec = pl.BlockSpec(memory_space=pl.ANY)
+  out = pallas_call(kernel, out_shape=sds(x), in_specs=[any_spec], out_specs=any_spec,
+                    input_output_aliases={0: 0})(x)
+  expected = x.at[0:4].set(x[4:8] * 2.0)
+  assert_close(out, expected.at[8:12].set(x[4:8] * 2.0 + 1.0))
+
+
+def test_aliased_blocked_operands_stay_apart():
+  # a blocked input is a copy of its block (as on a TPU): writing it leaves the output
+  def kernel(x_ref, o_ref):
+    x_ref[...] = x_ref[...] * 100.0
+    o_ref[...] = x_ref[...] + 1.0
+
+  x = random_array((16, 8))
+  spec = pl.BlockSpec((8, 8), lambda i: (i, 0))
+  out = pallas_call(kernel, out_shape=sds(x), grid=(2,), in_specs=[spec], out_specs=spec,
+                    input_output_aliases={0: 0})(x)
+  assert_close(out, x * 100.0 + 1.0)
+
+
 # ------------------------------------------------------------ scratch
 def test_scratch_persists_across_grid_steps():
   # Accumulate a row-block sum in VMEM scratch over k; write it on the last step.

@@ -29,6 +29,7 @@ from pallet.core import gc_pause
 from pallet.distributed import mesh_launch
 from pallet.distributed import plain_call
 from pallet.core import grid_mapping as gm_lib
+from pallet.core import aliased_refs
 from pallet.core import hitypes
 from pallet.core import specs as specs_lib
 from pallet.core import spec_trees
@@ -193,12 +194,12 @@ def _launch(kernel, name, args, out_shape, grid, dynamic_sizes, in_specs, out_sp
     mapping = _grid_mapping(kernel, name, args, out_shape, grid, in_specs, out_specs,
                             in_avals, out_avals, scratch_avals, prefetch_avals,
                             prefetch_tree, num_scalar_prefetch, dimension_semantics)
-    description = closed_over.lift(tracing.trace_kernel(
+    description = closed_over.lift(aliased_refs.merge(tracing.trace_kernel(
         kernel, name, mapping, kernel_args_tree, source=tracing.kernel_source(kernel),
         input_output_aliases=_check_aliases(aliases, len(prefetch_avals), in_avals,
                                             out_avals, name),
         compiler_params=compiler_params, debug=debug, grid_names=grid_names,
-        metadata=metadata, poison_buffers=checks.poison_buffers_enabled()))
+        metadata=metadata, poison_buffers=checks.poison_buffers_enabled())))
     bounded_slices.check_static(description)
     static_bounds.check(description)
     return description
