@@ -1,14 +1,18 @@
-"""An aliased input and output held whole in memory are one ref.
+"""An aliased input held whole in memory that the kernel writes is its output's ref.
 
 `input_output_aliases={i: o}` makes input i and output o one buffer. A kernel that sees
 both whole in memory (`pl.ANY`, `pltpu.HBM`, GPU global memory: no copy into a block
 buffer) works on that buffer itself, through either ref: a DMA into the input's ref lands
-in the output (JAX's `test_dynamic_dma_on_2nd_minor` writes through the input), and a
-read of the input sees what the output's ref wrote. Blocked operands are copied into
-buffers of their own on a TPU, so there input and output stay apart, as pallet runs them.
+in the output (JAX's `test_dynamic_dma_on_2nd_minor` writes only through the input).
+pallet otherwise keeps an aliased input's values apart from its output (the output starts
+as a copy), so such a write reached no result. Blocked operands are copies of their
+blocks on a TPU, so there input and output stay apart, as pallet runs them.
 
-pallet's backends start an aliased output from its input; `merge` makes the kernel's
-uses of such an input ref uses of the output ref, so every backend sees one ref.
+`merge` makes every use of an in-place aliased input ref that the kernel writes a use of
+the output's ref, so every backend sees one buffer. An input the kernel only reads keeps
+its values: reading it where the output was already written is the hazard checking mode
+reports (checking/aliasing.py), since pallet then gives the originals and the hardware
+the new values.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from typing import Any
 
 import jax
 
+from pallet import _internals as internals
 from pallet.core import grid_mapping as gm_lib
 from pallet.core.specs import MemorySpace
 from pallet.core.tracing import KernelDescription
@@ -29,16 +34,19 @@ def _in_place(mapping: gm_lib.BlockMapping) -> bool:
 
 
 def merge(kernel: KernelDescription) -> KernelDescription:
-  """The kernel with each in-place aliased input ref replaced by its output ref (the
-  input stays an operand, unused: the output's buffer starts as its value)."""
+  """The kernel with each in-place aliased input ref that it writes replaced by its
+  output ref (the input stays an operand, unused: the output's buffer starts as its
+  value)."""
   gm = kernel.grid_mapping
-  pairs = [(i, o) for i, o in kernel.input_output_aliases
-           if _in_place(gm.inputs[i]) and _in_place(gm.outputs[o])]
-  if not pairs:
-    return kernel
   n_lead = len(gm.grid) + len(gm.dynamic_axes) + len(gm.prefetch_avals)
   n_in = len(gm.inputs)
   old = kernel.jaxpr
+  written = {e.input for e in internals.input_effects(old.jaxpr)
+             if isinstance(e, internals.WriteEffect)}
+  pairs = [(i, o) for i, o in kernel.input_output_aliases
+           if _in_place(gm.inputs[i]) and _in_place(gm.outputs[o]) and n_lead + i in written]
+  if not pairs:
+    return kernel
 
   def body(*args: Any) -> list:
     args = list(args)
