@@ -55,5 +55,5 @@ def merge(kernel: KernelDescription) -> KernelDescription:
     jax.core.eval_jaxpr(old.jaxpr, old.consts, *args)
     return []
 
-  jaxpr = jax.make_jaxpr(body)(*[v.aval for v in old.jaxpr.invars])
+  jaxpr = internals.trace_jaxpr(body, [v.aval for v in old.jaxpr.invars], "aliased refs")
   return kernel.replace(jaxpr=jaxpr)
