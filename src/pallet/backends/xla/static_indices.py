@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +33,7 @@ from jax import lax
 from jax.extend.core import ClosedJaxpr, Literal
 
 from pallet import _internals as internals
+from pallet.backends.xla import gather_windows
 from pallet.core import array_ops, grid_eval
 
 MAX_FOLDED_ELEMENTS = 1 << 16
@@ -83,6 +84,7 @@ def _may_rewrite(jaxpr: Any, known: Sequence[bool], varying: Sequence[bool]
   every input of its equation is), so a False is certain."""
   is_known = {v: True for v in jaxpr.constvars}
   is_known.update(zip(jaxpr.invars, known))
+  producer = {o: e for e in jaxpr.eqns for o in e.outvars}
   varies = dict(zip(jaxpr.invars, varying))
   k = lambda x: isinstance(x, Literal) or is_known.get(x, False)
   v = lambda x: not isinstance(x, Literal) and varies.get(x, False)
@@ -111,6 +113,9 @@ def _may_rewrite(jaxpr: Any, known: Sequence[bool], varying: Sequence[bool]
         if _may_rewrite(branch.jaxpr, ins_k[1:], ins_v[1:])[0]:
           return True, [], []
     elif name in ("gather", "scatter") and ins_k[1] and _index_vector_shape(eqn):
+      return True, [], []
+    elif gather_windows.takes(eqn, producer) and any(
+        k(x) for x in producer[eqn.invars[1]].invars):
       return True, [], []
     elif all(ins_k) and not eqn.effects and not _subjaxprs(eqn):
       out_k = [True] * n_out
@@ -183,16 +188,18 @@ class _Folder:
       env[v] = c if internals.is_tracer(c) or not _numeric(c) else _Known(np.asarray(c))
     for v, a in zip(jaxpr.invars, args):
       env[v] = a
+    producer = {o: e for e in jaxpr.eqns for o in e.outvars}
     for eqn in jaxpr.eqns:
       ins = [read(x) for x in eqn.invars]
-      outs = self.eqn(eqn, ins)
+      outs = self.eqn(eqn, ins, producer, read)
       if any(id(x) in self.varying for x in ins):
         self.varying.update(id(o) for o in outs if not isinstance(o, _Known))
       for v, o in zip(eqn.outvars, outs):
         env[v] = o
     return [read(x) for x in jaxpr.outvars]
 
-  def eqn(self, eqn: Any, ins: list[Any]) -> list[Any]:
+  def eqn(self, eqn: Any, ins: list[Any], producer: dict,
+          read: Callable[[Any], Any]) -> list[Any]:
     name = eqn.primitive.name
     if name in _CALLS:
       sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
@@ -224,6 +231,15 @@ class _Folder:
       if sliced is not None:
         self.changed = True
         return [sliced]
+    if len(ins) > 1 and not isinstance(ins[1], _Known):
+      def known(var):
+        x = read(var)
+        return x.value if isinstance(x, _Known) else None
+      windowed = gather_windows.rewrite(eqn, [_value(x) for x in ins], producer, known,
+                                        lambda var: _value(read(var)))
+      if windowed is not None:
+        self.changed = True
+        return windowed
     if name == "scatter" and isinstance(ins[1], _Known):
       updated = _scatter_as_update(eqn, _value(ins[0]), ins[1].value, _value(ins[2]))
       if updated is not None:
