@@ -152,3 +152,16 @@ def test_windowed_flash_attention_runs_under_checking_mode(monkeypatch):
   reference = loss(lambda q, k, v: ops.attention_reference(q, k, v, window=12))
   got = jax.grad(kernel, argnums=(0, 1, 2))(q, k, v)
   assert_close(got, jax.grad(reference, argnums=(0, 1, 2))(q, k, v), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("t,s", [(37, 37), (20, 45), (400, 400)])
+def test_default_blocks_on_the_cpu(t, s):
+  """On the CPU a sequence of up to 384 rows is one block, a longer one 128-row blocks
+  (padded): both agree with the reference, forward and VJP, causal and not."""
+  from pallet.ops import attention
+  expected = [n if n <= 384 else 128 for n in (t, s)]
+  assert [attention.cpu_block(t), attention.cpu_block(s)] == expected
+  q, k, v = _qkv(1, 2, 1, t, s, 16, jnp.float32)
+  for causal in (False, True):
+    check_op(ops.flash_attention, ops.attention_reference, (q, k, v), argnums=(0, 1, 2),
+             causal=causal)

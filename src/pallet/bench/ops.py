@@ -279,8 +279,9 @@ def plain_decode_attention(q: jax.Array, k: jax.Array, v: jax.Array,
 
 
 def _attention(size: Size) -> list[Benchmark]:
+  from pallet.ops.attention import cpu_block
   b, h, hkv, t, d = _ATTN[size]
-  block = min(128, t)
+  block = cpu_block(t)
   rows = []
   for causal in (False, True):
     name = "flash_attention_causal" if causal else "flash_attention"

@@ -423,8 +423,19 @@ def _attention_bwd(c, saved, do):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-# The CPU backend's blocks (the Triton backend's come from pallet.ops.launch_table).
+# The CPU backend's blocks (the Triton backend's come from pallet.ops.launch_table): a
+# sequence of up to _CPU_WHOLE_ROWS rows is one block, a longer one is cut into
+# _CPU_BLOCK rows. Short sequences cut into 128-row blocks ran no faster (their block
+# skipping saves little) but compiled 3-4x slower: each query block's masked and
+# unmasked key loops are XLA while loops (docs/ops/flash_attention.md, measured at 256
+# to 1024 rows); from 512 rows one block runs 1.3x slower and more.
 _CPU_BLOCK = 128
+_CPU_WHOLE_ROWS = 384
+
+
+def cpu_block(rows: int) -> int:
+  """The CPU backend's default block of a sequence of `rows` rows."""
+  return rows if rows <= _CPU_WHOLE_ROWS else _CPU_BLOCK
 
 
 def _padded(length: int, blocks: list[int]) -> int:
@@ -455,7 +466,7 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
   `window`: a query at position i sees keys at i - window < j (and j <= i if causal).
   `softcap`: scores become softcap * tanh(s / softcap). Default scale 1/sqrt(d).
   `block_q`/`block_k`: query/key rows per tile of every pass (forward, dq, dk/dv);
-  by default 128/128 on the CPU and, on Triton, per pass from the GPU's launch table
+  by default on the CPU the whole sequence up to 384 rows, else 128, and, on Triton, per pass from the GPU's launch table
   (pallet.ops.launch_table, docs/ops/gpu_defaults.md) with its num_warps/num_stages.
   Differentiable in q, k and v.
   """
@@ -489,8 +500,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
   explicit = block_q is not None or block_k is not None
   passes = {}
   for section in ("fwd", "dq", "dkv"):
-    passes[section] = _Pass(block_q or launch.get(section, "block_q", _CPU_BLOCK),
-                            block_k or launch.get(section, "block_k", _CPU_BLOCK),
+    passes[section] = _Pass(block_q or launch.get(section, "block_q", cpu_block(t)),
+                            block_k or launch.get(section, "block_k", cpu_block(s)),
                             launch.compiler_params(section, explicit=explicit))
   # Padded to whole blocks of every pass (powers of two divide the largest).
   t_pad = _padded(t, [p.block_q for p in passes.values()])
