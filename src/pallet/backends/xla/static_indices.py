@@ -37,6 +37,9 @@ from pallet.backends.xla import gather_windows
 from pallet.core import array_ops, grid_eval
 
 MAX_FOLDED_ELEMENTS = 1 << 16
+# A counted loop of at most this many trips with known bounds is inlined (no copy
+# of its body is added: one trip replaces the loop).
+MAX_INLINED_TRIPS = 1
 _CALLS = ("pjit", "jit", "closed_call", "core_call", "eval_jaxpr")
 _INDEXED = ("gather", "scatter", "while")
 
@@ -208,6 +211,9 @@ class _Folder:
     if name == "scan" and eqn.params.get("length") == 1 and not eqn.params.get("reverse"):
       return self.scan_once(eqn, ins)
     if name == "while":
+      inlined = self.counted_loop_inlined(eqn, ins)
+      if inlined is not None:
+        return inlined
       hoisted = self.while_with_invariants_hoisted(eqn, ins)
       if hoisted is not None:
         return hoisted
@@ -246,6 +252,24 @@ class _Folder:
         self.changed = True
         return [updated]
     return _bind(eqn, [_value(x) for x in ins])
+
+  def counted_loop_inlined(self, eqn: Any, ins: list[Any]) -> list[Any] | None:
+    """A `fori_loop` whose bounds are known here and that runs at most
+    `MAX_INLINED_TRIPS` times, as its body inlined that many times (none: its initial
+    carry). Loop bounds computed from program ids become known where the grid axis is
+    unrolled or has one step (a causal kernel's key range per query block): the body
+    then folds with a known counter (its slices static) and XLA gets no while loop."""
+    trips = _known_trip_count(eqn, ins)
+    if trips is None or trips > MAX_INLINED_TRIPS:
+      return None
+    p = eqn.params
+    nc, nb = p["cond_nconsts"], p["body_nconsts"]
+    body = p["body_jaxpr"]
+    carry = list(ins[nc + nb:])
+    for _ in range(trips):
+      carry = self.run(body.jaxpr, body.consts, list(ins[nc:nc + nb]) + carry)
+    self.changed = True
+    return carry
 
   def while_with_invariants_hoisted(self, eqn: Any, ins: list[Any]) -> list[Any] | None:
     """A while loop whose carries the body passes through unchanged (refs the loop
@@ -305,6 +329,37 @@ class _Folder:
     carry, ys = outs[:n_carry], outs[n_carry:]
     return carry + [_Known(y.value[None]) if isinstance(y, _Known) else jnp.expand_dims(y, 0)
                     for y in ys]
+
+
+def _known_trip_count(eqn: Any, ins: list[Any]) -> int | None:
+  """The trip count of a `fori_loop`-shaped while loop (its condition `counter < upper`
+  on two of its carries, its body adding 1 to the counter and passing `upper` through;
+  state discharge puts the refs' carries before them) when both are known; None for
+  any other loop or unknown bounds."""
+  if eqn.effects:
+    return None
+  p = eqn.params
+  nc, nb = p["cond_nconsts"], p["body_nconsts"]
+  cond, body = p["cond_jaxpr"].jaxpr, p["body_jaxpr"].jaxpr
+  carry = ins[nc + nb:]
+  if len(cond.eqns) != 1 or cond.eqns[0].primitive.name != "lt" or (
+      cond.outvars != cond.eqns[0].outvars):
+    return None
+  carries = cond.invars[nc:]
+  try:
+    a, b = (carries.index(x) for x in cond.eqns[0].invars)
+  except ValueError:     # a literal or a constant in the condition
+    return None
+  if not all(isinstance(carry[k], _Known) and np.ndim(carry[k].value) == 0 for k in (a, b)):
+    return None
+  b_carries = body.invars[nb:]
+  producer = {o: e for e in body.eqns for o in e.outvars}
+  step = producer.get(body.outvars[a])
+  if (body.outvars[b] is not b_carries[b] or step is None or step.primitive.name != "add"
+      or step.invars[0] is not b_carries[a] or not isinstance(step.invars[1], Literal)
+      or step.invars[1].val != 1):
+    return None
+  return max(0, int(carry[b].value) - int(carry[a].value))
 
 
 def _passed_through(var: Any, producer: dict) -> Any:
