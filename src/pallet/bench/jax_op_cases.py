@@ -373,7 +373,8 @@ def _tpu_flash_row(name: str, b: int, h: int, t: int, d: int, *, causal: bool,
     return _attend(q, k, v, mask, d ** -0.5)
 
   what = ("causal" if causal else "not causal") + (", 2 segments" if segments else "")
-  return _case(name, "tpu/flash_attention", gpu=False, grid=(b, h, t // TPU_ATTENTION_BLOCK, t // TPU_ATTENTION_BLOCK),
+  n = t // TPU_ATTENTION_BLOCK
+  return _case(name, "tpu/flash_attention", gpu=False, grid=(b, h, n, n),
                shapes=f"{what}, B{b} H{h} T{t} D{d} f32",
                make_inputs=lambda key: _normal(key, 3, *[(b, h, t, d)] * 3), twin=twin, run=run)
 
@@ -448,7 +449,8 @@ def _tpu_splash(size: Size) -> Benchmark:
     return kernel(q, k, v)
 
   return _case("op_tpu_splash_attention", "tpu/splash_attention", gpu=False,
-               grid=(h, t // TPU_ATTENTION_BLOCK, t // TPU_ATTENTION_BLOCK), shapes=f"causal, H{h} T{t} D{d} f32",
+               grid=(h, t // TPU_ATTENTION_BLOCK, t // TPU_ATTENTION_BLOCK),
+               shapes=f"causal, H{h} T{t} D{d} f32",
                make_inputs=lambda key: _normal(key, 3, *[(h, t, d)] * 3),
                twin=lambda q, k, v: _attend(q, k, v, _causal(t, t)), run=run)
 
