@@ -31,3 +31,19 @@ def test_split_decode_attention_is_softmax_attention_for_any_split_and_padding()
     got = algorithm_twins.split_decode_attention(q, k, v, lengths, block_h=block_h,
                                                  k_splits=splits)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"{block_h=} {splits=}")
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_blockwise_attention_is_softmax_attention_for_any_blocks(causal):
+  kq, kk, kv = jax.random.split(jax.random.key(5), 3)
+  q, k, v = (jax.random.normal(key, (2, 3, 96, 16)) for key in (kq, kk, kv))
+  logits = jax.numpy.einsum("...td,...sd->...ts", q, k, precision="highest") * 0.25
+  if causal:
+    logits = jax.numpy.where(jax.numpy.tri(96, dtype=bool), logits, -1e30)
+  want = jax.numpy.einsum("...ts,...sd->...td", jax.nn.softmax(logits, -1), v,
+                          precision="highest")
+  for block_q, block_k in ((32, 32), (16, 48), (48, 16), (96, 96)):
+    got = algorithm_twins.blockwise_attention(q, k, v, block_q=block_q, block_k=block_k,
+                                              scale=0.25, causal=causal)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5,
+                               err_msg=f"{block_q=} {block_k=} {causal=}")

@@ -1070,6 +1070,65 @@ def test_unrolled_steps_resolve_grid_conditions_at_trace_time():
   assert_close(fn(x)[0], 2.0 * jnp.max(x, axis=0))
 
 
+def _lower_block_product(x, y, blocks, with_free_product=False):
+  """Block-lower-triangular x @ y, the causal-attention shape: the product of block
+  (i, j) runs under pl.when(j <= i) on program ids alone, into a scratch written out
+  on the last step; `with_free_product` adds a product outside any pl.when."""
+  def kernel(x_ref, y_ref, o_ref, acc_ref):
+    i, j = pl.program_id(0), pl.program_id(1)
+
+    @pl.when(j == 0)
+    def _():
+      acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    @pl.when(j <= i)
+    def _():
+      acc_ref[...] += jnp.dot(x_ref[...], y_ref[...], precision="highest")
+    if with_free_product:
+      acc_ref[...] += 0.0 * jnp.dot(x_ref[...], y_ref[...], precision="highest")
+
+    @pl.when(j == pl.num_programs(1) - 1)
+    def _():
+      o_ref[...] = acc_ref[...] * 2.0
+  b = x.shape[0] // blocks
+  return pl.pallas_call(
+      kernel, out_shape=jax.ShapeDtypeStruct((x.shape[0], y.shape[1]), f32),
+      grid=(blocks, blocks),
+      in_specs=[pl.BlockSpec((b, b), lambda i, j: (i, j)),
+                pl.BlockSpec((b, y.shape[1]), lambda i, j: (j, 0))],
+      out_specs=pl.BlockSpec((b, y.shape[1]), lambda i, j: (i, 0)),
+      scratch_shapes=[pltpu.VMEM((b, y.shape[1]), f32)],
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")))(x, y)
+
+
+def _block_lower_reference(x, y, blocks):
+  b = x.shape[0] // blocks
+  keep = jnp.kron(jnp.tri(blocks, dtype=f32), jnp.ones((b, b), f32))
+  return 2.0 * jnp.dot(x * keep, y, precision="highest")
+
+
+@pytest.mark.parametrize("blocks, unrolled", [(4, True), (6, False)])
+def test_loops_whose_grid_conditions_skip_products_unroll_by_the_steps_computing(blocks,
+                                                                                  unrolled):
+  # 4 x 4 steps, 10 of them computing a product: unrolled, the 6 skipped steps trace to
+  # nothing; 6 x 6 steps, 21 computing: more than GRID_UNROLL_PRODUCT_STEPS, looped
+  x, y = random_array((8 * blocks, 8 * blocks)), random_array((8 * blocks, 16))
+  fn = lambda x, y: _lower_block_product(x, y, blocks)
+  plan = _plan(fn, x, y)
+  assert plan.outer + plan.inner == [0, 1] and plan.unrolled == unrolled
+  assert ("of which 10 compute the body's matrix products" in plan.describe()) == unrolled
+  emitted = str(jax.make_jaxpr(xla_backend.kernel_as_function(_description(fn, x, y)))(x, y))
+  assert ("cond[" not in emitted and "while[" not in emitted) == unrolled
+  assert_close(fn(x, y), _block_lower_reference(x, y, blocks), matmul=True)
+
+
+def test_a_product_outside_grid_conditions_keeps_the_loop():
+  x, y = random_array((32, 32)), random_array((32, 16))
+  fn = lambda x, y: _lower_block_product(x, y, 4, with_free_product=True)
+  assert not _plan(fn, x, y).unrolled    # every one of the 16 steps computes a product
+  assert_close(fn(x, y), _block_lower_reference(x, y, 4), matmul=True)
+
+
 def test_indices_from_a_grid_axis_of_size_one_fold_into_slices():
   # the GPU decode kernels' head-block mask: arange(block) < heads - block * program_id(0)
   # over a single head block; with program_id(0) known to be 0 the masked accesses at

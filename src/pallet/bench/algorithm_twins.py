@@ -8,7 +8,13 @@ softmaxes, which a log-sum-exp step after the kernel combines (flash decoding). 
 size of JAX's tests that is 2x (mqa: 8 heads in a block of 16) or 4x (gqa: 4 query heads
 per kv head in a block of 16) the plain twin's arithmetic, in smaller products.
 
-This module writes that algorithm in jax.numpy, with no pallet and no Pallas, so that a
+JAX's TPU flash attention and splash attention, causal, compute softmax attention block
+by block: for each 128-row query block, an online softmax (running max, sum and output,
+rescaled at every key block) over the 128-key blocks at or below the diagonal, the
+blocks above it skipped. That is fewer flops than the plain twin's full masked softmax
+but in many small products with a rescale per block.
+
+This module writes those algorithms in jax.numpy, with no pallet and no Pallas, so that a
 row's ratio splits into pallet/algorithm (what pallet adds) and algorithm/plain (what the
 kernel's algorithm costs on this machine):
 
@@ -61,6 +67,58 @@ def split_decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: ja
   return (out / (total[..., None] + jnp.finfo(jnp.float32).eps))[:, :, :heads]
 
 
+def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: int,
+                        block_k: int, scale: float = 1.0, causal: bool = True) -> jax.Array:
+  """Softmax attention as the TPU flash / splash kernels compute it: key block by key block.
+
+  q, k, v: [..., seq, d]. For each key block in order, every query block that sees it
+  (causal: those at or below the diagonal; blocks above it are skipped, as the kernels'
+  `pl.when` and block masks skip them) updates its running max, sum and unnormalised
+  output (online softmax); the output is divided by the sum at the end. All query
+  blocks are computed together, as the kernels' parallel query axis runs them.
+  """
+  *lead, seq, d = q.shape
+  n_q = seq // block_q
+  q_blocks = q.reshape(*lead, n_q, block_q, d)
+  rows = jnp.arange(seq).reshape(n_q, block_q)
+  masked = 0.7 * jnp.finfo(jnp.float32).min
+  m = jnp.full((*lead, n_q, block_q), -jnp.inf, jnp.float32)
+  total = jnp.zeros((*lead, n_q, block_q), jnp.float32)
+  acc = jnp.zeros((*lead, n_q, block_q, d), jnp.float32)
+  for j in range(seq // block_k):
+    first = (j * block_k) // block_q if causal else 0   # first query block that sees block j
+    keys = slice(j * block_k, (j + 1) * block_k)
+    s = jnp.einsum("...iqd,...kd->...iqk", q_blocks[..., first:, :, :], k[..., keys, :],
+                   precision=HIGHEST) * scale
+    if causal:
+      visible = rows[first:, :, None] >= jnp.arange(keys.start, keys.stop)
+      s = jnp.where(visible, s, masked)
+    m_new = jnp.maximum(m[..., first:, :], s.max(-1))
+    correction = jnp.exp(m[..., first:, :] - m_new)
+    p = jnp.exp(s - m_new[..., None])
+    total = total.at[..., first:, :].set(correction * total[..., first:, :] + p.sum(-1))
+    acc = acc.at[..., first:, :, :].set(
+        correction[..., None] * acc[..., first:, :, :]
+        + jnp.einsum("...iqk,...kd->...iqd", p, v[..., keys, :], precision=HIGHEST))
+    m = m.at[..., first:, :].set(m_new)
+  return (acc / total[..., None]).reshape(*lead, seq, d).astype(q.dtype)
+
+
+def _tpu_flash_causal(size: Size) -> Callable[..., jax.Array]:
+  def twin(q, k, v):
+    return blockwise_attention(q, k, v, block_q=jax_op_cases.TPU_ATTENTION_BLOCK,
+                               block_k=jax_op_cases.TPU_ATTENTION_BLOCK,
+                               scale=q.shape[-1] ** -0.5)
+  return twin
+
+
+def _tpu_splash_causal(size: Size) -> Callable[..., jax.Array]:
+  def twin(q, k, v):   # the splash kernel does not scale the logits
+    return blockwise_attention(q, k, v, block_q=jax_op_cases.TPU_ATTENTION_BLOCK,
+                               block_k=jax_op_cases.TPU_ATTENTION_BLOCK)
+  return twin
+
+
 def _mqa(size: Size) -> Callable[..., jax.Array]:
   splits = jax_op_cases.DECODE_MQA_SIZES[size][4]
 
@@ -87,6 +145,8 @@ def _gqa(size: Size) -> Callable[..., jax.Array]:
 ALGORITHM_TWINS: dict[str, Callable[[Size], Callable[..., jax.Array]]] = {
     "op_gpu_decode_mqa": _mqa,
     "op_gpu_decode_gqa": _gqa,
+    "op_tpu_flash_attention": _tpu_flash_causal,
+    "op_tpu_splash_attention": _tpu_splash_causal,
 }
 
 
@@ -127,10 +187,14 @@ def main(argv: list[str] | None = None) -> int:
                                    description=__doc__.splitlines()[0])
   parser.add_argument("--size", choices=SIZES, default="test")
   parser.add_argument("--rounds", type=int, default=21)
+  parser.add_argument("--only", action="append", choices=sorted(ALGORITHM_TWINS),
+                      help="time only this row (repeatable)")
   args = parser.parse_args(argv)
   print(f"{'row':<22}{'pallet us':>11}{'plain us':>10}{'algorithm us':>14}"
         f"{'pallet/plain':>14}{'pallet/algorithm':>18}{'algorithm/plain':>17}")
   for bench in rows(args.size):
+    if args.only and bench.name not in args.only:
+      continue
     t = measure(bench, args.size, args.rounds)
     print(f"{bench.name:<22}{t['pallet'] * 1e6:>11.0f}{t['plain'] * 1e6:>10.0f}"
           f"{t['algorithm'] * 1e6:>14.0f}{t['pallet'] / t['plain']:>14.2f}"

@@ -342,6 +342,10 @@ def _tpu_matmul(size: Size) -> Benchmark:
                atol=2e-4)
 
 
+# query and key block of the TPU flash and splash attention rows (algorithm_twins uses it)
+TPU_ATTENTION_BLOCK = 128
+
+
 def _tpu_flash(size: Size) -> list[Benchmark]:
   """Causal, plain (no mask) and with segment ids (two segments per sequence)."""
   b, h, t, d = {"full": (2, 4, 1024, 128), "test": (2, 2, 512, 64), "small": (1, 2, 256, 64),
@@ -355,7 +359,8 @@ def _tpu_flash(size: Size) -> list[Benchmark]:
 def _tpu_flash_row(name: str, b: int, h: int, t: int, d: int, *, causal: bool,
                    segments: bool) -> Benchmark:
   def run(m, q, k, v):
-    blocks = m.BlockSizes(block_q=128, block_k_major=128, block_k=128, block_b=1)
+    block = TPU_ATTENTION_BLOCK
+    blocks = m.BlockSizes(block_q=block, block_k_major=block, block_k=block, block_b=1)
     ids = m.SegmentIds(q=_halves(b, t), kv=_halves(b, t)) if segments else None
     return m.flash_attention(q, k, v, segment_ids=ids, causal=causal, sm_scale=d ** -0.5,
                              block_sizes=blocks)
@@ -368,7 +373,8 @@ def _tpu_flash_row(name: str, b: int, h: int, t: int, d: int, *, causal: bool,
     return _attend(q, k, v, mask, d ** -0.5)
 
   what = ("causal" if causal else "not causal") + (", 2 segments" if segments else "")
-  return _case(name, "tpu/flash_attention", gpu=False, grid=(b, h, t // 128, t // 128),
+  n = t // TPU_ATTENTION_BLOCK
+  return _case(name, "tpu/flash_attention", gpu=False, grid=(b, h, n, n),
                shapes=f"{what}, B{b} H{h} T{t} D{d} f32",
                make_inputs=lambda key: _normal(key, 3, *[(b, h, t, d)] * 3), twin=twin, run=run)
 
@@ -436,13 +442,15 @@ def _tpu_splash(size: Size) -> Benchmark:
              "tiny": (2, 256, 64)}[size]
 
   def run(m, q, k, v):
-    blocks = m.BlockSizes(block_q=128, block_kv=128, block_kv_compute=128)
+    block = TPU_ATTENTION_BLOCK
+    blocks = m.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block)
     mask = m.MultiHeadMask([m.CausalMask((t, t))] * h)
     kernel = m.make_splash_mha(mask, block_sizes=blocks, head_shards=1, q_seq_shards=1)
     return kernel(q, k, v)
 
   return _case("op_tpu_splash_attention", "tpu/splash_attention", gpu=False,
-               grid=(h, t // 128, t // 128), shapes=f"causal, H{h} T{t} D{d} f32",
+               grid=(h, t // TPU_ATTENTION_BLOCK, t // TPU_ATTENTION_BLOCK),
+               shapes=f"causal, H{h} T{t} D{d} f32",
                make_inputs=lambda key: _normal(key, 3, *[(h, t, d)] * 3),
                twin=lambda q, k, v: _attend(q, k, v, _causal(t, t)), run=run)
 

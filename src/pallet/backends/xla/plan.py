@@ -70,8 +70,13 @@ SKIPPED_WORK_TO_LOOP = 0.25
 # grid step less arithmetic than this (bounded_loops.py; measured in
 # docs/performance.md: below it a step's launches cost more than its work).
 LOOP_STEP_FLOPS = 4e6
-# Grid loops of at most this many steps in all are unrolled (executor._loop).
+# Grid loops of at most this many steps in all are unrolled (executor._loop); so are
+# loops in which pl.when on program ids alone skips the body's matrix products on some
+# steps, when at most GRID_UNROLL_PRODUCT_STEPS steps compute them and at most
+# GRID_UNROLL_MAX_STEPS steps run in all (measured in docs/performance.md).
 GRID_UNROLL_STEPS = 4
+GRID_UNROLL_PRODUCT_STEPS = 16
+GRID_UNROLL_MAX_STEPS = 64
 MEMORY_MULTIPLE = 4
 MEMORY_FLOOR_BYTES = 32 << 20
 
@@ -242,11 +247,21 @@ def make_plan(kernel: KernelDescription, unbatchable: str | None = None) -> Exec
   steps = [plan.loop_size(g) for g in plan.outer + plan.inner]
   # Effects (checking mode's checks, debug prints) run in grid order in a loop; unrolled,
   # XLA may run their callbacks in any order, and the first failure reported could differ.
-  if (None not in steps and 1 < math.prod(steps) <= GRID_UNROLL_STEPS
-      and not discharged(kernel).jaxpr.effects):
+  if None in steps or math.prod(steps) <= 1 or discharged(kernel).jaxpr.effects:
+    return plan
+  total = math.prod(steps)
+  if total <= GRID_UNROLL_STEPS:
     plan.unrolled = True
-    plan.reasons.append(f"grid loops unrolled: {math.prod(steps)} steps, each traced with "
-                        f"its grid indices and block starts as constants")
+    plan.reasons.append(f"grid loops unrolled: {total} steps, each traced with its grid "
+                        f"indices and block starts as constants")
+  elif total <= GRID_UNROLL_MAX_STEPS:
+    computing = _steps_computing_products(kernel, plan)
+    if computing is not None and computing <= GRID_UNROLL_PRODUCT_STEPS:
+      plan.unrolled = True
+      plan.reasons.append(
+          f"grid loops unrolled: {total} steps, of which {computing} compute the body's "
+          f"matrix products (pl.when on program ids skips them on the others, resolved "
+          f"at trace time)")
   return plan
 
 
@@ -415,6 +430,49 @@ def _skipping_axes(kernel: KernelDescription) -> dict[int, float]:
     for g in _id_dependencies(eqn.invars[0], producer, ids):
       found[g] = max(found.get(g, 0.0), skipped)
   return found
+
+
+def _steps_computing_products(kernel: KernelDescription, plan: ExecutionPlan) -> int | None:
+  """How many steps of the plan's grid loops run a matrix product, where top-level
+  `pl.when`s decided by program ids alone skip every product of the body on some steps
+  (causal attention's blocks above the diagonal); None where no step skips them all.
+  Unrolled, a skipped step traces to nothing; looped, each step pays for the conds."""
+  grid = kernel.grid_mapping.grid
+  if not grid or any(plan.chunk[g] != grid[g] for g in plan.chunk):
+    return None
+  pure = discharged(kernel)
+  jaxpr = pure.jaxpr
+  computes = np.zeros(grid, bool)
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name != "cond":
+      if _eqn_uses(eqn, ("dot_general",)):
+        return None   # a product outside any pl.when: every step computes one
+      continue
+    heavy = [i for i, b in enumerate(eqn.params["branches"])
+             if _uses_primitive(b.jaxpr, ("dot_general",))]
+    if not heavy:
+      continue
+    table = grid_eval.value_over_grid(jaxpr, pure.consts, eqn.invars[0], grid)
+    if table is None:
+      return None     # decided by data: any step may compute
+    computes |= np.isin(table, heavy)
+  looped = plan.outer + plan.inner
+  per_step = computes.any(axis=tuple(g for g in range(len(grid)) if g not in looped))
+  if per_step.all() or not per_step.any():   # no step skips, or no products at all
+    return None
+  return int(per_step.sum())
+
+
+def _eqn_uses(eqn: Any, names: tuple[str, ...]) -> bool:
+  """Whether `eqn` binds one of the named primitives, itself or in a jaxpr it holds."""
+  if eqn.primitive.name in names:
+    return True
+  for value in eqn.params.values():
+    for sub in value if isinstance(value, (tuple, list)) else (value,):
+      sub = getattr(sub, "jaxpr", sub)
+      if isinstance(sub, Jaxpr) and _uses_primitive(sub, names):
+        return True
+  return False
 
 
 def _id_dependencies(var: Any, producer: dict, ids: list) -> set[int]:
