@@ -281,6 +281,10 @@ def test_plain_twins_of_pallet_ops_match_the_ops_references():
                                                lengths),
                decode_attention_reference(qd, k[:1].repeat(3, 0), v[:1].repeat(3, 0), lengths),
                rtol=1e-5, atol=1e-5)
+  from pallet.ops import rotary_embedding_reference
+  x = random_array((2, 12, 3, 16))
+  assert_close(ops_rows.plain_rotary_embedding(x), rotary_embedding_reference(x),
+               rtol=1e-5, atol=1e-5)
 
 
 def test_gated_delta_twin_is_the_token_by_token_recurrence():

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 import pallet as pl
-from helpers import random_array
+from helpers import current_test_backend, random_array
 from pallet import PalletError, ops
 from pallet.ops import flash_decoding, launch_table
 from pallet.pallas_call import pallas_call_p
@@ -39,6 +39,54 @@ def test_more_splits_than_a_sequence_has_blocks_and_an_empty_cache():
            grad=False, blocks=dict(block_k=16, k_splits=5))
   out = ops.decode_attention(q, k[:, :, :0], v[:, :, :0], jnp.zeros(2, jnp.int32))
   assert out.shape == q.shape and float(jnp.abs(out).max()) == 0.0
+
+
+@pytest.mark.parametrize("lengths", [[600, 301, 0, 1], [250, 7, 0, 299]],
+                         ids=["one_block", "key_blocks"])
+def test_cpu_default_runs_either_form_by_the_longest_sequence(lengths):
+  """The CPU default picks at run time: the whole cache as one masked block when the
+  longest sequence fills at least half of it, else 256-key blocks in a loop."""
+  q = random_array((4, 8, 32))
+  k, v = random_array((4, 2, 600, 32)), random_array((4, 2, 600, 32))
+  check_op(ops.decode_attention, ops.decode_attention_reference,
+           (q, k, v, jnp.asarray(lengths, jnp.int32)), grad=False)
+
+
+def _kernel_loops(fn, *args) -> list[bool]:
+  """Per decode_attention kernel fn(*args) launches: whether its body has a loop."""
+  def has_while(jaxpr):
+    return any(eqn.primitive.name == "while" or any(
+        has_while(sub.jaxpr if hasattr(sub, "jaxpr") else sub)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params)) for eqn in jaxpr.eqns)
+
+  found = []
+
+  def visit(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive is pallas_call_p and eqn.params["kernel"].name == "decode_attention":
+        found.append(has_while(eqn.params["kernel"].jaxpr.jaxpr))
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        visit(sub.jaxpr if hasattr(sub, "jaxpr") else sub)
+
+  visit(jax.make_jaxpr(fn)(*args).jaxpr)
+  return found
+
+
+@pytest.mark.skipif(current_test_backend() != "xla", reason="the CPU/XLA backend's form")
+def test_cpu_runs_a_cache_of_one_block_without_a_loop():
+  """Batched over the programs, a loop with per-sequence trip counts gathers its key
+  blocks element by element on XLA:CPU (issue 26): one block needs no loop. The
+  default compiles both forms and picks one at run time."""
+  q = random_array((2, 4, 16))
+  k = random_array((2, 2, 600, 16))
+  lengths = jnp.asarray([600, 5], jnp.int32)
+  assert _kernel_loops(lambda *a: ops.decode_attention(*a, block_k=600), q, k, k,
+                       lengths) == [False]
+  assert _kernel_loops(lambda *a: ops.decode_attention(*a, block_k=64), q, k, k,
+                       lengths) == [True]
+  assert sorted(_kernel_loops(ops.decode_attention, q, k, k, lengths)) == [False, True]
+  assert _kernel_loops(ops.decode_attention, q, k[:, :, :200], k[:, :, :200],
+                       lengths) == [False]
 
 
 def _launched(fn, *args):

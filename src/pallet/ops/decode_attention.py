@@ -68,14 +68,38 @@ def _kernel(scale: float, block_k: int, max_len: int, splits: int):
   return kernel
 
 
+# Keys per loop step on the CPU, where the cache is not one block (see decode_attention).
+CPU_BLOCK_K = 256
+
+
+def _one_block_kernel(scale: float, max_len: int):
+  """The whole cache as one masked key block, without a loop: on the CPU, a loop
+  whose trip count is a per-sequence length runs batched over the vectorized
+  programs, its key blocks gathered at per-program offsets (docs/performance.md,
+  issue 26); one block is the plain masked softmax, as jax.numpy computes it."""
+  def kernel(len_ref, q_ref, k_ref, v_ref, o_ref):
+    length = jnp.minimum(len_ref[0], max_len)
+    q = q_ref[...]
+    s = lax.dot_general(q, k_ref[...], (((1,), (1,)), ((), ())),
+                        preferred_element_type=F32) * scale
+    s = jnp.where(lax.broadcasted_iota(jnp.int32, s.shape, 1) < length, s, -jnp.inf)
+    m = jnp.max(s, axis=1)
+    p = jnp.exp(s - jnp.where(m == -jnp.inf, 0.0, m)[:, None])   # 0 where masked
+    acc = jnp.dot(p.astype(v_ref.dtype), v_ref[...], preferred_element_type=F32)
+    flash_decoding.write([o_ref], (m, jnp.sum(p, axis=1), acc), 1)
+  return kernel
+
+
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *,
                      scale: float | None = None, block_k: int | None = None,
                      k_splits: int | None = None) -> jax.Array:
   """Attention of one query per sequence over its first `lengths[b]` cached keys.
 
   q (batch, heads, d); k, v (batch, kv_heads, max_len, d), heads a multiple of
-  kv_heads; lengths (batch,) ints. `block_k` keys per loop step (default 256 on the
-  CPU; on Triton from the GPU's launch table, pallet.ops.launch_table). `k_splits`:
+  kv_heads; lengths (batch,) ints. `block_k` keys per loop step (on Triton from the
+  GPU's launch table, pallet.ops.launch_table; on the CPU by default the whole cache
+  as one masked block, or 256-key blocks when the longest sequence fills less than
+  half of the cache, chosen at run time). `k_splits`:
   programs that share one sequence's keys, their partial softmaxes combined by a
   second kernel (default: 1 on the CPU; on Triton enough to fill the GPU, see
   pallet.ops.flash_decoding). Default scale 1/sqrt(d).
@@ -98,12 +122,31 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
     return jnp.zeros(q.shape, q.dtype)
   launch = launch_table.lookup(op, head_dim=d, groups=groups,
                                itemsize=jnp.dtype(q.dtype).itemsize)
-  params = launch.compiler_params("fwd", explicit=block_k is not None)
-  block_k = block_k or launch.get("fwd", "block_k", 256)
-  check_block(op, "block_k", block_k)
+  scale = float(1.0 / math.sqrt(d) if scale is None else scale)
+  if block_k is not None:
+    check_block(op, "block_k", block_k)
+  if k_splits is not None:
+    check_block(op, "k_splits", k_splits)
+  run = lambda block: _launch(q, k, v, lengths, scale, block, k_splits, launch,  # noqa: E731
+                              explicit=block_k is not None)
+  if block_k is not None or launch.on_gpu or max_len <= CPU_BLOCK_K:
+    return run(block_k or launch.get("fwd", "block_k", CPU_BLOCK_K))
+  # The CPU default: the whole cache as one masked block unless the longest sequence
+  # fills less than half of it (then its key blocks, in a loop).
+  longest = jnp.max(jnp.minimum(lengths, max_len))
+  return lax.cond(2 * longest >= max_len, lambda: run(max_len), lambda: run(CPU_BLOCK_K))
+
+
+def _launch(q, k, v, lengths, scale: float, block_k: int, k_splits: int | None,
+            launch: launch_table.Launch, explicit: bool) -> jax.Array:
+  """The decoding kernel (one masked block on the CPU when `block_k` covers the
+  cache) and, with several splits, the combine."""
+  b, h, d = q.shape
+  hkv, max_len = k.shape[1], k.shape[2]
+  groups = h // hkv
+  params = launch.compiler_params("fwd", explicit=explicit)
   if k_splits is None:
     k_splits = flash_decoding.split_count(launch, b * hkv, max_len)
-  check_block(op, "k_splits", k_splits)
   splits = min(k_splits, cdiv(max_len, block_k))
   padded = cdiv(max_len, block_k) * block_k
   if padded != max_len:
@@ -115,8 +158,10 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
   kv_spec = pl.BlockSpec((None, None, padded, d), lambda bi, hi, *_: (bi, hi, 0, 0))
   q_spec = pl.BlockSpec((None, None, rows, d), lambda bi, hi, *_: (bi, hi, 0, 0))
   out_shape, out_specs = flash_decoding.outputs(b, hkv, splits, rows, d, q.dtype)
+  one_block = padded == block_k and not launch.on_gpu
   out = pl.pallas_call(
-      _kernel(float(1.0 / math.sqrt(d) if scale is None else scale), block_k, max_len, splits),
+      _one_block_kernel(scale, max_len) if one_block else
+      _kernel(scale, block_k, max_len, splits),
       out_shape=out_shape, grid=grid,
       in_specs=[pl.BlockSpec((1,), lambda bi, *_: (bi,)), q_spec, kv_spec, kv_spec],
       out_specs=out_specs, name="decode_attention",

@@ -46,22 +46,26 @@ def _positions(positions, batch, seq):
 
 
 def _kernel(sign: float, one_store: bool):
-  """one_store: write the block at once as the sum of its two zero-padded halves, a
-  form XLA fuses into one pass over memory (two half-width stores cost it a
-  concatenation); a Triton program stores each half."""
+  """one_store: write the block at once as x * cos + (-x2, x1) * sin, the swapped
+  halves one concatenation, a form XLA:CPU fuses into one vectorized pass over memory
+  (two half-width stores cost it a concatenation of its own; zero-padded halves
+  summed, or a reverse, make its loop scalar: issue 26); a Triton program stores
+  each half."""
   def kernel(pos_ref, freq_ref, x_ref, o_ref):
     half = freq_ref.shape[0]
     angles = pos_ref[...].astype(F32)[:, None] * freq_ref[...][None, :]   # (block, half)
     cos, sin = jnp.cos(angles)[:, None, :], sign * jnp.sin(angles)[:, None, :]
+    if one_store:
+      rows, heads, d = x_ref.shape
+      x = x_ref[...].astype(F32).reshape(rows, heads, 2, half)
+      swapped = jnp.concatenate([-x[:, :, 1:], x[:, :, :1]], axis=2)
+      y = x * cos[:, :, None, :] + swapped * sin[:, :, None, :]
+      o_ref[...] = y.reshape(rows, heads, d).astype(o_ref.dtype)
+      return
     x1 = x_ref[:, :, :half].astype(F32)
     x2 = x_ref[:, :, half:].astype(F32)
-    y1, y2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
-    if one_store:
-      pad = lambda y, before: jnp.pad(y, ((0, 0), (0, 0), (before, half - before)))
-      o_ref[...] = (pad(y1, 0) + pad(y2, half)).astype(o_ref.dtype)
-    else:
-      o_ref[:, :, :half] = y1.astype(o_ref.dtype)
-      o_ref[:, :, half:] = y2.astype(o_ref.dtype)
+    o_ref[:, :, :half] = (x1 * cos - x2 * sin).astype(o_ref.dtype)
+    o_ref[:, :, half:] = (x2 * cos + x1 * sin).astype(o_ref.dtype)
   return kernel
 
 
