@@ -24,12 +24,12 @@ def test_split_decode_attention_is_softmax_attention_for_any_split_and_padding()
   k = jax.random.normal(kk, (2, 3, 64, 16))
   v = jax.random.normal(kv, (2, 3, 64, 16))
   lengths = jax.numpy.array([64, 23])
-  logits = jax.numpy.einsum("bghd,bgsd->bghs", q, k, precision="highest") / 4.0
+  logits = jax.numpy.einsum("bghd,bgsd->bghs", q, k, precision="highest") * 0.25
   logits = jax.numpy.where(jax.numpy.arange(64) < lengths[:, None, None, None], logits, -1e30)
   want = jax.numpy.einsum("bghs,bgsd->bghd", jax.nn.softmax(logits, -1), v, precision="highest")
   for block_h, splits in ((8, 4), (5, 16), (16, 1)):
     got = algorithm_twins.split_decode_attention(q, k, v, lengths, block_h=block_h,
-                                                 k_splits=splits)
+                                                 k_splits=splits, sm_scale=0.25)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"{block_h=} {splits=}")
 
 
@@ -47,3 +47,22 @@ def test_blockwise_attention_is_softmax_attention_for_any_blocks(causal):
                                               scale=0.25, causal=causal)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5,
                                err_msg=f"{block_q=} {block_k=} {causal=}")
+
+
+def test_padded_blockwise_attention_is_softmax_attention_for_any_block_and_padded_width():
+  kq, kk, kv, km = jax.random.split(jax.random.key(5), 4)
+  q, k, v = (jax.random.normal(key, (2, 48, 3, 40)) for key in (kq, kk, kv))   # b, t, h, d
+  mask = jax.random.bernoulli(km, 0.6, (2, 1, 48, 48)).at[..., 0].set(True)
+  heads = lambda x: jax.numpy.swapaxes(x, 1, 2)
+  for masked in (None, mask):
+    logits = jax.numpy.einsum("bhqd,bhkd->bhqk", heads(q), heads(k), precision="highest") * 0.3
+    if masked is not None:
+      logits = jax.numpy.where(masked, logits, -1e30)
+    want = heads(jax.numpy.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(logits, -1), heads(v),
+                                  precision="highest"))
+    for block_k in (8, 16, 48):
+      got = algorithm_twins.padded_blockwise_attention(q, k, v, masked, sm_scale=0.3,
+                                                     block_k=block_k)
+      assert got.shape == want.shape
+      np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5,
+                                 err_msg=f"{block_k=} masked={masked is not None}")

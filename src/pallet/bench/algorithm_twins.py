@@ -37,7 +37,7 @@ HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def split_decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *,
-                           block_h: int, k_splits: int) -> jax.Array:
+                           block_h: int, k_splits: int, sm_scale: float) -> jax.Array:
   """Flash decoding as JAX's GPU decode kernel computes it, for every kv head at once.
 
   q: [batch, kv_heads, heads_per_kv, d]; k, v: [batch, kv_heads, seq, d]; lengths: [batch].
@@ -52,7 +52,7 @@ def split_decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: ja
   split = seq // k_splits
   k = k.reshape(batch, kv_heads, k_splits, split, d)
   v = v.reshape(batch, kv_heads, k_splits, split, d)
-  logits = jnp.einsum("bghd,bgjsd->bgjhs", q, k, precision=HIGHEST) * d ** -0.5
+  logits = jnp.einsum("bghd,bgjsd->bgjhs", q, k, precision=HIGHEST) * sm_scale
   positions = jnp.arange(seq).reshape(k_splits, split)
   visible = positions[None, :, None, :] < lengths[:, None, None, None]
   logits = jnp.where(visible[:, None], logits, 0.7 * jnp.finfo(jnp.float32).min)
@@ -124,7 +124,8 @@ def _mqa(size: Size) -> Callable[..., jax.Array]:
 
   def twin(q, k, v, lengths):   # one kv head
     return split_decode_attention(q[:, None], k[:, None], v[:, None], lengths,
-                                  block_h=jax_op_cases.DECODE_BLOCK_H, k_splits=splits)[:, 0]
+                                  block_h=jax_op_cases.DECODE_BLOCK_H, k_splits=splits,
+                                  sm_scale=q.shape[-1] ** -0.5)[:, 0]
   return twin
 
 
@@ -136,8 +137,77 @@ def _gqa(size: Size) -> Callable[..., jax.Array]:
     kv_heads = k.shape[2]
     out = split_decode_attention(q.reshape(batch, kv_heads, heads // kv_heads, d),
                                  jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), lengths,
-                                 block_h=jax_op_cases.DECODE_BLOCK_H, k_splits=splits)
+                                 block_h=jax_op_cases.DECODE_BLOCK_H, k_splits=splits,
+                                 sm_scale=d ** -0.5)
     return out.reshape(batch, heads, d)
+  return twin
+
+
+def padded_blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                               mask: jax.Array | None, *, sm_scale: float,
+                               block_k: int) -> jax.Array:
+  """Flash attention as JAX's GPU `mha` kernel computes it (not causal), every query at once.
+
+  q, k, v: [batch, seq, heads, d]; mask: None or [batch, 1, seq, seq] (True = attend).
+  The head dim is zero-padded to the next power of two (the kernel's masked loads), and
+  the keys are visited in blocks of `block_k` by a sequential loop keeping a running max
+  and sum in base 2 (the kernel's `fori_loop`); the padded lanes are cut at the end.
+  """
+  batch, seq, heads, d = q.shape
+  padded = 1 << (d - 1).bit_length()
+  to_heads = lambda x: jnp.pad(jnp.swapaxes(x, 1, 2), ((0, 0),) * 3 + ((0, padded - d),))
+  q, k, v = to_heads(q), to_heads(k), to_heads(v)   # [batch, heads, seq, padded]
+  blocks = seq // block_k
+  k_blocks = jnp.moveaxis(k.reshape(batch, heads, blocks, block_k, padded), 2, 0)
+  v_blocks = jnp.moveaxis(v.reshape(batch, heads, blocks, block_k, padded), 2, 0)
+  mask_blocks = (None if mask is None else
+                 jnp.moveaxis(mask.reshape(batch, 1, seq, blocks, block_k), 3, 0))
+  scale = sm_scale * np.log2(np.e)
+
+  def step(carry, block):
+    acc, running_max, running_sum = carry
+    k_b, v_b, mask_b = block
+    logits = jnp.einsum("bhqd,bhkd->bhqk", q, k_b, precision=HIGHEST) * scale
+    if mask_b is not None:
+      logits = jnp.where(mask_b, logits, -0.7 * float(np.finfo(np.float32).max))
+    new_max = jnp.maximum(running_max, logits.max(-1))
+    correction = jnp.exp2(running_max - new_max)
+    weights = jnp.exp2(logits - new_max[..., None])
+    acc = acc * correction[..., None] + jnp.einsum("bhqk,bhkd->bhqd", weights, v_b,
+                                                   precision=HIGHEST)
+    return (acc, new_max, running_sum * correction + weights.sum(-1)), None
+
+  start = (jnp.zeros((batch, heads, seq, padded), jnp.float32),
+           jnp.full((batch, heads, seq), -jnp.inf, jnp.float32),
+           jnp.zeros((batch, heads, seq), jnp.float32))
+  (acc, _, total), _ = jax.lax.scan(step, start, (k_blocks, v_blocks, mask_blocks))
+  return jnp.swapaxes(acc / total[..., None], 1, 2)[..., :d]
+
+
+def _mha(size: Size, *, segments: bool) -> Callable[..., jax.Array]:
+  batch, seq, _, _, block = jax_op_cases.MHA_SIZES[size]
+  mask = None
+  if segments:
+    ids = jax_op_cases.segment_halves(batch, seq)
+    mask = (ids[:, :, None] == ids[:, None, :])[:, None]
+  return lambda q, k, v: padded_blockwise_attention(q, k, v, mask,
+                                                    sm_scale=q.shape[-1] ** -0.5,
+                                                    block_k=block)
+
+
+def _paged(size: Size) -> Callable[..., jax.Array]:
+  """Pages gathered per sequence, then flash decoding over the op's `k_splits` (no scale)."""
+  splits = jax_op_cases.gpu_paged_splits(size)[0]
+
+  def twin(q, k_pages, v_pages, tables, lengths):
+    kv_heads, _, page, d = k_pages.shape
+    batch, per_seq = tables.shape
+    gather = lambda pages: jnp.swapaxes(pages[:, tables], 0, 1).reshape(
+        batch, kv_heads, per_seq * page, d)
+    out = split_decode_attention(q.reshape(batch, kv_heads, -1, d), gather(k_pages),
+                                 gather(v_pages), lengths, block_h=jax_op_cases.DECODE_BLOCK_H,
+                                 k_splits=splits, sm_scale=1.0)
+    return out.reshape(q.shape)
   return twin
 
 
@@ -145,6 +215,9 @@ def _gqa(size: Size) -> Callable[..., jax.Array]:
 ALGORITHM_TWINS: dict[str, Callable[[Size], Callable[..., jax.Array]]] = {
     "op_gpu_decode_mqa": _mqa,
     "op_gpu_decode_gqa": _gqa,
+    "op_gpu_mha_d72": lambda size: _mha(size, segments=False),
+    "op_gpu_mha_segment_ids": lambda size: _mha(size, segments=True),
+    "op_gpu_paged_attention": _paged,
     "op_tpu_flash_attention": _tpu_flash_causal,
     "op_tpu_splash_attention": _tpu_splash_causal,
 }
@@ -188,15 +261,15 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--size", choices=SIZES, default="test")
   parser.add_argument("--rounds", type=int, default=21)
   parser.add_argument("--only", action="append", choices=sorted(ALGORITHM_TWINS),
-                      help="time only this row (repeatable)")
+                      help="measure only this row (repeatable)")
   args = parser.parse_args(argv)
-  print(f"{'row':<22}{'pallet us':>11}{'plain us':>10}{'algorithm us':>14}"
+  print(f"{'row':<24}{'pallet us':>11}{'plain us':>10}{'algorithm us':>14}"
         f"{'pallet/plain':>14}{'pallet/algorithm':>18}{'algorithm/plain':>17}")
   for bench in rows(args.size):
     if args.only and bench.name not in args.only:
       continue
     t = measure(bench, args.size, args.rounds)
-    print(f"{bench.name:<22}{t['pallet'] * 1e6:>11.0f}{t['plain'] * 1e6:>10.0f}"
+    print(f"{bench.name:<24}{t['pallet'] * 1e6:>11.0f}{t['plain'] * 1e6:>10.0f}"
           f"{t['algorithm'] * 1e6:>14.0f}{t['pallet'] / t['plain']:>14.2f}"
           f"{t['pallet'] / t['algorithm']:>18.2f}{t['algorithm'] / t['plain']:>17.2f}")
   return 0

@@ -209,7 +209,7 @@ def _gpu_mha(size: Size) -> list[Benchmark]:
           _mha_row("op_gpu_mha_segment_ids", b, t, h, d, block, causal=False, segments=True)]
 
 
-def _halves(b: int, t: int) -> jax.Array:
+def segment_halves(b: int, t: int) -> jax.Array:
   """Segment ids of two segments per sequence (JAX's tests: zeros then ones)."""
   return jnp.broadcast_to((jnp.arange(t) >= t // 2).astype(jnp.int32), (b, t))
 
@@ -218,14 +218,14 @@ def _mha_row(name: str, b: int, t: int, h: int, d: int, block: int, *, causal: b
              segments: bool) -> Benchmark:
   def run(m, q, k, v, **kw):
     blocks = m.BlockSizes(block_q=block, block_k=block)
-    ids = _halves(b, t) if segments else None
+    ids = segment_halves(b, t) if segments else None
     return m.mha(q, k, v, ids, sm_scale=d ** -0.5, causal=causal, block_sizes=blocks, **kw)
 
   def twin(q, k, v):
     heads = lambda x: jnp.swapaxes(x, 1, 2)
     mask = _causal(t, t) if causal else None
     if segments:
-      ids = _halves(b, t)
+      ids = segment_halves(b, t)
       mask = (ids[:, :, None] == ids[:, None, :])[:, None]
     return heads(_attend(heads(q), heads(k), heads(v), mask, d ** -0.5))
 
@@ -314,9 +314,14 @@ PAGED_SIZES = {"full": (8, 32, 8, 128, 1024, 16, 128), "test": (5, 32, 2, 64, 64
 TEST_LENGTHS = (3, 256, 513, 1023, 2048)
 
 
+def gpu_paged_splits(size: Size) -> tuple[int, int]:
+  """(k_splits, pages_per_compute_block) of the GPU paged attention row at `size`."""
+  return {"test": (16, 8), "tiny": (2, 2)}.get(size, (8, 8))
+
+
 def _gpu_paged(size: Size) -> Benchmark:
   b, hq, hkv, d, pages, page, per_seq = PAGED_SIZES[size]
-  splits, per_block = {"test": (16, 8), "tiny": (2, 2)}.get(size, (8, 8))
+  splits, per_block = gpu_paged_splits(size)
   lengths = TEST_LENGTHS if size == "test" else None
   run = lambda m, q, kp, vp, tables, lengths, **kw: m.paged_attention(
       q, kp, vp, tables, lengths, block_h=16, pages_per_compute_block=per_block,
@@ -361,14 +366,14 @@ def _tpu_flash_row(name: str, b: int, h: int, t: int, d: int, *, causal: bool,
   def run(m, q, k, v):
     block = TPU_ATTENTION_BLOCK
     blocks = m.BlockSizes(block_q=block, block_k_major=block, block_k=block, block_b=1)
-    ids = m.SegmentIds(q=_halves(b, t), kv=_halves(b, t)) if segments else None
+    ids = m.SegmentIds(q=segment_halves(b, t), kv=segment_halves(b, t)) if segments else None
     return m.flash_attention(q, k, v, segment_ids=ids, causal=causal, sm_scale=d ** -0.5,
                              block_sizes=blocks)
 
   def twin(q, k, v):
     mask = _causal(t, t) if causal else None
     if segments:
-      ids = _halves(b, t)
+      ids = segment_halves(b, t)
       mask = (ids[:, :, None] == ids[:, None, :])[:, None]
     return _attend(q, k, v, mask, d ** -0.5)
 
