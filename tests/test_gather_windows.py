@@ -174,3 +174,28 @@ def test_random_stores_through_an_index_array(rows, cols, axis, data):
   call = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(shape, f32))
   expected = base.at[where(idx)].set(values)
   np.testing.assert_array_equal(np.asarray(call(values, idx, base)), np.asarray(expected))
+
+
+@pytest.mark.parametrize("bound", ["static", "data"])
+def test_rows_gathered_inside_a_loop_body(bound):
+  """Paged attention's page read: `pages_ref[table_ref[j]]` inside a `fori_loop` (a
+  scan with static bounds, a while loop with a bound read from data) and a `pl.when`
+  gathers whole pages, as outside a loop."""
+  pages = random_array((12, 4, 8), seed=14)
+  table = jax.random.permutation(jax.random.key(15), 12)[:6].astype(jnp.int32).reshape(3, 2)
+
+  def kernel(t_ref, p_ref, o_ref):
+    o_ref[...] = jnp.zeros_like(o_ref)
+
+    def body(j, _):
+      @pl.when(j < 3)
+      def _():
+        o_ref[...] += jnp.sum(p_ref[t_ref[j]], axis=0)
+      return 0
+    upper = 4 if bound == "static" else 4 + 0 * t_ref[0, 0]
+    jax.lax.fori_loop(0, upper, body, 0)
+
+  call = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((4, 8), f32))
+  expected = pages[table.reshape(-1)].sum(0)
+  assert_close(call(table, pages), expected)
+  assert _element_gathers(call, table, pages) == []

@@ -106,6 +106,11 @@ def _may_rewrite(jaxpr: Any, known: Sequence[bool], varying: Sequence[bool]
       changed, out_k, out_v = _may_rewrite(getattr(body, "jaxpr", body), ins_k, ins_v)
       if changed:
         return True, [], []
+    elif name == "scan":
+      body, _, n_consts, _ = internals.scan_layout(eqn.params)
+      inner = ins_k[:n_consts] + [False] * (len(body.invars) - n_consts)
+      if not eqn.effects and _may_rewrite(body, inner, [False] * len(body.invars))[0]:
+        return True, [], []
     elif name == "while":
       if not eqn.effects and _passes_a_carry_through(eqn):
         return True, [], []
@@ -210,6 +215,8 @@ class _Folder:
         return self.run(getattr(sub, "jaxpr", sub), getattr(sub, "consts", ()), ins)
     if name == "scan" and eqn.params.get("length") == 1 and not eqn.params.get("reverse"):
       return self.scan_once(eqn, ins)
+    if name == "scan" and not eqn.effects and _scan_body_may_rewrite(eqn, ins):
+      return self.scan_folded(eqn, ins)
     if name == "while":
       inlined = self.counted_loop_inlined(eqn, ins)
       if inlined is not None:
@@ -285,8 +292,8 @@ class _Folder:
              if _passed_through(out, producer) is v]
     if not fixed or eqn.effects:
       return None
-    cconsts, bconsts = [_value(x) for x in ins[:nc]], [_value(x) for x in ins[nc:nc + nb]]
-    init = [_value(x) for x in ins[nc + nb:]]
+    cconsts, bconsts = list(ins[:nc]), list(ins[nc:nc + nb])
+    init = list(ins[nc + nb:])
     moving = [k for k in range(len(init)) if k not in fixed]
 
     def full(carry):
@@ -295,13 +302,15 @@ class _Folder:
         values[k] = c
       return values
 
+    # The body is folded as the kernel is (its gathers' index columns, conds, inner
+    # loops), the loop constants and passed-through carries known where they are.
     def cond_fun(carry):
-      return jax.core.eval_jaxpr(cond.jaxpr, cond.consts, *cconsts, *full(carry))[0]
+      return _value(self.run(cond.jaxpr, cond.consts, cconsts + full(carry))[0])
 
     def body_fun(carry):
-      outs = jax.core.eval_jaxpr(body.jaxpr, body.consts, *bconsts, *full(carry))
-      return [outs[k] for k in moving]
-    final = lax.while_loop(cond_fun, body_fun, [init[k] for k in moving])
+      outs = self.run(body.jaxpr, body.consts, bconsts + full(carry))
+      return [_value(outs[k]) for k in moving]
+    final = lax.while_loop(cond_fun, body_fun, [_value(init[k]) for k in moving])
     self.changed = True
     return full(final)
 
@@ -321,6 +330,22 @@ class _Folder:
   def _branch(self, closed: Any, *args: Any) -> list[Any]:
     return [_value(x) for x in self.run(closed.jaxpr, closed.consts, args)]
 
+  def scan_folded(self, eqn: Any, ins: list[Any]) -> list[Any]:
+    """A scan whose body is folded as the kernel is, its constants known where they
+    are (a row gather through an index array inside a static `fori_loop`)."""
+    p = eqn.params
+    body, consts, n_consts, n_carry = internals.scan_layout(p)
+    consts_in = list(ins[:n_consts])
+
+    def step(carry, xs):
+      outs = self.run(body, consts, consts_in + list(carry) + list(xs))
+      return [_value(o) for o in outs[:n_carry]], [_value(o) for o in outs[n_carry:]]
+    carry, ys = lax.scan(step, [_value(x) for x in ins[n_consts:n_consts + n_carry]],
+                         [_value(x) for x in ins[n_consts + n_carry:]], length=p["length"],
+                         reverse=p["reverse"], unroll=p.get("unroll", 1))
+    self.changed = True
+    return list(carry) + list(ys)
+
   def scan_once(self, eqn: Any, ins: list[Any]) -> list[Any]:
     body, consts, n_consts, n_carry = internals.scan_layout(eqn.params)
     xs = [_Known(x.value[0]) if isinstance(x, _Known) else x[0]
@@ -329,6 +354,15 @@ class _Folder:
     carry, ys = outs[:n_carry], outs[n_carry:]
     return carry + [_Known(y.value[None]) if isinstance(y, _Known) else jnp.expand_dims(y, 0)
                     for y in ys]
+
+
+def _scan_body_may_rewrite(eqn: Any, ins: list[Any]) -> bool:
+  """Whether folding a scan's body (its constants known where they are) could rewrite
+  one of its gathers or scatters (a `fori_loop` with static bounds is a scan)."""
+  body, _, n_consts, _ = internals.scan_layout(eqn.params)
+  known = [isinstance(x, _Known) for x in ins[:n_consts]] + [False] * (
+      len(body.invars) - n_consts)
+  return _may_rewrite(body, known, [False] * len(body.invars))[0]
 
 
 def _known_trip_count(eqn: Any, ins: list[Any]) -> int | None:
