@@ -69,12 +69,10 @@ _FORMS = {"gather": _GATHER, "scatter": _SCATTER, "scatter-add": _SCATTER,
 def rewrite(eqn: Any, args: list[Any], producer: dict, known: Callable[[Any], Any],
             read: Callable[[Any], Any]) -> list[Any] | None:
   """The outputs of `eqn` (bound on `args`) with its run columns as windows, or None
-  when no column qualifies.
+  when no column qualifies; `eqn` is one that `takes` accepts.
 
   `known(var)` is the concrete value of a jaxpr variable known at trace time (None
   if it is not), `read(var)` its traced value."""
-  if not takes(eqn, producer):
-    return None
   form = _FORMS[eqn.primitive.name]
   dn = eqn.params["dimension_numbers"]
   index_map = tuple(getattr(dn, form.index_map))

@@ -41,7 +41,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, subjaxprs
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxprs_in_params, subjaxprs
 from jax.interpreters import batching
 
 from pallet import _internals as internals
@@ -417,9 +417,8 @@ def _skipping_axes(kernel: KernelDescription) -> dict[int, float]:
   for eqn in jaxpr.eqns:
     if eqn.primitive.name != "cond":
       continue
-    branches = eqn.params["branches"]
-    heavy = [i for i, b in enumerate(branches) if _uses_primitive(b.jaxpr, ("dot_general",))]
-    if not heavy or len(heavy) == len(branches):
+    heavy = _product_branches(eqn)
+    if not heavy or len(heavy) == len(eqn.params["branches"]):
       continue
     table = grid_eval.value_over_grid(jaxpr, pure.consts, eqn.invars[0], grid)
     if table is None:
@@ -445,11 +444,11 @@ def _steps_computing_products(kernel: KernelDescription, plan: ExecutionPlan) ->
   computes = np.zeros(grid, bool)
   for eqn in jaxpr.eqns:
     if eqn.primitive.name != "cond":
-      if _eqn_uses(eqn, ("dot_general",)):
+      if eqn.primitive.name == "dot_general" or any(
+          _uses_primitive(sub, ("dot_general",)) for sub in jaxprs_in_params(eqn.params)):
         return None   # a product outside any pl.when: every step computes one
       continue
-    heavy = [i for i, b in enumerate(eqn.params["branches"])
-             if _uses_primitive(b.jaxpr, ("dot_general",))]
+    heavy = _product_branches(eqn)
     if not heavy:
       continue
     table = grid_eval.value_over_grid(jaxpr, pure.consts, eqn.invars[0], grid)
@@ -463,16 +462,10 @@ def _steps_computing_products(kernel: KernelDescription, plan: ExecutionPlan) ->
   return int(per_step.sum())
 
 
-def _eqn_uses(eqn: Any, names: tuple[str, ...]) -> bool:
-  """Whether `eqn` binds one of the named primitives, itself or in a jaxpr it holds."""
-  if eqn.primitive.name in names:
-    return True
-  for value in eqn.params.values():
-    for sub in value if isinstance(value, (tuple, list)) else (value,):
-      sub = getattr(sub, "jaxpr", sub)
-      if isinstance(sub, Jaxpr) and _uses_primitive(sub, names):
-        return True
-  return False
+def _product_branches(cond: Any) -> list[int]:
+  """The indices of the branches of a `cond` equation that run a matrix product."""
+  return [i for i, b in enumerate(cond.params["branches"])
+          if _uses_primitive(b.jaxpr, ("dot_general",))]
 
 
 def _id_dependencies(var: Any, producer: dict, ids: list) -> set[int]:

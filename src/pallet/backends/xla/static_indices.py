@@ -107,9 +107,7 @@ def _may_rewrite(jaxpr: Any, known: Sequence[bool], varying: Sequence[bool]
       if changed:
         return True, [], []
     elif name == "scan":
-      body, _, n_consts, _ = internals.scan_layout(eqn.params)
-      inner = ins_k[:n_consts] + [False] * (len(body.invars) - n_consts)
-      if not eqn.effects and _may_rewrite(body, inner, [False] * len(body.invars))[0]:
+      if _scan_body_may_rewrite(eqn, ins_k):
         return True, [], []
     elif name == "while":
       if not eqn.effects and _passes_a_carry_through(eqn):
@@ -215,7 +213,7 @@ class _Folder:
         return self.run(getattr(sub, "jaxpr", sub), getattr(sub, "consts", ()), ins)
     if name == "scan" and eqn.params.get("length") == 1 and not eqn.params.get("reverse"):
       return self.scan_once(eqn, ins)
-    if name == "scan" and not eqn.effects and _scan_body_may_rewrite(eqn, ins):
+    if name == "scan" and _scan_body_may_rewrite(eqn, [isinstance(x, _Known) for x in ins]):
       return self.scan_folded(eqn, ins)
     if name == "while":
       inlined = self.counted_loop_inlined(eqn, ins)
@@ -244,7 +242,7 @@ class _Folder:
       if sliced is not None:
         self.changed = True
         return [sliced]
-    if len(ins) > 1 and not isinstance(ins[1], _Known):
+    if gather_windows.takes(eqn, producer) and not isinstance(ins[1], _Known):
       def known(var):
         x = read(var)
         return x.value if isinstance(x, _Known) else None
@@ -356,13 +354,15 @@ class _Folder:
                     for y in ys]
 
 
-def _scan_body_may_rewrite(eqn: Any, ins: list[Any]) -> bool:
-  """Whether folding a scan's body (its constants known where they are) could rewrite
-  one of its gathers or scatters (a `fori_loop` with static bounds is a scan)."""
+def _scan_body_may_rewrite(eqn: Any, known: Sequence[bool]) -> bool:
+  """Whether folding a scan's body could rewrite one of its gathers, scatters or
+  loops (a `fori_loop` with static bounds is a scan); `known` marks the scan's
+  operands known at trace time (only its constants stay known inside the body)."""
+  if eqn.effects:
+    return False
   body, _, n_consts, _ = internals.scan_layout(eqn.params)
-  known = [isinstance(x, _Known) for x in ins[:n_consts]] + [False] * (
-      len(body.invars) - n_consts)
-  return _may_rewrite(body, known, [False] * len(body.invars))[0]
+  inner = list(known[:n_consts]) + [False] * (len(body.invars) - n_consts)
+  return _may_rewrite(body, inner, [False] * len(body.invars))[0]
 
 
 def _known_trip_count(eqn: Any, ins: list[Any]) -> int | None:
