@@ -313,3 +313,17 @@ def test_small_flag_is_the_shrunk_suite_and_the_jax_test_class(capsys):
   with pytest.raises(SystemExit):
     main(["--size", "huge"])
   assert "unknown size class 'huge'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["op_decode_attention", "op_paged_attention"])
+def test_interpret_peer_runs_ops_that_call_sibling_op_modules(name):
+  """decode and paged attention launch flash_decoding's kernels: the peer's copy of
+  them must launch JAX's, not pallet's (it failed on pallet's BlockSpec before)."""
+  from pallet.bench.ops import _peer_module
+  import pallet
+  sibling = _peer_module(name.removeprefix("op_")).flash_decoding
+  assert sibling.pl is not pallet and sibling.__name__ == "pallet.ops.flash_decoding"
+  bench = next(b for b in TINY if b.name == name)
+  result = run_benchmark(bench, JNP_AND_PEER, reps=1, peer=PeerPolicy())
+  peer = result.variants["interpret"]
+  assert peer.status == "ok", peer.message

@@ -112,6 +112,14 @@ def _tpu_flash_causal(size: Size) -> Callable[..., jax.Array]:
   return twin
 
 
+def _tpu_flash_plain(size: Size) -> Callable[..., jax.Array]:
+  def twin(q, k, v):   # every key block reaches every query block: nothing skipped
+    return blockwise_attention(q, k, v, block_q=jax_op_cases.TPU_ATTENTION_BLOCK,
+                               block_k=jax_op_cases.TPU_ATTENTION_BLOCK,
+                               scale=q.shape[-1] ** -0.5, causal=False)
+  return twin
+
+
 def _tpu_splash_causal(size: Size) -> Callable[..., jax.Array]:
   def twin(q, k, v):   # the splash kernel does not scale the logits
     return blockwise_attention(q, k, v, block_q=jax_op_cases.TPU_ATTENTION_BLOCK,
@@ -219,6 +227,7 @@ ALGORITHM_TWINS: dict[str, Callable[[Size], Callable[..., jax.Array]]] = {
     "op_gpu_mha_segment_ids": lambda size: _mha(size, segments=True),
     "op_gpu_paged_attention": _paged,
     "op_tpu_flash_attention": _tpu_flash_causal,
+    "op_tpu_flash_attention_plain": _tpu_flash_plain,
     "op_tpu_splash_attention": _tpu_splash_causal,
 }
 

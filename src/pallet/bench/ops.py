@@ -46,6 +46,13 @@ def _peer_module(module: str) -> types.ModuleType:
   copy.pl = shim
   if hasattr(copy, "launch_table"):
     copy.launch_table = _PeerLaunchTable
+  # sibling op modules it calls (decode and paged attention share flash_decoding's
+  # kernels) must be peer copies too, or the peer would launch pallet's kernels
+  for attr, value in list(vars(copy).items()):
+    sibling = getattr(value, "__name__", "")
+    if isinstance(value, types.ModuleType) and sibling.startswith("pallet.ops.") \
+        and hasattr(value, "pl"):
+      setattr(copy, attr, _peer_module(sibling.removeprefix("pallet.ops.")))
   return copy
 
 
