@@ -104,19 +104,11 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: in
   return (acc / total[..., None]).reshape(*lead, seq, d).astype(q.dtype)
 
 
-def _tpu_flash_causal(size: Size) -> Callable[..., jax.Array]:
+def _tpu_flash(size: Size, *, causal: bool) -> Callable[..., jax.Array]:
   def twin(q, k, v):
     return blockwise_attention(q, k, v, block_q=jax_op_cases.TPU_ATTENTION_BLOCK,
                                block_k=jax_op_cases.TPU_ATTENTION_BLOCK,
-                               scale=q.shape[-1] ** -0.5)
-  return twin
-
-
-def _tpu_flash_plain(size: Size) -> Callable[..., jax.Array]:
-  def twin(q, k, v):   # every key block reaches every query block: nothing skipped
-    return blockwise_attention(q, k, v, block_q=jax_op_cases.TPU_ATTENTION_BLOCK,
-                               block_k=jax_op_cases.TPU_ATTENTION_BLOCK,
-                               scale=q.shape[-1] ** -0.5, causal=False)
+                               scale=q.shape[-1] ** -0.5, causal=causal)
   return twin
 
 
@@ -226,8 +218,8 @@ ALGORITHM_TWINS: dict[str, Callable[[Size], Callable[..., jax.Array]]] = {
     "op_gpu_mha_d72": lambda size: _mha(size, segments=False),
     "op_gpu_mha_segment_ids": lambda size: _mha(size, segments=True),
     "op_gpu_paged_attention": _paged,
-    "op_tpu_flash_attention": _tpu_flash_causal,
-    "op_tpu_flash_attention_plain": _tpu_flash_plain,
+    "op_tpu_flash_attention": lambda size: _tpu_flash(size, causal=True),
+    "op_tpu_flash_attention_plain": lambda size: _tpu_flash(size, causal=False),
     "op_tpu_splash_attention": _tpu_splash_causal,
 }
 
