@@ -282,11 +282,32 @@ def test_dimension_semantics_are_honoured():
                                  out_shape=sds(x), grid=(4,), in_specs=[spec],
                                  out_specs=spec, compiler_params=params)(x)
 
+  # "arbitrary" promises nothing: proven independent programs run at once, as undeclared
   assert _plan(call(None), x).vectorized == [0]
   assert _plan(call(("parallel",)), x).vectorized == [0]
-  assert _plan(call(("arbitrary",)), x).inner == [0]
+  assert _plan(call(("arbitrary",)), x).vectorized == [0]
   for semantics in [("arbitrary",), ("parallel",)]:
     assert_close(call(semantics)(x), x + 1)
+
+
+def test_arbitrary_axis_carrying_scratch_runs_in_order():
+  # A running sum in scratch along an "arbitrary" axis whose output blocks move: no
+  # proof of independence, so the axis loops in grid order (the row-major result).
+  def kernel(x_ref, o_ref, acc_ref):
+    @pl.when(pl.program_id(0) == 0)
+    def _():
+      acc_ref[...] = jnp.zeros_like(acc_ref)
+    acc_ref[...] += x_ref[...]
+    o_ref[...] = acc_ref[...]
+
+  x = random_array((16, 8))
+  spec = pl.BlockSpec((4, 8), lambda i: (i, 0))
+  fn = lambda x: pallas_call(kernel, out_shape=sds(x), grid=(4,), in_specs=[spec],
+                             out_specs=spec, scratch_shapes=[pltpu.VMEM((4, 8), jnp.float32)],
+                             compiler_params=pltpu.CompilerParams(
+                                 dimension_semantics=("arbitrary",)))(x)
+  assert _plan(fn, x).inner == [0]
+  assert_close(fn(x), jnp.cumsum(x.reshape(4, 4, 8), axis=0).reshape(16, 8))
 
 
 # ------------------------------------------------------------ aliasing

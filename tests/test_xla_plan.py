@@ -444,17 +444,22 @@ def test_summed_axis_is_chunked_into_the_inner_loop(small_memory_budget):
 
 # ------------------------------------------------------------------ other strategies
 def test_resident_outputs_loaded_every_step_when_they_move_along_an_arbitrary_axis():
-  def kernel(x_ref, o_ref):
-    o_ref[...] = jnp.sin(x_ref[...])
+  # the sum carried in scratch keeps the "arbitrary" axis in order
+  def kernel(x_ref, o_ref, acc_ref):
+    @pl.when(pl.program_id(0) == 0)
+    def _():
+      acc_ref[...] = jnp.zeros_like(acc_ref)
+    acc_ref[...] += jnp.sin(x_ref[...])
+    o_ref[...] = acc_ref[...]
   x = random_array((4, 32))
   spec = pl.BlockSpec((4, 8), lambda i: (0, i))
   fn = lambda x: pl.pallas_call(kernel, out_shape=sds(x), grid=(4,), in_specs=[spec],
-                                out_specs=spec,
+                                out_specs=spec, scratch_shapes=[pltpu.VMEM((4, 8), jnp.float32)],
                                 compiler_params=pl.CompilerParams(
                                     dimension_semantics=("arbitrary",)))(x)
   plan = _plan(fn, x)
   assert plan.inner == [0] and not plan.resident_outputs
-  assert_close(fn(x), jnp.sin(x))
+  assert_close(fn(x), jnp.cumsum(jnp.sin(x).reshape(4, 4, 8), axis=1).reshape(4, 32))
 
 
 def test_partly_written_vectorized_outputs_keep_poison_elsewhere():

@@ -25,6 +25,7 @@ from pallet.core import bounded_slices
 from pallet import checking
 from pallet.core import closed_over
 from pallet.core import dma
+from pallet.core import grid_analysis
 from pallet.core import gc_pause
 from pallet.distributed import mesh_launch
 from pallet.distributed import plain_call
@@ -509,14 +510,7 @@ def _carries_state(kernel: tracing.KernelDescription) -> bool:
   """Whether grid steps hand state to later ones beyond the outputs: DMAs and
   semaphores, or writes to scalar-prefetch refs (SMEM on a TPU; paged attention keeps
   flags there). Each batch element must then start afresh, not where the last ended."""
-  gm = kernel.grid_mapping
-  n_ids = len(gm.grid) + len(gm.dynamic_axes)
-  invars = kernel.jaxpr.jaxpr.invars
-  prefetch = set(range(n_ids, n_ids + len(gm.prefetch_avals)))
-  # an effect names its ref by input position or by variable, depending on the jaxpr
-  written = {e.input if isinstance(e.input, int) else invars.index(e.input)
-             for e in kernel.jaxpr.effects if isinstance(e, internals.WriteEffect)}
-  return dma.uses_dmas(kernel.jaxpr.jaxpr) or bool(written & prefetch)
+  return dma.uses_dmas(kernel.jaxpr.jaxpr) or grid_analysis.writes_prefetch(kernel)
 
 
 def _batch_by_loop(args, dims, **params):

@@ -24,9 +24,10 @@ program along it can see what another one wrote. State crosses grid steps throug
 one step to the next.
 
 What runs in parallel (`GridFacts.parallel`), the same on every backend:
-* no `dimension_semantics`: an axis whose programs are proven independent and along
-  which some output block moves; every other axis runs in order;
-* declared "arbitrary": in order;
+* no `dimension_semantics`, or declared "arbitrary": an axis whose programs are
+  proven independent and along which some output block moves; every other axis runs
+  in order. "arbitrary" promises nothing, so it gets the same proof: running proven
+  independent programs at once gives the row-major loop's result;
 * declared "parallel": in parallel, unless the kernel certainly carries state across
   the axis (scratch read before it is overwritten, an output block shared and written
   whole or at fixed positions): then a `GridOrderWarning` names the kernel, axis, ref
@@ -137,6 +138,9 @@ class GridFacts:
       if a.overridden is not None:
         lines.append(f"axis {a.axis} runs in order although declared parallel: "
                      f"{a.overridden}")
+      elif a.parallel and a.declared == "arbitrary":
+        lines.append(f"axis {a.axis} runs in parallel (declared arbitrary, proven independent: "
+                     f"no state carries along it and its programs write disjoint blocks)")
       elif a.parallel:
         lines.append(f"axis {a.axis} runs in parallel ({why})"
                      + (f"; not proven independent: {a.reason}" if a.reason else ""))
@@ -539,10 +543,8 @@ def _analyse(kernel: KernelDescription) -> GridFacts:
     rs = tuple(reasons[g]) if grid[g] != 1 else ()
     if declared == "parallel":
       parallel = not any(r.overrides_parallel for r in rs)
-    elif declared is None:
+    else:   # "arbitrary" or undeclared: in order unless proven independent
       parallel = not rs and moves[g]
-    else:
-      parallel = False
     axes.append(AxisFacts(g, grid[g], declared, rs, parallel, moves[g]))
   return GridFacts(kernel.name, kernel.source, tuple(axes))
 
@@ -695,6 +697,19 @@ def _sharing_pair(flat: np.ndarray, members: np.ndarray, along: np.ndarray,
       return int(m), int(members[hits[0]]), True
   other = next(m for m in members if along[m] != along[members[0]])
   return int(members[0]), int(other), False
+
+
+def writes_prefetch(kernel: KernelDescription) -> bool:
+  """Whether the kernel writes a scalar-prefetch ref (SMEM on a TPU: paged attention
+  keeps flags there), state that then carries from one grid step to the next."""
+  gm = kernel.grid_mapping
+  n_ids = len(gm.grid) + len(gm.dynamic_axes)
+  invars = kernel.jaxpr.jaxpr.invars
+  prefetch = set(range(n_ids, n_ids + len(gm.prefetch_avals)))
+  # an effect names its ref by input position or by variable, depending on the jaxpr
+  written = {e.input if isinstance(e.input, int) else invars.index(e.input)
+             for e in kernel.jaxpr.effects if isinstance(e, internals.WriteEffect)}
+  return bool(written & prefetch)
 
 
 def block_table(mapping: BlockMapping, grid: tuple[int, ...]) -> np.ndarray | None:

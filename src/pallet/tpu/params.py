@@ -2,7 +2,8 @@
 `PrefetchScalarGridSpec`.
 
 Only `dimension_semantics` changes what pallet does (parallel axes may be
-vectorized, arbitrary ones run in order; `CORE_PARALLEL` / `SUBCORE_PARALLEL`
+vectorized, arbitrary ones run in order unless pallet proves their programs
+independent, as for undeclared axes; `CORE_PARALLEL` / `SUBCORE_PARALLEL`
 split work across cores and so count as parallel). The other fields tune
 Mosaic's code generation and are accepted with JAX 0.12's names and defaults.
 """

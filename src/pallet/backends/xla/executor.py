@@ -183,22 +183,18 @@ class _Starts:
     self.n_outer = math.prod(plan.loop_size(g) for g in plan.outer)
     self.n_inner = math.prod(plan.loop_size(g) for g in plan.inner)
     self.known = None   # the table in NumPy: unrolled steps read their starts from it
-    if runtime_table is not None:
-      self.table = runtime_table.reshape(self.n_outer, self.n_inner, -1)
+    if runtime_table is not None:   # block positions are data: computed at run time
+      table = runtime_table.reshape(*plan.grid, runtime_table.shape[-1])
+      self.table = _gather_table(table, plan) if op.gathered else _loop_table(table, plan)
       self.static = None
       return
-    G = len(plan.grid)
     if op.gathered:
       self.static = None
       self.known = _gather_table(op.table, plan).astype(np.int32)
       self.table = jnp.asarray(self.known)
       return
-    # first program of each chunk along vectorized axes, every program along looped ones
-    t = op.table[tuple(slice(None, None, plan.chunk.get(g, 1)) for g in range(G))]
-    loop_axes = plan.outer + plan.inner
-    rest = [g for g in range(G) if g not in loop_axes]
+    t = _loop_table(op.table, plan)
     ndim = t.shape[-1]
-    t = np.transpose(t, loop_axes + rest + [G]).reshape(self.n_outer, self.n_inner, ndim)
     flat = t.reshape(self.n_outer * self.n_inner, ndim)
     self.static = tuple(int(v) for v in flat[0]) if len(flat) and np.all(flat == flat[0]) else None
     self.known = t
@@ -216,9 +212,25 @@ class _Starts:
     return row if row.ndim == 2 else [row[d] for d in range(row.shape[0])]
 
 
-def _gather_table(table: np.ndarray, plan: ExecutionPlan) -> np.ndarray:
+def _loop_table(table: Any, plan: ExecutionPlan) -> Any:
+  """Block starts per loop step, (outer steps, inner steps, ndim), from a table over
+  the grid (NumPy, or traced where positions are data): the first program of each
+  chunk along vectorized axes, every program along looped ones."""
+  xp = np if isinstance(table, np.ndarray) else jnp
+  G = len(plan.grid)
+  if any(plan.chunk.get(g, 1) != 1 for g in range(G)):
+    table = table[tuple(slice(None, None, plan.chunk.get(g, 1)) for g in range(G))]
+  loop_axes = plan.outer + plan.inner
+  rest = [g for g in range(G) if g not in loop_axes]
+  n_outer = math.prod(plan.loop_size(g) for g in plan.outer)
+  n_inner = math.prod(plan.loop_size(g) for g in plan.inner)
+  return xp.transpose(table, loop_axes + rest + [G]).reshape(n_outer, n_inner, table.shape[-1])
+
+
+def _gather_table(table: Any, plan: ExecutionPlan) -> Any:
   """Block starts of every vectorized program, per loop step:
-  (outer steps, inner steps, programs in vmap order, ndim)."""
+  (outer steps, inner steps, programs in vmap order, ndim); NumPy or traced."""
+  xp = np if isinstance(table, np.ndarray) else jnp
   G = len(plan.grid)
   split, loop_dim, vec_dim = [], {}, {}
   for g in range(G):
@@ -233,7 +245,7 @@ def _gather_table(table: np.ndarray, plan: ExecutionPlan) -> np.ndarray:
   order = loops + rest + [vec_dim[g] for g in plan.vectorized] + [len(split)]
   n_outer = math.prod(plan.loop_size(g) for g in plan.outer)
   n_inner = math.prod(plan.loop_size(g) for g in plan.inner)
-  return np.transpose(t, order).reshape(n_outer, n_inner, -1, table.shape[-1])
+  return xp.transpose(t, order).reshape(n_outer, n_inner, -1, table.shape[-1])
 
 
 def _unravel(flat: Any, axes: Sequence[int], sizes: Sequence[int]) -> dict[int, Any]:
@@ -269,31 +281,36 @@ def _start_fn(op: OperandPlan, prefetch: Sequence[Any]) -> Callable:
 
 
 def _runtime_tables(plan: ExecutionPlan, prefetch: Sequence[Any]) -> list[Any]:
-  """Index maps evaluated on data (scalar prefetch): one (steps, ndim) table each."""
+  """Index maps evaluated on data (scalar prefetch): one (steps, ndim) table for each
+  operand whose block positions are data, None for those the plan knows."""
   steps = math.prod(plan.grid)
   coords = np.indices(plan.grid).reshape(len(plan.grid), steps).astype(np.int32)
   # axis_size: a grid of no axes (grid=()) still has its one step to evaluate
-  return [jax.vmap(_start_fn(op, prefetch), axis_size=steps)(*[jnp.asarray(c) for c in coords])
+  return [None if op.table is not None else
+          jax.vmap(_start_fn(op, prefetch), axis_size=steps)(*[jnp.asarray(c) for c in coords])
           for op in (*plan.inputs, *plan.outputs)]
 
 
 # ------------------------------------------------------------------ vectorized body
 def _vectorized_body(body: Body, plan: ExecutionPlan, in_slabs: list[_Slab],
-                     n_outputs: int, n_scratch: int) -> Callable:
-  """`f(base_ids, prefetch, ins, outs, scratch)` running every vectorized program.
+                     n_outputs: int, n_prefetch: int, n_scratch: int) -> Callable:
+  """`f(base_ids, prefetch, ins, outs, state)` running every vectorized program.
 
   Inputs come in their slab layout; outputs and scratch batch-first over the
   parallel vectorized axes (unbatched over summed ones, which are outermost).
-  Results are batch-first over all vectorized axes.
+  Results are batch-first over all vectorized axes. `state` starts with the
+  `n_prefetch` scalar-prefetch values, which every program reads unbatched: a plan
+  vectorizes only kernels that never write them, so they come back as given.
   """
   V, G = plan.vectorized, len(plan.grid)
 
   def at(b, vid):
     return vid if isinstance(b, int) and b == 0 else b + vid
 
-  def point(vids, base, prefetch, ins, outs, scratch):
+  def point(vids, base, prefetch, ins, outs, fixed, scratch):
     ids = [at(base[g], vids[V.index(g)]) if g in V else base[g] for g in range(G)]
-    return body(ids + list(base[G:]), prefetch, ins, outs, scratch)
+    outs, state = body(ids + list(base[G:]), prefetch, ins, outs, list(fixed) + list(scratch))
+    return outs, state[len(fixed):]
 
   fn = point
   for level in reversed(range(len(V))):
@@ -302,16 +319,22 @@ def _vectorized_body(body: Body, plan: ExecutionPlan, in_slabs: list[_Slab],
 
     def wrap(inner, level=level, in_axes=in_axes, carried=carried):
       mapped = jax.vmap(
-          lambda vid, vids, base, pre, ins, outs, scr: inner(vids + (vid,), base, pre, ins,
-                                                             outs, scr),
-          in_axes=(0, None, None, None, in_axes, [carried] * n_outputs,
+          lambda vid, vids, base, pre, ins, outs, fixed, scr: inner(
+              vids + (vid,), base, pre, ins, outs, fixed, scr),
+          in_axes=(0, None, None, None, in_axes, [carried] * n_outputs, None,
                    [carried] * n_scratch),
           out_axes=0)
       n = plan.chunk[V[level]]
-      return lambda vids, base, pre, ins, outs, scr: mapped(
-          jnp.arange(n, dtype=jnp.int32), vids, base, pre, ins, outs, scr)
+      return lambda vids, base, pre, ins, outs, fixed, scr: mapped(
+          jnp.arange(n, dtype=jnp.int32), vids, base, pre, ins, outs, fixed, scr)
     fn = wrap(fn)
-  return lambda base, pre, ins, outs, scr: fn((), base, pre, ins, outs, scr)
+  # Looped only (no vmap level), a kernel may write its prefetch refs: carried as state.
+  k = n_prefetch if V else 0
+
+  def run(base, pre, ins, outs, state):
+    outs, rest = fn((), base, pre, ins, outs, state[:k], state[k:])
+    return outs, list(state[:k]) + list(rest)
+  return run
 
 
 # ------------------------------------------------------------------ the function
@@ -326,8 +349,8 @@ def build(kernel: KernelDescription, plan: ExecutionPlan | None = None) -> Calla
   aliases = dict((o, i) for i, o in kernel.input_output_aliases)
   in_slabs = [_Slab(op, plan) for op in plan.inputs]
   out_slabs = [_Slab(op, plan) for op in plan.outputs]
-  vbody = _vectorized_body(body, plan, in_slabs, len(plan.outputs),
-                           n_pre + len(gm.scratch_avals))
+  vbody = _vectorized_body(body, plan, in_slabs, len(plan.outputs), n_pre,
+                           len(gm.scratch_avals))
   parallel_chunks = tuple(plan.chunk[g] for g in plan.vectorized if g not in plan.summed)
   out_shapes = [tuple(plan.chunk[g] for g in plan.summed) + sl.batch_first_shape(plan)
                 for sl in out_slabs]
@@ -355,13 +378,14 @@ def build(kernel: KernelDescription, plan: ExecutionPlan | None = None) -> Calla
       in_starts = [_Starts(op, plan, per_step=_start_fn(op, prefetch)) for op in plan.inputs]
       out_starts = [_Starts(op, plan, per_step=_start_fn(op, prefetch)) for op in plan.outputs]
     else:
-      runtime = _runtime_tables(plan, prefetch) if n_pre else None
-      in_starts = [_Starts(op, plan, runtime[i] if runtime else None)
-                   for i, op in enumerate(plan.inputs)]
-      out_starts = [_Starts(op, plan, runtime[len(inputs) + i] if runtime else None)
+      runtime = _runtime_tables(plan, prefetch) if n_pre else [None] * (
+          len(plan.inputs) + len(plan.outputs))
+      in_starts = [_Starts(op, plan, runtime[i]) for i, op in enumerate(plan.inputs)]
+      out_starts = [_Starts(op, plan, runtime[len(inputs) + i])
                     for i, op in enumerate(plan.outputs)]
     padded_in = [_pad(x, op, kernel.poison_buffers) for x, op in zip(inputs, plan.inputs)]
-    # Kernels with scalar prefetch loop every grid axis (see plan.py): no batch axes then.
+    # Scalar prefetch first, unbatched (vectorized plans only where the kernel never
+    # writes it, see plan.py), then scratch, one buffer per vectorized program.
     scratch = prefetch + [jnp.zeros(parallel_chunks + a.shape, a.dtype)
                           for a in gm.scratch_avals]
 

@@ -27,10 +27,15 @@ a table of block positions. From the tables and `body_analysis`:
 * chunks: when vectorizing a whole axis would create intermediates far larger
   than the kernel's operands, only a divisor of it is vectorized and the rest
   looped, so memory stays a small multiple of the operands' size;
+* scalar prefetch: index maps that read it give block positions only at run time
+  (evaluated over the grid on the data, once per call). Such inputs are gathered per
+  program on vectorized axes; prefetch values are read unbatched; sequential axes
+  loop (the data may decide the accumulation);
 * everything looped: grid sizes computed at run time (one loop with a traced
-  trip count, index maps run per step), scalar prefetch, DMAs/semaphores (exact
-  grid order), and bodies that do not run under vmap (a primitive without a
-  batching rule, one known to mis-batch, or a rule that failed when traced).
+  trip count, index maps run per step), scalar prefetch the kernel writes or that
+  places output blocks, DMAs/semaphores (exact grid order), and
+  bodies that do not run under vmap (a primitive without a batching rule, one known
+  to mis-batch, or a rule that failed when traced).
 """
 from __future__ import annotations
 
@@ -185,6 +190,8 @@ def _tiled_dim(op: OperandPlan, axis: int) -> int | None | bool:
   """The one dimension `op` tiles exactly along grid `axis`; None if it stays put,
   False if its movement along `axis` is anything else."""
   table = op.table
+  if table is None:   # block positions are data (scalar prefetch)
+    return False
   moving = [d for d in range(table.shape[-1]) if _varies(table[..., d], axis)]
   if not moving:
     return None
@@ -268,14 +275,16 @@ def make_plan(kernel: KernelDescription, unbatchable: str | None = None) -> Exec
 def _axes_plan(kernel: KernelDescription, unbatchable: str | None) -> ExecutionPlan:
   gm: GridMapping = kernel.grid_mapping
   grid, G = gm.grid, len(gm.grid)
-  dynamic = bool(gm.prefetch_avals) or bool(gm.dynamic_axes)
   reasons: list[str] = []
   grid_facts = grid_analysis.analyse(kernel)   # warns where a declaration is overridden
 
   def operand(mapping: BlockMapping) -> OperandPlan:
-    if dynamic:
+    table = None if gm.dynamic_axes else (
+        grid_analysis.block_table(mapping, grid) if gm.prefetch_avals
+        else _index_table(mapping, grid))
+    if table is None:   # block positions are data: index maps run at run time
       return OperandPlan(mapping, _padding(mapping, None), None, {})
-    starts = _element_starts(mapping, _index_table(mapping, grid))
+    starts = _element_starts(mapping, table)
     pad = _padding(mapping, starts)
     return OperandPlan(mapping, pad, starts + np.array([lo for lo, _ in pad], np.int64), {})
 
@@ -290,9 +299,10 @@ def _axes_plan(kernel: KernelDescription, unbatchable: str | None) -> ExecutionP
     reasons.append(f"axes {list(gm.dynamic_axes)} have sizes computed at run time: the grid "
                    f"runs as one loop with a traced trip count, index maps evaluated per step")
     return looped(list(range(G)), resident=False)
-  if dynamic:
-    reasons.append("index maps read scalar-prefetch operands: block positions are data, "
-                   "every axis runs as a loop")
+  data_blocks = _data_blocks_loop_everything(kernel, outputs)
+  if data_blocks is not None:
+    reasons.append(f"index maps read scalar-prefetch operands and {data_blocks}: "
+                   f"every axis runs as a loop")
     return looped(list(range(G)), resident=False)
 
   if _uses_primitive(kernel.jaxpr.jaxpr, tuple(DMA_PRIMITIVE_NAMES)):
@@ -351,8 +361,13 @@ def _axes_plan(kernel: KernelDescription, unbatchable: str | None) -> ExecutionP
                    f"axis {g} vectorized (outputs tile exactly; blocks of {gathered} "
                    f"gathered per program)")
 
-  summed, merged, keep_initial = _reduction_axes(kernel, facts, sequential, inputs, outputs,
-                                                 reasons)
+  if gm.prefetch_avals and sequential:
+    reasons.append(f"sequential axes {sequential} looped: the kernel reads scalar-prefetch "
+                   f"data, which may decide its accumulation")
+    summed, merged, keep_initial = [], [], [True] * len(outputs)
+  else:
+    summed, merged, keep_initial = _reduction_axes(kernel, facts, sequential, inputs, outputs,
+                                                   reasons)
   chunk = {g: grid[g] for g in summed + merged + vectorized}
   _bound_memory(gm, facts, inputs, summed + vectorized, chunk, reasons)
   for g in [g for g in vectorized if chunk[g] == 1]:
@@ -364,6 +379,28 @@ def _axes_plan(kernel: KernelDescription, unbatchable: str | None) -> ExecutionP
   inner = [g for g in sequential if g not in summed + merged or chunk[g] < grid[g]]
   return ExecutionPlan(grid, summed + vectorized, chunk, summed, merged, outer, inner, inputs,
                        outputs, _resident(outputs, inner), keep_initial, reasons, bounded)
+
+
+def _data_blocks_loop_everything(kernel: KernelDescription,
+                                 outputs: list[OperandPlan]) -> str | None:
+  """Why a kernel with scalar prefetch must run its whole grid as one loop, or None.
+
+  Its inputs' block positions may be data: vectorized programs then gather their
+  blocks at positions the index maps compute at run time, and read the prefetch
+  operands unbatched. That needs the outputs' positions known at trace time (the
+  programs' disjoint blocks are proven from them) and prefetch operands that stay
+  as given (a kernel writing them, as SMEM on a TPU, carries state step to step)."""
+  gm = kernel.grid_mapping
+  if not gm.prefetch_avals:
+    return None
+  if _uses_primitive(kernel.jaxpr.jaxpr, tuple(DMA_PRIMITIVE_NAMES)):
+    return "the kernel uses DMAs or semaphores"
+  if grid_analysis.writes_prefetch(kernel):
+    return "the kernel writes a scalar-prefetch ref (state carried from step to step)"
+  data = [op.mapping.origin for op in outputs if op.table is None]
+  if data:
+    return f"the block positions of {data[0]} are data"
+  return None
 
 
 def _bound_loops(kernel: KernelDescription, facts: BodyFacts, parallel: list[int],
