@@ -49,6 +49,20 @@ def test_blockwise_attention_is_softmax_attention_for_any_blocks(causal):
                                err_msg=f"{block_q=} {block_k=} {causal=}")
 
 
+def test_blockwise_attention_with_segment_ids_is_masked_softmax_attention():
+  kq, kk, kv, ki = jax.random.split(jax.random.key(9), 4)
+  q, k, v = (jax.random.normal(key, (2, 3, 96, 16)) for key in (kq, kk, kv))
+  ids = jax.numpy.sort(jax.random.randint(ki, (2, 96), 0, 3), axis=1)   # runs of segments
+  same = (ids[:, :, None] == ids[:, None, :])[:, None]
+  logits = jax.numpy.einsum("...td,...sd->...ts", q, k, precision="highest") * 0.25
+  want = jax.numpy.einsum("...ts,...sd->...td", jax.nn.softmax(
+      jax.numpy.where(same, logits, -1e30), -1), v, precision="highest")
+  for block_q, block_k in ((32, 32), (16, 48), (48, 16)):
+    got = algorithm_twins.blockwise_attention(q, k, v, block_q=block_q, block_k=block_k,
+                                              scale=0.25, causal=False, segment_ids=ids)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"{block_q=} {block_k=}")
+
+
 def test_padded_blockwise_attention_is_softmax_attention_for_any_block_and_padded_width():
   kq, kk, kv, km = jax.random.split(jax.random.key(5), 4)
   q, k, v = (jax.random.normal(key, (2, 48, 3, 40)) for key in (kq, kk, kv))   # b, t, h, d
@@ -66,3 +80,17 @@ def test_padded_blockwise_attention_is_softmax_attention_for_any_block_and_padde
       assert got.shape == want.shape
       np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5,
                                  err_msg=f"{block_k=} masked={masked is not None}")
+
+
+def test_causal_padded_blockwise_attention_is_causal_softmax_attention():
+  kq, kk, kv = jax.random.split(jax.random.key(11), 3)
+  q, k, v = (jax.random.normal(key, (2, 96, 3, 40)) for key in (kq, kk, kv))   # b, t, h, d
+  heads = lambda x: jax.numpy.swapaxes(x, 1, 2)
+  logits = jax.numpy.einsum("bhqd,bhkd->bhqk", heads(q), heads(k), precision="highest") * 0.3
+  logits = jax.numpy.where(jax.numpy.tri(96, dtype=bool), logits, -1e30)
+  want = heads(jax.numpy.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(logits, -1), heads(v),
+                                precision="highest"))
+  for block_q, block_k in ((32, 32), (16, 48), (48, 16)):
+    got = algorithm_twins.causal_padded_blockwise_attention(q, k, v, sm_scale=0.3,
+                                                            block_q=block_q, block_k=block_k)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"{block_q=} {block_k=}")

@@ -68,7 +68,8 @@ def split_decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: ja
 
 
 def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: int,
-                        block_k: int, scale: float = 1.0, causal: bool = True) -> jax.Array:
+                        block_k: int, scale: float = 1.0, causal: bool = True,
+                        segment_ids: jax.Array | None = None) -> jax.Array:
   """Softmax attention as the TPU flash / splash kernels compute it: key block by key block.
 
   q, k, v: [..., seq, d]. For each key block in order, every query block that sees it
@@ -76,6 +77,8 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: in
   `pl.when` and block masks skip them) updates its running max, sum and unnormalised
   output (online softmax); the output is divided by the sum at the end. All query
   blocks are computed together, as the kernels' parallel query axis runs them.
+  `segment_ids` ([batch, seq], q and k [batch, heads, seq, d]): a query sees only keys
+  of its own segment, masked per block as the kernel masks them.
   """
   *lead, seq, d = q.shape
   n_q = seq // block_q
@@ -93,6 +96,10 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: in
     if causal:
       visible = rows[first:, :, None] >= jnp.arange(keys.start, keys.stop)
       s = jnp.where(visible, s, masked)
+    if segment_ids is not None:
+      q_ids = segment_ids.reshape(-1, n_q, block_q)[:, first:]
+      same = q_ids[..., None] == segment_ids[:, None, None, keys]   # [batch, n_q, bq, bk]
+      s = jnp.where(same[:, None], s, masked)
     m_new = jnp.maximum(m[..., first:, :], s.max(-1))
     correction = jnp.exp(m[..., first:, :] - m_new)
     p = jnp.exp(s - m_new[..., None])
@@ -104,11 +111,12 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_q: in
   return (acc / total[..., None]).reshape(*lead, seq, d).astype(q.dtype)
 
 
-def _tpu_flash(size: Size, *, causal: bool) -> Callable[..., jax.Array]:
+def _tpu_flash(size: Size, *, causal: bool, segments: bool = False) -> Callable[..., jax.Array]:
   def twin(q, k, v):
+    ids = jax_op_cases.segment_halves(q.shape[0], q.shape[2]) if segments else None
     return blockwise_attention(q, k, v, block_q=jax_op_cases.TPU_ATTENTION_BLOCK,
                                block_k=jax_op_cases.TPU_ATTENTION_BLOCK,
-                               scale=q.shape[-1] ** -0.5, causal=causal)
+                               scale=q.shape[-1] ** -0.5, causal=causal, segment_ids=ids)
   return twin
 
 
@@ -148,7 +156,8 @@ def padded_blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                                block_k: int) -> jax.Array:
   """Flash attention as JAX's GPU `mha` kernel computes it (not causal), every query at once.
 
-  q, k, v: [batch, seq, heads, d]; mask: None or [batch, 1, seq, seq] (True = attend).
+  q: [batch, seq, heads, d]; k, v: [batch, keys, heads, d]; mask: None or
+  [batch, 1, seq, keys] (True = attend).
   The head dim is zero-padded to the next power of two (the kernel's masked loads), and
   the keys are visited in blocks of `block_k` by a sequential loop keeping a running max
   and sum in base 2 (the kernel's `fori_loop`); the padded lanes are cut at the end.
@@ -157,7 +166,7 @@ def padded_blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array,
   padded = 1 << (d - 1).bit_length()
   to_heads = lambda x: jnp.pad(jnp.swapaxes(x, 1, 2), ((0, 0),) * 3 + ((0, padded - d),))
   q, k, v = to_heads(q), to_heads(k), to_heads(v)   # [batch, heads, seq, padded]
-  blocks = seq // block_k
+  blocks = k.shape[2] // block_k
   k_blocks = jnp.moveaxis(k.reshape(batch, heads, blocks, block_k, padded), 2, 0)
   v_blocks = jnp.moveaxis(v.reshape(batch, heads, blocks, block_k, padded), 2, 0)
   mask_blocks = (None if mask is None else
@@ -184,8 +193,32 @@ def padded_blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array,
   return jnp.swapaxes(acc / total[..., None], 1, 2)[..., :d]
 
 
-def _mha(size: Size, *, segments: bool) -> Callable[..., jax.Array]:
+def causal_padded_blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
+                                      sm_scale: float, block_q: int,
+                                      block_k: int) -> jax.Array:
+  """Causal flash attention as JAX's GPU `mha` kernel computes it: each query block
+  loops over the key blocks up to its diagonal (its own trip count), masking every one.
+
+  q, k, v: [batch, seq, heads, d]; the query blocks run one after another here (the
+  kernel runs them as parallel programs; a jax.numpy batch needs one trip count)."""
+  seq = q.shape[1]
+  keys = jnp.arange(seq)
+  outs = []
+  for start in range(0, seq, block_q):
+    n_keys = -(-(start + block_q) // block_k) * block_k    # whole key blocks to the diagonal
+    rows = jnp.arange(start, start + block_q)
+    mask = jnp.broadcast_to(rows[:, None] >= keys[None, :n_keys], (q.shape[0], 1, block_q, n_keys))
+    outs.append(padded_blockwise_attention(q[:, start:start + block_q], k[:, :n_keys],
+                                           v[:, :n_keys], mask, sm_scale=sm_scale,
+                                           block_k=block_k))
+  return jnp.concatenate(outs, axis=1)
+
+
+def _mha(size: Size, *, segments: bool = False, causal: bool = False) -> Callable[..., jax.Array]:
   batch, seq, _, _, block = jax_op_cases.MHA_SIZES[size]
+  if causal:
+    return lambda q, k, v: causal_padded_blockwise_attention(
+        q, k, v, sm_scale=q.shape[-1] ** -0.5, block_q=block, block_k=block)
   mask = None
   if segments:
     ids = jax_op_cases.segment_halves(batch, seq)
@@ -215,11 +248,14 @@ def _paged(size: Size) -> Callable[..., jax.Array]:
 ALGORITHM_TWINS: dict[str, Callable[[Size], Callable[..., jax.Array]]] = {
     "op_gpu_decode_mqa": _mqa,
     "op_gpu_decode_gqa": _gqa,
+    "op_gpu_mha": lambda size: _mha(size, causal=True),
     "op_gpu_mha_d72": lambda size: _mha(size, segments=False),
     "op_gpu_mha_segment_ids": lambda size: _mha(size, segments=True),
     "op_gpu_paged_attention": _paged,
     "op_tpu_flash_attention": lambda size: _tpu_flash(size, causal=True),
     "op_tpu_flash_attention_plain": lambda size: _tpu_flash(size, causal=False),
+    "op_tpu_flash_attention_segment_ids": lambda size: _tpu_flash(size, causal=False,
+                                                                  segments=True),
     "op_tpu_splash_attention": _tpu_splash_causal,
 }
 
