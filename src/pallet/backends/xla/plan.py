@@ -51,7 +51,7 @@ from jax.interpreters import batching
 
 from pallet import _internals as internals
 from pallet.core import grid_analysis, grid_eval
-from pallet.core.dma import DMA_PRIMITIVE_NAMES
+from pallet.core.dma import uses_dmas
 from pallet.backends.xla import bounded_loops
 from pallet.backends.xla.body_analysis import (BodyFacts, analyse_body, itemsize,
                                                 blocks_merge_along, discharged,
@@ -305,7 +305,7 @@ def _axes_plan(kernel: KernelDescription, unbatchable: str | None) -> ExecutionP
                    f"every axis runs as a loop")
     return looped(list(range(G)), resident=False)
 
-  if _uses_primitive(kernel.jaxpr.jaxpr, tuple(DMA_PRIMITIVE_NAMES)):
+  if uses_dmas(kernel.jaxpr.jaxpr):
     reasons.append("kernel uses DMAs or semaphores, whose state carries from one grid "
                    "step to the next: running the grid in exact row-major order")
     return looped(list(range(G)), _resident(outputs, list(range(G))))
@@ -393,7 +393,7 @@ def _data_blocks_loop_everything(kernel: KernelDescription,
   gm = kernel.grid_mapping
   if not gm.prefetch_avals:
     return None
-  if _uses_primitive(kernel.jaxpr.jaxpr, tuple(DMA_PRIMITIVE_NAMES)):
+  if uses_dmas(kernel.jaxpr.jaxpr):
     return "the kernel uses DMAs or semaphores"
   if grid_analysis.writes_prefetch(kernel):
     return "the kernel writes a scalar-prefetch ref (state carried from step to step)"
