@@ -41,9 +41,9 @@ def _planned(kernel: KernelDescription) -> tuple[ExecutionPlan, Callable]:
     plan.reasons.append(f"atomics not run as one scatter: {scattered}")
   if scratch is not None:
     plan.reasons.append(f"scratch buffers not run as accumulators: {scratch}")
+  fn = build(kernel, plan)
   if kernel.debug:
     _print_plan(kernel, plan)
-  fn = build(kernel, plan)
   if not (plan.vectorized or plan.merged):
     return plan, fn
 

@@ -21,7 +21,8 @@ from jax import lax
 from pallet import _internals as internals
 from pallet.core import array_ops, checks
 from pallet.backends.xla.plan import ExecutionPlan, OperandPlan, element_scale, make_plan
-from pallet.backends.xla import body_analysis, bounded_loops, literal_folding, widening
+from pallet.backends.xla import (body_analysis, bounded_loops, literal_folding,
+                                 replicated_scratch, widening)
 from pallet.backends.xla.static_indices import fold_static_indices
 from pallet.backends.xla.widening import Widening
 from pallet.core.specs import MemorySpace
@@ -31,19 +32,25 @@ Body = Callable[..., tuple[list[Any], list[Any]]]
 
 
 def discharged_body(kernel: KernelDescription, widened: Widening | None = None,
-                    vectorized: Sequence[int] = (), bounded: bool = False) -> Body:
-  """`body(ids, prefetch, ins, outs, state) -> (outs, state)`, a pure function;
-  `ids` holds the grid indices, then the traced grid sizes if any.
+                    vectorized: Sequence[int] = (),
+                    bounded: bool = False) -> tuple[Body, list[tuple[int, ...]]]:
+  """`body(ids, prefetch, ins, outs, state) -> (outs, state)`, a pure function, and
+  the shape each scratch buffer is carried in; `ids` holds the grid indices, then
+  the traced grid sizes if any.
 
   `state` is what persists from one grid step to the next: the scalar-prefetch
   operands (kernels may write them, as SMEM on a TPU: ragged paged attention
   keeps its buffer index there), then the scratch buffers. The `prefetch`
   argument is unused once the prefetch values travel in `state`. With `widened`,
   the blocks of that axis arrive side by side and the body runs on all of them;
-  with `bounded`, its while loops run as masked fixed-length loops.
+  with `bounded`, its while loops run as masked fixed-length loops. A scratch
+  buffer proven constant along some axes is carried one element wide along them
+  (`replicated_scratch`): the scratch buffers start as zeros, which are.
   """
   gm = kernel.grid_mapping
   n_pre, n_in, n_out = len(gm.prefetch_avals), len(gm.inputs), len(gm.outputs)
+  n_scratch = len(gm.scratch_avals)
+  narrowed = [replicated_scratch.Axes()] * n_scratch
   if widened is not None:
     pure = widened.pure
     evaluate = lambda *args: widening.evaluate(pure.jaxpr, pure.consts, args, widened.tags)
@@ -57,19 +64,27 @@ def discharged_body(kernel: KernelDescription, widened: Widening | None = None,
     varying = [g in vectorized for g in range(G)] + [True] * (len(pure.jaxpr.invars) - G)
     pure = fold_static_indices(pure, varying if vectorized else None,
                                {g: 0 for g, n in enumerate(gm.grid) if n == 1})
-    evaluate = lambda *args: literal_folding.evaluate(pure.jaxpr, pure.consts, args)
+    narrowed = replicated_scratch.narrowable_scratch(pure, n_scratch)
+    evaluate = lambda *args: (replicated_scratch.evaluate if any(narrowed) else
+                              literal_folding.evaluate)(pure.jaxpr, pure.consts, args)
+  full = [a.shape for a in gm.scratch_avals]
 
   def body(ids, prefetch, ins, outs, state):
     del prefetch
-    finals = evaluate(*ids, *state[:n_pre], *ins, *outs, *state[n_pre:])
+    scratch = [replicated_scratch.Wide(x, axes, shape) if axes else x
+               for x, axes, shape in zip(state[n_pre:], narrowed, full)]
+    finals = evaluate(*ids, *state[:n_pre], *ins, *outs, *scratch)
+    finals = list(finals)
+    finals[:n_pre + n_in + n_out] = map(replicated_scratch.whole, finals[:n_pre + n_in + n_out])
     if widened is not None:   # outputs constant along the rows: stretched to the block
-      finals = list(finals)
       for o, (p, out) in enumerate(zip(widened.out_dims, outs)):
         k = n_pre + n_in + o
         finals[k] = widening.widen_output(finals[k], p, jnp.shape(out)[p])
-    return (list(finals[n_pre + n_in:n_pre + n_in + n_out]),
-            list(finals[:n_pre]) + list(finals[n_pre + n_in + n_out:]))
-  return body
+    scratch = [replicated_scratch.narrow(x, axes)
+               for x, axes in zip(finals[n_pre + n_in + n_out:], narrowed)]
+    return list(finals[n_pre + n_in:n_pre + n_in + n_out]), list(finals[:n_pre]) + scratch
+  return body, [replicated_scratch.narrow_shape(shape, axes)
+                for shape, axes in zip(full, narrowed)]
 
 
 # ------------------------------------------------------------------ slabs
@@ -342,8 +357,15 @@ def build(kernel: KernelDescription, plan: ExecutionPlan | None = None) -> Calla
   """A pure function `(*prefetch, *inputs) -> outputs` computing the kernel's result."""
   plan = plan or make_plan(kernel)
   gm = kernel.grid_mapping
-  body = discharged_body(kernel, widening.of_plan(kernel, plan), plan.vectorized,
-                         plan.bounded_loops)
+  body, scratch_shapes = discharged_body(kernel, widening.of_plan(kernel, plan),
+                                         plan.vectorized, plan.bounded_loops)
+  narrowed = [(s, a.shape, shape) for s, (a, shape)
+              in enumerate(zip(kernel.grid_mapping.scratch_avals, scratch_shapes))
+              if tuple(a.shape) != shape]
+  if narrowed:
+    plan.reasons.append("scratch carried narrow, proven the same along the dropped axes at "
+                        "every step: " + ", ".join(f"{s} {full} as {shape}"
+                                                   for s, full, shape in narrowed))
   grid = plan.grid
   n_dyn, n_pre = len(gm.dynamic_axes), len(gm.prefetch_avals)
   aliases = dict((o, i) for i, o in kernel.input_output_aliases)
@@ -385,9 +407,10 @@ def build(kernel: KernelDescription, plan: ExecutionPlan | None = None) -> Calla
                     for i, op in enumerate(plan.outputs)]
     padded_in = [_pad(x, op, kernel.poison_buffers) for x, op in zip(inputs, plan.inputs)]
     # Scalar prefetch first, unbatched (vectorized plans only where the kernel never
-    # writes it, see plan.py), then scratch, one buffer per vectorized program.
-    scratch = prefetch + [jnp.zeros(parallel_chunks + a.shape, a.dtype)
-                          for a in gm.scratch_avals]
+    # writes it, see plan.py), then scratch, one buffer per vectorized program. Zeros:
+    # constant along every axis, as the narrowed buffers' proof assumes.
+    scratch = prefetch + [jnp.zeros(parallel_chunks + shape, a.dtype)
+                          for shape, a in zip(scratch_shapes, gm.scratch_avals)]
 
     def base_ids(s, r):
       loop = {**_unravel(s, plan.outer, outer_sizes), **_unravel(r, plan.inner, inner_sizes)}

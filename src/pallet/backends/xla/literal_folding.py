@@ -112,15 +112,17 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any
   env.update(zip(jaxpr.invars, args))
   read = lambda x: x.val if isinstance(x, Literal) else env[x]
   for eqn in jaxpr.eqns:
-    ins = [read(x) for x in eqn.invars]
-    outs = _known_results(eqn, ins)
-    if outs is None:
-      outs = _bind(eqn, ins)
-    env.update(zip(eqn.outvars, outs))
+    env.update(zip(eqn.outvars, evaluate_equation(eqn, [read(x) for x in eqn.invars])))
   return [read(x) for x in jaxpr.outvars]
 
 
-def _constant(x: Any) -> np.ndarray | None:
+def evaluate_equation(eqn: Any, ins: list) -> list:
+  """One equation of `evaluate`: folded where its operands are constants, else bound."""
+  outs = _known_results(eqn, ins)
+  return _bind(eqn, ins) if outs is None else outs
+
+
+def constant_scalar(x: Any) -> np.ndarray | None:
   """`x` as a NumPy scalar where it is a constant (not traced) scalar."""
   if internals.is_tracer(x) or not hasattr(x, "__array__") and not isinstance(x, (bool, int)):
     return None
@@ -130,7 +132,7 @@ def _constant(x: Any) -> np.ndarray | None:
 
 def _known_results(eqn: Any, ins: list) -> list | None:
   if eqn.primitive.name == "cond":
-    index = _constant(ins[0])
+    index = constant_scalar(ins[0])
     if index is None:
       return None
     branches = eqn.params["branches"]
@@ -139,7 +141,7 @@ def _known_results(eqn: Any, ins: list) -> list | None:
   if eqn.effects or eqn.primitive.name in _NESTED or not all(
       _scalar_exact(v.aval) for v in (*eqn.invars, *eqn.outvars)):
     return None
-  values = [_constant(x) for x in ins]
+  values = [constant_scalar(x) for x in ins]
   if any(v is None for v in values):
     return None
   try:
