@@ -29,3 +29,12 @@ def test_report_profiles_pallet_and_the_plain_twin():
   assert lines[0].startswith("vadd_b1024")
   assert any(l.startswith("  pallet:") for l in lines)
   assert any(l.startswith("  plain:") for l in lines)
+
+
+def test_self_times_count_a_loops_body_once():
+  events = [{"ph": "X", "pid": 1, "tid": 1, "name": "while", "ts": 0, "dur": 10},
+            {"ph": "X", "pid": 1, "tid": 1, "name": "a", "ts": 1, "dur": 3},
+            {"ph": "X", "pid": 1, "tid": 1, "name": "b", "ts": 5, "dur": 4},
+            {"ph": "X", "pid": 1, "tid": 2, "name": "c", "ts": 2, "dur": 6}]
+  assert sorted(fusion_profile._self_times(events)) == [("a", 3), ("b", 4), ("c", 6),
+                                                       ("while", 3)]

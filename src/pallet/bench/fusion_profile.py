@@ -6,7 +6,8 @@ a matrix product handed to its library, a copy, a loop), and JAX's profiler reco
 each one's start and duration. This runs pallet's program, the plain jax.numpy twin
 and, where the row has one, its algorithm twin (`algorithm_twins.py`) under
 `jax.profiler.trace` and prints, per program, the kernels that took the most time per
-call, how often each ran per call, and the total:
+call (a loop's or conditional's own time, its body's kernels listed apart), their share
+of the program, how often each ran per call, and the total:
 
     python -m pallet.bench.fusion_profile --only op_tpu_splash_attention --size test
 
@@ -14,7 +15,8 @@ Kernel names are XLA's (`ynn_fusion` is a fusion handed to the YNNPACK library, 
 matrix product or a reduction; `kLoop` fusions are named after their first
 instructions); read them next to the program's optimized HLO
 (`jax.jit(f).lower(*args).compile().as_text()`). The profiler adds its own overhead,
-so compare programs within one run, not with the benchmark's times.
+and the programs run one after another, not interleaved: on a noisy machine compare
+shares within a program more than times across programs.
 """
 from __future__ import annotations
 
@@ -34,8 +36,9 @@ from pallet.bench import algorithm_twins, catalog
 from pallet.bench.case import SIZES, Benchmark
 
 # Events that are the runtime's own bookkeeping, not a kernel of the program.
-_RUNTIME = ("ThunkExecutor", "SlinkyThreadPool", "PjitFunction", "CommonPjRt", "Allocate",
-            "Handle input", "ParseArguments", "PythonRefManager", "Wait for", "end: ", "$")
+_RUNTIME = ("ThunkExecutor", "SlinkyThreadPool", "ThreadpoolListener", "PjitFunction",
+            "CommonPjRt", "Allocate", "Handle input", "ParseArguments", "PythonRefManager",
+            "Wait for", "end: ", "$")
 
 
 def kernel_times(fn: Callable[..., Any], args: tuple, calls: int = 20) -> dict[str, tuple[float, float]]:
@@ -53,12 +56,33 @@ def kernel_times(fn: Callable[..., Any], args: tuple, calls: int = 20) -> dict[s
       events = json.load(f)["traceEvents"]
   total: collections.Counter = collections.Counter()
   runs: collections.Counter = collections.Counter()
-  for event in events:
-    name = event.get("name", "")
-    if event.get("ph") == "X" and not name.startswith(_RUNTIME):
-      total[name] += event["dur"]
+  for name, self_us in _self_times(events):
+    if not name.startswith(_RUNTIME):
+      total[name] += self_us
       runs[name] += 1
   return {name: (us / calls / 1e3, runs[name] / calls) for name, us in total.items()}
+
+
+def _self_times(events: list[dict]) -> list[tuple[str, float]]:
+  """(name, duration less the events nested in it) of every complete event: a loop's
+  or a conditional's own time, without the kernels of its body, counted once."""
+  threads: dict = collections.defaultdict(list)
+  for e in events:
+    if e.get("ph") == "X":
+      threads[e.get("pid"), e.get("tid")].append(e)
+  out = []
+  for spans in threads.values():
+    spans.sort(key=lambda e: (e["ts"], -e["dur"]))
+    stack: list[list] = []   # [event, time of its children]
+    for e in spans:
+      while stack and e["ts"] >= stack[-1][0]["ts"] + stack[-1][0]["dur"]:
+        done, children = stack.pop()
+        out.append((done["name"], done["dur"] - children))
+      if stack:
+        stack[-1][1] += e["dur"]
+      stack.append([e, 0.0])
+    out += [(e["name"], e["dur"] - children) for e, children in stack]
+  return out
 
 
 def programs(bench: Benchmark, size: str) -> dict[str, Callable[..., Any]]:
@@ -75,9 +99,10 @@ def report(bench: Benchmark, size: str, top: int = 12, calls: int = 20) -> list[
   for name, fn in programs(bench, size).items():
     times = kernel_times(fn, args, calls)
     ranked = sorted(times.items(), key=lambda kv: -kv[1][0])
-    lines.append(f"  {name}: {sum(ms for ms, _ in times.values()):.3f} ms per call "
-                 f"in {len(times)} kernels")
-    lines += [f"    {ms:8.3f} ms  {n:5.1f}x  {kernel}" for kernel, (ms, n) in ranked[:top]]
+    whole = sum(ms for ms, _ in times.values())
+    lines.append(f"  {name}: {whole:.3f} ms per call in {len(times)} kernels")
+    lines += [f"    {ms:8.3f} ms {100 * ms / whole:5.1f}%  {n:5.1f}x  {kernel}"
+              for kernel, (ms, n) in ranked[:top]]
   return lines
 
 
