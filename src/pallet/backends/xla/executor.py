@@ -360,8 +360,7 @@ def build(kernel: KernelDescription, plan: ExecutionPlan | None = None) -> Calla
   body, scratch_shapes = discharged_body(kernel, widening.of_plan(kernel, plan),
                                          plan.vectorized, plan.bounded_loops)
   narrowed = [(s, a.shape, shape) for s, (a, shape)
-              in enumerate(zip(kernel.grid_mapping.scratch_avals, scratch_shapes))
-              if tuple(a.shape) != shape]
+              in enumerate(zip(gm.scratch_avals, scratch_shapes)) if tuple(a.shape) != shape]
   if narrowed:
     plan.reasons.append("scratch carried narrow, proven the same along the dropped axes at "
                         "every step: " + ", ".join(f"{s} {full} as {shape}"
