@@ -5,7 +5,7 @@ store the running max and sum of the online softmax in `(block_q, 128)` scratch
 buffers whose 128 lanes all hold the same number, because a TPU vector register is
 128 lanes wide. On the CPU every lane is real work: each grid step rescales,
 exponentiates, selects and copies 128 copies of every row's statistics, which in
-splash attention cost about a fifth of the kernel's time.
+splash attention cost about a quarter of the kernel's time.
 
 `constant_axes` is an abstract interpretation of a jaxpr: for every value, the axes
 along which it is provably the same at every position (a broadcast makes them, an
