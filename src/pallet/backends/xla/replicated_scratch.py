@@ -28,21 +28,9 @@ from jax.extend.core import Literal
 
 from pallet import _internals as internals
 from pallet.backends.xla import literal_folding
+from pallet.backends.xla.widening import ELEMENTWISE, REDUCTIONS
 
 Axes = frozenset
-
-# Primitives computing each output element from the same position of every operand
-# (operands of rank 0 are broadcast scalars).
-_ELEMENTWISE = frozenset("""
-abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type
-copy copy_p cos cosh div eq erf erf_inv erfc exp exp2 expm1 floor ge gt imag integer_pow
-is_finite le lgamma digamma log log1p logistic lt max min mul ne neg nextafter not or
-population_count pow real reduce_precision rem round rsqrt select_n shift_left
-shift_right_arithmetic shift_right_logical sign sin sinh sqrt square sub tan tanh xor
-""".split())
-
-_REDUCTIONS = frozenset(("reduce_max", "reduce_min", "reduce_sum", "reduce_prod", "reduce_and",
-                         "reduce_or", "reduce_xor", "argmax", "argmin"))
 
 # Primitives that call one jaxpr on exactly their operands.
 _CALLS = frozenset(("pjit", "jit", "closed_call", "core_call", "remat", "checkpoint",
@@ -177,7 +165,7 @@ def _rule(eqn: Any, ins: list[Axes], memo: dict) -> list[Axes]:
   """The constant axes of `eqn`'s outputs; none where the primitive is unknown."""
   name, params, invars = eqn.primitive.name, eqn.params, eqn.invars
   nothing = [Axes()] * len(eqn.outvars)
-  if name in _ELEMENTWISE:   # operands of size 1 along an axis are broadcast along it
+  if name in ELEMENTWISE:   # operands of size 1 along an axis are broadcast along it
     rank = _ndim(eqn.outvars[0])
     every = Axes(range(rank))
     for a, v in zip(ins, invars):
@@ -192,7 +180,7 @@ def _rule(eqn: Any, ins: list[Axes], memo: dict) -> list[Axes]:
     return [Axes(new | {d for i, d in enumerate(dims) if shape[i] == 1 or i in ins[0]})]
   if name == "iota":
     return [Axes(range(len(params["shape"]))) - {params["dimension"]}]
-  if name in _REDUCTIONS:
+  if name in REDUCTIONS:
     kept = [i for i in range(_ndim(invars[0])) if i not in params["axes"]]
     return [Axes(j for j, i in enumerate(kept) if i in ins[0])]
   if name in ("slice", "dynamic_slice", "rev", "tile", "optimization_barrier"):

@@ -32,7 +32,9 @@ from pallet.core import trace_cache
 from pallet.backends.xla import body_analysis
 from pallet.core.tracing import KernelDescription
 
-_ELEMENTWISE = frozenset({
+# Primitives computing each output element from the same position of every operand
+# (rank-0 operands broadcast); replicated_scratch uses them too.
+ELEMENTWISE = frozenset({
     "add", "add_any", "sub", "mul", "div", "rem", "pow", "max", "min", "neg", "abs", "sign",
     "floor", "ceil", "round", "exp", "exp2", "log", "log1p", "expm1", "sqrt", "rsqrt", "cbrt",
     "square", "integer_pow", "tanh", "logistic", "sin", "cos", "tan", "atan2", "erf", "erfc",
@@ -40,7 +42,7 @@ _ELEMENTWISE = frozenset({
     "le", "gt", "ge", "and", "or", "not", "xor", "copy", "copy_p", "reduce_precision",
     "nextafter", "shift_left", "shift_right_logical", "shift_right_arithmetic",
     "population_count", "stop_gradient", "real", "imag", "conj"})
-_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod",
+REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod",
                          "reduce_and", "reduce_or", "argmax", "argmin"})
 _CUMULATIVE = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"})
 _CALLS = ("pjit", "jit", "closed_call", "core_call")
@@ -156,7 +158,7 @@ def _free_uniform(eqn: Any, uniform: dict) -> None:
     result |= {dims[k] for k in _uniform(x, uniform)}
   elif name == "iota":
     result = frozenset(range(len(shape))) - {eqn.params["dimension"]}
-  elif name in _ELEMENTWISE:
+  elif name in ELEMENTWISE:
     result = frozenset(range(len(shape)))
     for x in eqn.invars:
       if len(getattr(x.aval, "shape", ())):
@@ -170,7 +172,7 @@ def _free_uniform(eqn: Any, uniform: dict) -> None:
 def _moved(eqn: Any, ins: list, uniform: dict, block: int) -> int:
   """Where the widened dimension is in the equation's result; raises _No."""
   name, p = eqn.primitive.name, next(t for t in ins if t is not None)
-  if name in _ELEMENTWISE:
+  if name in ELEMENTWISE:
     for x, t in zip(eqn.invars, ins):
       rank = len(getattr(x.aval, "shape", ()))
       if t is None and rank and p not in _uniform(x, uniform):
@@ -180,7 +182,7 @@ def _moved(eqn: Any, ins: list, uniform: dict, block: int) -> int:
     return p
   if len(ins) > 1 and any(t is not None for t in ins[1:]) and name != "dot_general":
     raise _No(f"{name} takes rows in more than one operand")
-  if name in _REDUCTIONS:
+  if name in REDUCTIONS:
     axes = eqn.params["axes"]
     if p in axes:
       raise _No(f"{name} reduces over the rows")
@@ -247,7 +249,7 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], tags: dict)
         sizes = list(params["new_sizes"])
         sizes[out_tag] = width
         params["new_sizes"] = tuple(sizes)
-      elif name in _ELEMENTWISE:
+      elif name in ELEMENTWISE:
         ins = [_widen(v, out_tag, width) if _tag(x, tags) is None and jnp.ndim(v) else v
                for x, v in zip(eqn.invars, ins)]
       outs = _bind(eqn, ins, params)
@@ -337,7 +339,7 @@ def _reduces(jaxpr: Any) -> bool:
   """Whether the body (or a jaxpr inside it) reduces or multiplies matrices."""
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
-    if name in _REDUCTIONS or name in _CUMULATIVE or name == "dot_general":
+    if name in REDUCTIONS or name in _CUMULATIVE or name == "dot_general":
       return True
     for p in eqn.params.values():
       for x in (p if isinstance(p, (tuple, list)) else (p,)):
