@@ -73,8 +73,7 @@ def discharged_body(kernel: KernelDescription, widened: Widening | None = None,
     del prefetch
     scratch = [replicated_scratch.Wide(x, axes, shape) if axes else x
                for x, axes, shape in zip(state[n_pre:], narrowed, full)]
-    finals = evaluate(*ids, *state[:n_pre], *ins, *outs, *scratch)
-    finals = list(finals)
+    finals = list(evaluate(*ids, *state[:n_pre], *ins, *outs, *scratch))
     finals[:n_pre + n_in + n_out] = map(replicated_scratch.whole, finals[:n_pre + n_in + n_out])
     if widened is not None:   # outputs constant along the rows: stretched to the block
       for o, (p, out) in enumerate(zip(widened.out_dims, outs)):

@@ -130,14 +130,20 @@ def constant_scalar(x: Any) -> np.ndarray | None:
   return value if value.ndim == 0 else None
 
 
+def known_branch(eqn: Any, index: Any) -> Any | None:
+  """The branch a cond runs when its index is a constant (clamped, as `lax.switch`
+  clamps); None when the index is traced."""
+  known = constant_scalar(index)
+  if known is None:
+    return None
+  branches = eqn.params["branches"]
+  return branches[int(np.clip(int(known), 0, len(branches) - 1))]
+
+
 def _known_results(eqn: Any, ins: list) -> list | None:
   if eqn.primitive.name == "cond":
-    index = constant_scalar(ins[0])
-    if index is None:
-      return None
-    branches = eqn.params["branches"]
-    branch = branches[int(np.clip(int(index), 0, len(branches) - 1))]
-    return evaluate(branch.jaxpr, branch.consts, ins[1:])
+    branch = known_branch(eqn, ins[0])
+    return None if branch is None else evaluate(branch.jaxpr, branch.consts, ins[1:])
   if eqn.effects or eqn.primitive.name in _NESTED or not all(
       _scalar_exact(v.aval) for v in (*eqn.invars, *eqn.outvars)):
     return None

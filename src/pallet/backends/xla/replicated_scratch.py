@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-import numpy as np
 from jax import dtypes, lax
 from jax.extend.core import Literal
 
@@ -130,9 +129,8 @@ def _cond(eqn: Any, ins: list[Any]) -> list[Any]:
   the results every branch keeps constant along some axes leave it narrow."""
   branches = eqn.params["branches"]
   index, ops = ins[0], ins[1:]
-  known = literal_folding.constant_scalar(index)
-  if known is not None:
-    branch = branches[int(np.clip(int(known), 0, len(branches) - 1))]
+  branch = literal_folding.known_branch(eqn, index)
+  if branch is not None:
     return evaluate(branch.jaxpr, branch.consts, ops)
   in_axes = [x.axes if isinstance(x, Wide) else Axes() for x in ops]
   per_branch = [constant_axes(b.jaxpr, in_axes) for b in branches]
@@ -183,8 +181,10 @@ def _rule(eqn: Any, ins: list[Axes], memo: dict) -> list[Axes]:
   if name in REDUCTIONS:
     kept = [i for i in range(_ndim(invars[0])) if i not in params["axes"]]
     return [Axes(j for j, i in enumerate(kept) if i in ins[0])]
-  if name in ("slice", "dynamic_slice", "rev", "tile", "optimization_barrier"):
-    return list(ins[:len(eqn.outvars)]) if name == "optimization_barrier" else [ins[0]]
+  if name in ("slice", "dynamic_slice", "rev", "tile"):   # the operand's axes, kept
+    return [ins[0]]
+  if name == "optimization_barrier":
+    return list(ins)
   if name == "squeeze":
     kept = [i for i in range(_ndim(invars[0])) if i not in params["dimensions"]]
     return [Axes(j for j, i in enumerate(kept) if i in ins[0])]
