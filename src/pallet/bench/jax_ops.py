@@ -75,20 +75,26 @@ def load(name: str) -> types.ModuleType:
     raise FileNotFoundError(f"jax {jax.__version__} ships no {path}")
   module_name = f"{PACKAGE}.{name.replace('/', '.')}"
   module = types.ModuleType(module_name)
-  module.__file__ = str(path)
-  module.__dict__["_route_import"] = _route_import
   _loaded[name] = module
   sys.modules[module_name] = module
-  tree = _Router().visit(ast.parse(path.read_text(), str(path)))
-  ast.fix_missing_locations(tree)
   try:
     with warnings.catch_warnings():
       warnings.simplefilter("ignore", DeprecationWarning)  # e.g. "ops.gpu.softmax is deprecated"
-      exec(compile(tree, str(path), "exec"), module.__dict__)
+      exec_routed(module, path)
   except BaseException:
     del _loaded[name], sys.modules[module_name]
     raise
   return module
+
+
+def exec_routed(module: types.ModuleType, path: pathlib.Path) -> None:
+  """Executes the Python file `path` as `module`'s code, its Pallas imports routed to
+  pallet (what `load` does for JAX's kernels; tests use it for other projects' kernels)."""
+  module.__file__ = str(path)
+  module.__dict__["_route_import"] = _route_import
+  tree = _Router().visit(ast.parse(path.read_text(), str(path)))
+  ast.fix_missing_locations(tree)
+  exec(compile(tree, str(path), "exec"), module.__dict__)
 
 
 def _path(name: str) -> pathlib.Path:
