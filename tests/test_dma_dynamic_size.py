@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import pallet as pl
 from pallet import tpu as pltpu
@@ -196,6 +197,104 @@ def test_paged_kv_cache_update_matches_jax_tpu_interpreter():
                                                                       cache)
   ours = _kv_update_call(pl, pltpu, 4, False)(lens, pos, pages, new, cache)
   assert_close(ours, theirs)
+
+
+# ------------------------------------------------------------------ views through a reshape
+LAYERS = 3
+
+
+def _merged_pages_kernel(pl, pltpu):
+  """Serving kernels' paged-cache copies: the cache of one layer seen with its page and
+  token dimensions merged (`cache.at[layer].reshape(pages * page, head)`), `n` tokens
+  copied from any position, across page boundaries, into a buffer; then the buffer
+  written back `n` tokens further on, through the same kind of view."""
+  def kernel(s_ref, cache_in, cache_hbm, o_ref, buf, sems):
+    del cache_in   # aliased with cache_hbm
+    layer, start, n, dest = s_ref[0], s_ref[1], s_ref[2], s_ref[3]
+    tokens = cache_hbm.at[layer].reshape(NUM_PAGES * PAGE, HEAD)
+    buf[...] = jnp.full(buf.shape, FILL, buf.dtype)
+    fetch = pltpu.make_async_copy(tokens.at[pl.ds(start, n)], buf.at[pl.ds(0, n)], sems.at[0])
+    fetch.start()
+    fetch.wait()
+    o_ref[...] = buf[...]
+    store = pltpu.make_async_copy(buf.at[pl.ds(0, n)], tokens.at[pl.ds(dest, n)], sems.at[1])
+    store.start()
+    store.wait()
+  return kernel
+
+
+def _merged_pages_call(pl, pltpu, interpret):
+  return pl.pallas_call(
+      _merged_pages_kernel(pl, pltpu),
+      out_shape=(jax.ShapeDtypeStruct((LAYERS, NUM_PAGES, PAGE, HEAD), f32),
+                 jax.ShapeDtypeStruct((2 * PAGE, HEAD), f32)),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=1, grid=(1,),
+          in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+          out_specs=(pl.BlockSpec(memory_space=pl.ANY),
+                     pl.BlockSpec((2 * PAGE, HEAD), lambda i, s: (0, 0))),
+          scratch_shapes=[pltpu.VMEM((2 * PAGE, HEAD), f32), pltpu.SemaphoreType.DMA((2,))]),
+      input_output_aliases={1: 0}, interpret=interpret)
+
+
+def _merged_pages_reference(cache, layer, start, n, dest):
+  tokens = np.array(cache)[layer].reshape(NUM_PAGES * PAGE, HEAD)
+  fetched = np.full((2 * PAGE, HEAD), FILL, np.float32)
+  fetched[:n] = tokens[start:start + n]
+  new_cache = np.array(cache)
+  view = new_cache[layer].reshape(NUM_PAGES * PAGE, HEAD)   # a view: writes land in new_cache
+  view[dest:dest + n] = fetched[:n]
+  return new_cache, fetched
+
+
+# (layer, start, n, dest): within a page, across one and two page boundaries, empty,
+# at the cache's last token, a whole buffer
+MERGED_CASES = [(0, 3, 4, 40), (1, PAGE - 2, 5, 17), (2, 5, 2 * PAGE, 60), (1, 30, 0, 0),
+                (2, NUM_PAGES * PAGE - 3, 3, 0), (0, 16, 2 * PAGE, NUM_PAGES * PAGE - 2 * PAGE)]
+
+
+@pytest.mark.parametrize("layer,start,n,dest", MERGED_CASES)
+def test_copies_through_a_reshaped_cache(layer, start, n, dest):
+  cache = random_array((LAYERS, NUM_PAGES, PAGE, HEAD), seed=layer + start)
+  scalars = jnp.array([layer, start, n, dest], jnp.int32)
+  new_cache, fetched = jax.jit(_merged_pages_call(pl, pltpu, False))(scalars, cache)
+  want_cache, want_fetched = _merged_pages_reference(cache, layer, start, n, dest)
+  assert_close(fetched, want_fetched)
+  assert_close(new_cache, want_cache)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.data())
+def test_copies_through_a_reshaped_cache_at_any_position(data):
+  """Random positions and lengths against the NumPy model (JAX's TPU interpreter, the
+  other oracle of this file, has no reshaped DMA views)."""
+  total = NUM_PAGES * PAGE
+  layer = data.draw(st.integers(0, LAYERS - 1))
+  start = data.draw(st.integers(0, total - 1))
+  n = data.draw(st.integers(0, min(2 * PAGE, total - start)))
+  dest = data.draw(st.integers(0, total - n))
+  cache = random_array((LAYERS, NUM_PAGES, PAGE, HEAD), seed=start)
+  new_cache, fetched = _merged_pages_jitted(jnp.array([layer, start, n, dest], jnp.int32), cache)
+  want_cache, want_fetched = _merged_pages_reference(cache, layer, start, n, dest)
+  assert_close(fetched, want_fetched)
+  assert_close(new_cache, want_cache)
+
+
+_merged_pages_jitted = jax.jit(_merged_pages_call(pl, pltpu, False))
+
+
+def test_run_time_length_through_a_reshape_of_part_of_a_ref_is_refused():
+  """A reshape of rows 0..31 only is not the array reshaped: pallet says so."""
+  x = random_array((ROWS, COLS))
+
+  def partial(s_ref, x_hbm, o_ref, buf, sem):
+    rows = x_hbm.at[pl.ds(0, 32)].reshape(64, COLS // 2)
+    pltpu.make_async_copy(rows.at[pl.ds(0, s_ref[0])], buf.at[pl.ds(0, s_ref[0]), pl.ds(0, 64)],
+                          sem).start()
+
+  with pytest.raises(pl.PalletError, match=r"kernel 'partial'.*size known only at run time.*"
+                     r"reshape of part of the array"):
+    _one_copy(partial, [3], x)
 
 
 # ------------------------------------------------------------------ causal conv, carried state

@@ -27,6 +27,7 @@ from jax.extend.core import ClosedJaxpr as _ClosedJaxpr
 Slice = _indexing.Slice
 NDIndexer = _indexing.NDIndexer
 TransformedRef = _state_types.TransformedRef
+ReshapeTransform = _state_types.ReshapeTransform   # `ref.reshape(...)`: `.shape` is the new shape
 AbstractRef = jax.ref.AbstractRef
 
 # --- effects --------------------------------------------------------------------

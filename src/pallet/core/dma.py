@@ -211,8 +211,9 @@ def _dynamic_window(base: Any, transforms: Any, api: str, what: str) -> dynamic_
   if window is None:
     raise PalletError(f"{api} in {kernel_site()}: {what} is a view with a size known only at "
                       f"run time (pl.ds(start, n) with a traced n) combined with strides, "
-                      f"integer-array indices, a bitcast or a reshape; expected unit-stride "
-                      f"slices and integer indices only")
+                      f"integer-array indices, a bitcast or a reshape of part of the array; "
+                      f"expected unit-stride slices, integer indices and reshapes of whole "
+                      f"trailing dimensions only")
   return window
 
 

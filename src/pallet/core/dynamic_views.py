@@ -14,9 +14,13 @@ the window's start with a rotation, and only the first `n` positions are written
 Like every other window in pallet, a start or size that reaches outside the ref is
 clamped inside it (checking mode reports it, see pallet/checking/bounds.py).
 
-Only unit-stride slices and scalar indices compose into such windows; a dynamic size
-combined with strides, integer-array indices, bitcasts or reshapes is refused by the
-DMA that uses it.
+Only unit-stride slices, scalar indices and reshapes of a whole trailing part of the
+array compose into such windows. Serving kernels merge a paged KV cache's page and
+token dimensions, `cache.reshape(pages * page_size, ...)`, and then copy `n` tokens
+from any position: the window then lies in the array seen with that shape (a reshape
+of contiguous data, so the same elements). A dynamic size combined with strides,
+integer-array indices, bitcasts or a reshape of a part of the array is refused by
+the DMA that uses it.
 """
 from __future__ import annotations
 
@@ -46,16 +50,18 @@ def has_dynamic_size(transforms: Sequence[Any] | None) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Window:
-  """The part of a base array of static `shape` that a view selects, per base dimension:
+  """The part of a base array that a view selects, per dimension of the base seen with
+  static `shape` (the base's own shape, `base_shape`, unless a view reshapes it):
   `starts` (clamped inside), `sizes` (clamped to [0, bound]), static `bounds` on the
   sizes, and `requested` (the sizes the view asked for, before clamping). `visible`
-  lists the base dimensions that are dimensions of the view."""
+  lists the dimensions of `shape` that are dimensions of the view."""
   shape: tuple[int, ...]
   starts: tuple[Size, ...]
   sizes: tuple[Size, ...]
   bounds: tuple[int, ...]
   requested: tuple[Size, ...]
   visible: tuple[int, ...]
+  base_shape: tuple[int, ...]
 
   @property
   def view_sizes(self) -> tuple[Size, ...]:
@@ -95,17 +101,31 @@ def smallest(*sizes: Size) -> Size:
 
 def window(shape: Sequence[Any], transforms: Sequence[Any] | None) -> Window | None:
   """The window `transforms` select in an array of `shape`; None where they are not
-  all unit-stride slices and scalar indices (or the shape is symbolic)."""
+  all unit-stride slices, scalar indices and whole-part reshapes (or the shape is
+  symbolic)."""
   if not all(is_static(n) for n in shape):
     return None
+  base_shape = tuple(int(n) for n in shape)
   rank = len(shape)
   starts: list[Size] = [0] * rank
-  sizes: list[Size] = [int(n) for n in shape]
-  bounds: list[int] = [int(n) for n in shape]
-  requested: list[Size] = [int(n) for n in shape]
+  sizes: list[Size] = list(base_shape)
+  bounds: list[int] = list(base_shape)
+  requested: list[Size] = list(base_shape)
   visible = list(range(rank))
+  seen = list(base_shape)   # the base array as the views see it (reshapes applied)
   for t in transforms or ():
     if t is None:
+      continue
+    if isinstance(t, internals.ReshapeTransform):
+      kept = _whole_trailing_part(seen, starts, sizes, visible)
+      new = tuple(int(n) for n in t.shape)
+      if kept is None or math.prod(new) != math.prod(seen[kept:]):
+        return None
+      seen = seen[:kept] + list(new)
+      starts = starts[:kept] + [0] * len(new)
+      sizes, bounds, requested = seen[:], bounds[:kept] + list(new), requested[:kept] + list(new)
+      sizes[:kept] = [1] * kept
+      visible = list(range(kept, len(seen)))
       continue
     if not isinstance(t, internals.NDIndexer) or len(t.indices) != len(visible):
       return None
@@ -134,8 +154,23 @@ def window(shape: Sequence[Any], transforms: Sequence[Any] | None) -> Window | N
       starts[d] = _offset(starts[d], _fitted(start, extent, size))
       sizes[d], bounds[d] = size, bound
     visible = still_visible
-  return Window(tuple(int(n) for n in shape), tuple(starts), tuple(sizes), tuple(bounds),
-                tuple(requested), tuple(visible))
+  return Window(tuple(seen), tuple(starts), tuple(sizes), tuple(bounds),
+                tuple(requested), tuple(visible), base_shape)
+
+
+def _whole_trailing_part(shape: list[int], starts: list[Size], sizes: list[Size],
+                         visible: list[int]) -> int | None:
+  """k where the view so far is all of dimensions k.. of `shape` at one position of
+  dimensions ..k (scalar indices there): contiguous data, which a reshape of the view
+  reads as the array reshaped to shape[:k] + new shape. None for any other view."""
+  kept = len(shape) - len(visible)
+  if visible != list(range(kept, len(shape))):
+    return None
+  for d in visible:
+    if not (is_static(starts[d]) and int(starts[d]) == 0
+            and is_static(sizes[d]) and int(sizes[d]) == shape[d]):
+      return None
+  return kept
 
 
 def read(x: Any, w: Window, bounds: Sequence[int]) -> Any:
@@ -143,6 +178,7 @@ def read(x: Any, w: Window, bounds: Sequence[int]) -> Any:
   least the view's size there when in bounds): position i of a dimension holds element
   i of the window; positions past the window's size hold other elements of `x`."""
   slab_starts, slab_sizes, shifts = _slab(w, bounds)
+  x = lax.reshape(x, w.shape) if x.shape != w.shape else x
   slab = lax.dynamic_slice(x, [_i32(s) for s in slab_starts], slab_sizes)
   slab = lax.reshape(slab, tuple(bounds))
   for axis, shift in shifts.items():
@@ -157,6 +193,7 @@ def write(x: Any, w: Window, bounds: Sequence[int], counts: Sequence[Size], valu
   `bounds`, as `read` returns."""
   slab_starts, slab_sizes, shifts = _slab(w, bounds)
   starts = [_i32(s) for s in slab_starts]
+  x = lax.reshape(x, w.shape) if x.shape != w.shape else x
   old = lax.reshape(lax.dynamic_slice(x, starts, slab_sizes), tuple(bounds))
   value = lax.convert_element_type(value, x.dtype)
   mask = None
@@ -173,7 +210,8 @@ def write(x: Any, w: Window, bounds: Sequence[int], counts: Sequence[Size], valu
   new = lax.add(old, value) if add else value
   if mask is not None:
     new = lax.select(mask, new, old)
-  return lax.dynamic_update_slice(x, lax.reshape(new, tuple(slab_sizes)), starts)
+  x = lax.dynamic_update_slice(x, lax.reshape(new, tuple(slab_sizes)), starts)
+  return lax.reshape(x, w.base_shape) if x.shape != w.base_shape else x
 
 
 def valid_mask(bounds: Sequence[int], counts: Sequence[Size]) -> Any:
