@@ -34,28 +34,11 @@ def parallel_axes(kernel: KernelDescription) -> tuple[int, ...]:
   return tuple(sorted(a for a in axes if gm.grid[a] is not None and gm.grid[a] > 1))
 
 
-def _block_table(mapping: Any, grid: tuple[int, ...]) -> np.ndarray | None:
-  """Index-map results over the grid (grid + (ndim,)), or None when they depend on
-  run-time values."""
-  im = mapping.index_map
-  if len(im.in_avals) != len(grid):
-    return None
-  if not mapping.array_shape:
-    return np.zeros((*grid, 0), np.int64)
-  n = int(np.prod(grid, dtype=np.int64))
-  coords = np.indices(grid).reshape(len(grid), n).astype(np.int32)
-  at = lambda *ids: jax.core.eval_jaxpr(im.jaxpr, im.consts, *ids)
-  with internals.eval_context():
-    outs = jax.vmap(at)(*[jnp.asarray(c) for c in coords]) if grid else at()
-  return np.stack([np.broadcast_to(np.asarray(o), (n,)) for o in outs], -1).reshape(
-      (*grid, len(outs)))
-
-
 def _shared_across(mapping: Any, grid: tuple[int, ...], parallel: tuple[int, ...]) -> bool:
   """Whether programs differing along the parallel axes may see overlapping blocks."""
   if mapping.whole:
     return True
-  table = _block_table(mapping, grid)
+  table = grid_analysis.block_table(mapping, grid)
   if table is None or any(d.kind == "element" for d in mapping.dims):
     return True
   seen: dict[tuple, tuple] = {}
@@ -82,7 +65,7 @@ def _initialized_before_read(kernel: KernelDescription) -> set[int]:
     if gm.outputs[o].whole:
       continue
     zeroed = body_analysis.evaluate_resets(resets, gm.grid)
-    table = _block_table(gm.outputs[o], gm.grid)
+    table = grid_analysis.block_table(gm.outputs[o], gm.grid)
     if zeroed is None or table is None:
       continue
     first_visits = {}
@@ -98,7 +81,7 @@ def _aliasing_hazard(kernel: KernelDescription, names: tuple[str, ...]) -> Any:
   """The aliasing hazard between blocked operands (False: none), once per kernel."""
   gm = kernel.grid_mapping
   hazard = aliasing.static_hazard(kernel, names, parallel_axes(kernel),
-                                  lambda b: _block_table(b, gm.grid))
+                                  lambda b: grid_analysis.block_table(b, gm.grid))
   return hazard or False
 
 
@@ -118,7 +101,7 @@ def checked_kernel(kernel: KernelDescription, opts: CheckOptions, names: tuple[s
   unwritten = set()
   if opts.unwritten:   # outputs not proven written by the kernel's structure
     aliased = {o for _, o in kernel.input_output_aliases}
-    proven = coverage.proven_written(kernel, [None if b.whole else _block_table(b, gm.grid)
+    proven = coverage.proven_written(kernel, [None if b.whole else grid_analysis.block_table(b, gm.grid)
                                               for b in gm.outputs]) if static_grid else set()
     unwritten = set(range(len(gm.outputs))) - proven - aliased
 

@@ -714,7 +714,8 @@ def writes_prefetch(kernel: KernelDescription) -> bool:
 
 def block_table(mapping: BlockMapping, grid: tuple[int, ...]) -> np.ndarray | None:
   """The index map's results at every grid step (shape grid + (ndim,)), or None when
-  they depend on scalar-prefetch data."""
+  they depend on scalar-prefetch data. The one block table of the planner, the
+  accumulator rewrites and the checking mode."""
   im = mapping.index_map
   ndim = len(mapping.array_shape)
   n_prefetch = len(im.jaxpr.invars) - len(grid)
@@ -730,10 +731,9 @@ def block_table(mapping: BlockMapping, grid: tuple[int, ...]) -> np.ndarray | No
   avals = [getattr(v.aval, "inner_aval", v.aval) for v in im.jaxpr.invars[len(grid):]]
   dummies = [jnp.zeros(a.shape, a.dtype) for a in avals]
   coords = np.indices(grid).reshape(len(grid), n).astype(np.int32)
+  at = lambda *ids: jax.core.eval_jaxpr(pure.jaxpr, pure.consts, *ids, *dummies)[:ndim]
   with internals.eval_context():
-    outs = jax.vmap(lambda *ids: jax.core.eval_jaxpr(pure.jaxpr, pure.consts, *ids,
-                                                     *dummies)[:ndim])(
-        *[jax.device_put(c) for c in coords])
+    outs = jax.vmap(at)(*[jax.device_put(c) for c in coords]) if grid else at()
     outs = [np.broadcast_to(np.asarray(o, np.int64), (n,)) for o in outs]
   return np.stack(outs, -1).reshape(*grid, ndim)
 

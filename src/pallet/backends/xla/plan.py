@@ -43,13 +43,10 @@ import dataclasses
 import math
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxprs_in_params, subjaxprs
 from jax.interpreters import batching
 
-from pallet import _internals as internals
 from pallet.core import grid_analysis, grid_eval
 from pallet.core.dma import uses_dmas
 from pallet.backends.xla import bounded_loops
@@ -131,27 +128,6 @@ class ExecutionPlan:
 
 
 # ------------------------------------------------------------------ index tables
-def _index_table(mapping: BlockMapping, grid: tuple[int, ...]) -> np.ndarray:
-  """Evaluates the index map at every grid point: array of shape grid + (ndim,)."""
-  ndim = len(mapping.array_shape)
-  n = int(np.prod(grid, dtype=np.int64))
-  if n == 0 or ndim == 0:
-    return np.zeros((*grid, ndim), np.int64)
-  im = mapping.index_map
-  try:   # NumPy first: eager JAX ops would compile a small XLA program per primitive
-    outs = grid_eval.over_grid(im.jaxpr, im.consts, grid)
-    return np.stack([o.astype(np.int64) for o in outs], -1).reshape(*grid, ndim)
-  except grid_eval.Unsupported:
-    pass
-  coords = np.indices(grid).reshape(len(grid), n).astype(np.int32)
-  with internals.eval_context():
-    outs = jax.vmap(lambda *ids: jax.core.eval_jaxpr(im.jaxpr, im.consts, *ids))(
-        *[jnp.asarray(c) for c in coords]) if grid else \
-        jax.core.eval_jaxpr(im.jaxpr, im.consts)
-    outs = [np.broadcast_to(np.asarray(o, np.int64), (n,)) for o in outs]
-  return np.stack(outs, -1).reshape(*grid, ndim)
-
-
 def element_scale(mapping: BlockMapping) -> tuple[np.ndarray, np.ndarray]:
   """(factor, shift) turning index-map results into element offsets of the unpadded
   array: block index * block size, or an Element offset, which counts in the array
@@ -279,9 +255,7 @@ def _axes_plan(kernel: KernelDescription, unbatchable: str | None) -> ExecutionP
   grid_facts = grid_analysis.analyse(kernel)   # warns where a declaration is overridden
 
   def operand(mapping: BlockMapping) -> OperandPlan:
-    table = None if gm.dynamic_axes else (
-        grid_analysis.block_table(mapping, grid) if gm.prefetch_avals
-        else _index_table(mapping, grid))
+    table = None if gm.dynamic_axes else grid_analysis.block_table(mapping, grid)
     if table is None:   # block positions are data: index maps run at run time
       return OperandPlan(mapping, _padding(mapping, None), None, {})
     starts = _element_starts(mapping, table)

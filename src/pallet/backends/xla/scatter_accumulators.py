@@ -37,7 +37,7 @@ from jax import lax
 from jax.extend.core import Literal
 
 from pallet import _internals as internals
-from pallet.core import checks
+from pallet.core import checks, grid_analysis
 from pallet.backends.xla import body_analysis
 from pallet.backends.xla.scratch_accumulators import (_canonical, _depends_on, _evaluate,
                                                       _grid_table, _reset_table)
@@ -72,11 +72,10 @@ def rewrite(kernel: KernelDescription) -> ScatterRewrite | str:
     return "scratch, scalar prefetch or traced grid sizes"
   if not gm.grid or not gm.outputs:
     return "no grid"
-  from pallet.backends.xla.plan import _index_table   # the planner's block tables
   grid, G = gm.grid, len(gm.grid)
   for o in gm.outputs:
     if (o.block_shape != tuple(o.array_shape) or any(d.kind != "blocked" for d in o.dims)
-        or np.any(_index_table(o, grid))):
+        or np.any(grid_analysis.block_table(o, grid))):
       return f"{o.origin} is not one whole-array block at every step"
   pure = body_analysis.discharged(kernel)
   jaxpr = pure.jaxpr

@@ -38,7 +38,7 @@ import numpy as np
 from jax.extend.core import Literal
 
 from pallet import _internals as internals
-from pallet.core import grid_eval
+from pallet.core import grid_analysis, grid_eval
 from pallet.backends.xla import body_analysis
 from pallet.core.grid_mapping import BlockMapping
 from pallet.core.tracing import KernelDescription
@@ -68,9 +68,9 @@ def rewrite(kernel: KernelDescription) -> ScratchRewrite | str:
   n_out, n_s = len(gm.outputs), len(gm.scratch_avals)
   if n_out != n_s:
     return f"{n_out} outputs but {n_s} scratch buffers"
-  from pallet.backends.xla.plan import _index_table, _varies  # the planner's tables
+  from pallet.backends.xla.plan import _varies
   grid, G = gm.grid, len(gm.grid)
-  tables = [_index_table(o, grid) for o in gm.outputs]
+  tables = [grid_analysis.block_table(o, grid) for o in gm.outputs]
   # The reduction axes are those no output block moves along, whatever the declared
   # semantics: along an "arbitrary" axis that moves an output block the scratch carries
   # from one block to the next, which no resident output can stand for.
