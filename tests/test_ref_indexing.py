@@ -69,6 +69,33 @@ def test_strided_reads_and_writes():
   assert_close(out, expected)
 
 
+def test_stride_zero_reads_repeat_one_element():
+  """`ref[pl.ds(i, n, 0)]` reads element i n times (a TPU sublane broadcast): along
+  the first and a middle axis, at a start from program_id, after an `.at` view and
+  inside a loop body."""
+  def kernel(x_ref, y_ref, o_ref, p_ref, q_ref, r_ref):
+    i = pl.program_id(0)
+    o_ref[...] = x_ref[pl.ds(2, 8, 0), :] * 2.0
+    p_ref[...] = y_ref[:, pl.ds(i + 1, 4, stride=0), pl.ds(0, 8)]
+    q_ref[...] = x_ref.at[pl.ds(1, 3)][pl.ds(i, 5, 0), pl.ds(0, 16, 2)]
+
+    def body(k, acc):
+      return acc + x_ref[pl.ds(k, 8, 0), :]
+    r_ref[...] = jax.lax.fori_loop(0, 3, body, jnp.zeros((8, 128), f32))
+
+  x, y = random_array((4, 128)), random_array((2, 5, 8))
+  outs = pallas_call(kernel, out_shape=(jax.ShapeDtypeStruct((8, 128), f32),
+                                        jax.ShapeDtypeStruct((2, 4, 8), f32),
+                                        jax.ShapeDtypeStruct((5, 16), f32),
+                                        jax.ShapeDtypeStruct((8, 128), f32)),
+                     grid=(1,))(x, y)
+  xn, yn = np.asarray(x), np.asarray(y)
+  assert_close(outs[0], np.broadcast_to(xn[2] * 2.0, (8, 128)))
+  assert_close(outs[1], np.broadcast_to(yn[:, 1:2, :], (2, 4, 8)))
+  assert_close(outs[2], np.broadcast_to(xn[1, 0:32:2], (5, 16)))
+  assert_close(outs[3], np.broadcast_to(xn[0] + xn[1] + xn[2], (8, 128)))
+
+
 def test_at_views_can_be_chained_and_written():
   def kernel(x_ref, o_ref):
     block = x_ref.at[1:5]            # rows 1..4
