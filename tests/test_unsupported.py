@@ -30,6 +30,13 @@ def test_tpu_hardware_only_outside_kernel():
     pltpu.matmul_pop()
 
 
+def test_subclassing_an_unsupported_class_fails_clearly():
+  with pytest.raises(pl.PalletError, match=r"pltpu.BufferedRef is not supported on this "
+                     r"backend .*test_unsupported.py:\d+.*emit_pipeline"):
+    class MyBufferedRef(pltpu.BufferedRef):   # noqa: F841
+      pass
+
+
 def test_mosaic_gpu_and_sparse_core_import_and_fail_clearly():
   from pallet import mosaic_gpu as plgpu_mgpu
   from pallet import tpu_sc as plsc

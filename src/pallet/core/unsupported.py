@@ -63,6 +63,11 @@ class Unsupported:
   def __getitem__(self, item: Any) -> NoReturn:
     self._fail()
 
+  def __mro_entries__(self, bases: tuple) -> NoReturn:
+    """`class MyRef(pltpu.BufferedRef)` (as some projects' modules do at import time)
+    fails with this error, not with Python's about a non-class base."""
+    self._fail()
+
   def __repr__(self) -> str:
     return f"<unsupported {self._qualified_name}>"
 
