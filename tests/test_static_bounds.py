@@ -1,6 +1,6 @@
 """Indices known while tracing that fall outside their ref are errors when the kernel is
 traced (naming the kernel, the ref, the index, the shape and the user's line), never a
-clamped read; errors inside emit_pipeline bodies, DMAs and pl.kernel name the kernel and
+clamped read (a warning, where the access is in a branch that data decides); errors inside emit_pipeline bodies, DMAs and pl.kernel name the kernel and
 line like every other kernel error. What JAX allows still runs: Python slices clip as in
 NumPy, negative indices count from the end, blocks may overhang the array edge."""
 from __future__ import annotations
@@ -135,6 +135,64 @@ def test_index_inside_control_flow():
                "output 0 ('o_ref')", "(8,)"):
     pallas_call(in_when, out_shape=jax.ShapeDtypeStruct((16,), f32), grid=(2,),
                 out_specs=pl.BlockSpec((8,), lambda i: (i,)))(X)
+
+
+def _unrolled_gather(idx_ref_size=4):
+  """TPU kernels unroll a loop to a fixed bound and guard each step with data: here
+  8 steps over a ref of 4 slot numbers, `count` (<= 4 when called correctly) of which
+  are used. Steps 4..7 index past `idx_ref` inside branches that must never run."""
+  def unrolled(n_ref, idx_ref, x_ref, o_ref):
+    o_ref[...] = jnp.zeros_like(o_ref)
+    for i in range(8):
+      @pl.when(i < n_ref[0])
+      def _():
+        o_ref[pl.ds(i, 1), :] = x_ref[pl.ds(idx_ref[i], 1), :]   # the guarded read
+  smem, vmem = pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec(memory_space=pltpu.VMEM)
+  return unrolled, dict(in_specs=[smem, smem, vmem], out_specs=vmem)
+
+
+def test_index_in_a_branch_decided_by_data_warns_and_runs():
+  kernel, specs = _unrolled_gather()
+  x, idx = random_array((8, 128)), jnp.array([3, 1, 2, 0], jnp.int32)
+  with pytest.warns(pl.IndexBoundsWarning) as caught:
+    call = pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((8, 128), f32), **specs)
+    out = call(jnp.array([3], jnp.int32), idx, x)
+  message = str(caught[0].message)
+  for fragment in ("kernel 'unrolled'", _line(kernel, "the guarded read"), "input 1 ('idx_ref')",
+                   "(4,)", "branch decided at run time", "PALLET_CHECKS=1"):
+    assert fragment in message, message
+  expected = np.zeros((8, 128), np.float32)
+  expected[:3] = np.asarray(x)[[3, 1, 2]]
+  assert_close(out, expected)
+
+
+@xla_only
+def test_checking_mode_reports_the_guarded_index_when_its_branch_runs():
+  kernel, specs = _unrolled_gather()
+  x, idx = random_array((8, 128)), jnp.array([3, 1, 2, 0], jnp.int32)
+  call = pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((8, 128), f32),
+                     interpret=pltpu.InterpretParams(), **specs)
+  with pytest.warns(pl.IndexBoundsWarning):
+    assert_close(call(jnp.array([4], jnp.int32), idx, x)[:4], x[idx])   # branches 0..3: fine
+    with pytest.raises(pl.KernelCheckError, match=r"out_of_bounds.*kernel 'unrolled'.*idx_ref"):
+      jax.block_until_ready(call(jnp.array([5], jnp.int32), idx, x))     # step 4 runs
+
+
+def test_index_in_a_branch_no_grid_step_takes_is_dead_code():
+  def never(x_ref, o_ref):
+    o_ref[...] = x_ref[pl.ds(0, 8)]
+
+    @pl.when(pl.program_id(0) == 7)   # the grid has 2 steps
+    def _():
+      o_ref[9] = x_ref[200]
+
+  import warnings
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    out = pallas_call(never, out_shape=jax.ShapeDtypeStruct((16,), f32), grid=(2,),
+                      in_specs=[pl.BlockSpec((128,), lambda i: (0,))],
+                      out_specs=pl.BlockSpec((8,), lambda i: (i,)))(X)
+  assert_close(out, jnp.concatenate([X[:8], X[:8]]))
 
 
 def test_jax_tpu_interpreter_also_fails_the_read():

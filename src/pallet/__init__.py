@@ -24,7 +24,7 @@ from pallet.core.checks import (allow_unwritten_outputs, debug_check, enable_deb
 from pallet.errors import KernelCheckError
 from pallet.core.interpret_params import InterpretParams
 from pallet.core.dma import semaphore_read, semaphore_signal, semaphore_wait
-from pallet.errors import GridOrderWarning
+from pallet.errors import GridOrderWarning, IndexBoundsWarning
 from pallet.tpu.mesh import core_map, kernel
 from pallet.core.refs_select import select_ref
 from pallet.export import lower_as_mlir, pallas_export_experimental

@@ -1,7 +1,7 @@
 """Every error and warning type pallet defines, in one module.
 
 Users reach them where Pallas has them: `pl.PalletError`, `pl.KernelCheckError`,
-`pl.GridOrderWarning`, `pltpu.LoweringException`, `pallet.fuser.errors.UnfusibleError`;
+`pl.GridOrderWarning`, `pl.IndexBoundsWarning`, `pltpu.LoweringException`, `pallet.fuser.errors.UnfusibleError`;
 each prints under that name.
 """
 from __future__ import annotations
@@ -46,6 +46,13 @@ class GridOrderWarning(UserWarning):
 
 
 GridOrderWarning.__module__ = "pallet"   # printed as users reach it: pallet.GridOrderWarning
+
+
+class IndexBoundsWarning(UserWarning):
+  """An index known while tracing lies outside its ref, in a branch that may never run."""
+
+
+IndexBoundsWarning.__module__ = "pallet"   # printed as users reach it
 
 
 class LoweringException(Exception):

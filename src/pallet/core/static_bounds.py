@@ -14,6 +14,15 @@ pipelines and DMAs included) and checks every index that is a literal or a const
   a negative start included (JAX refuses most of these itself when the view is made,
   and `kernel_errors` retells those; JAX's discharge fails on a negative one).
 
+A branch decided by the grid position alone (`pl.when(pl.program_id(0) == 1)`) is
+evaluated over the grid: an index in a branch some step takes is an error, one in a
+branch no step takes is dead code. An access inside a branch decided by data
+(`pl.when(i < n)` with `n` read from a ref) may never run: TPU kernels guard a loop
+unrolled to a fixed bound that way (`for i in range(8): @pl.when(i < count)` over a
+ref of `count <= 4` slots). There the index is a warning (`pl.IndexBoundsWarning`),
+not an error: if the branch does run, the access is clamped onto the last element, and
+checking mode reports it as `out_of_bounds` at run time.
+
 Python slices (`x_ref[100:200]`) are clipped at the end as in NumPy and JAX, so they are
 never out of bounds. The last index of a masked access (`pl.load`/`pl.store` with a
 mask, masked atomics) may point anywhere its mask turns off, so it is not checked.
@@ -31,7 +40,8 @@ import numpy as np
 from jax.extend.core import Literal
 
 from pallet import _internals as internals
-from pallet.errors import PalletError
+from pallet.errors import IndexBoundsWarning, PalletError
+from pallet.core import grid_eval, tracebacks
 from pallet.core.tracing import KernelDescription
 
 # primitive -> position of the first flattened transform among the equation's inputs
@@ -59,25 +69,47 @@ def check(kernel: KernelDescription) -> None:
     kind = f"{kinds[k][0]} {kinds[k][1]}" if k < len(kinds) else "a ref the kernel closed over"
     labels[v] = f"{kind} ('{name}')" if name else kind
   consts = dict(zip(jaxpr.constvars, kernel.jaxpr.consts))
-  _walk(jaxpr, labels, consts, kernel)
+  _walk(jaxpr, labels, consts, kernel, guarded=False)
 
 
-def _walk(jaxpr: Any, labels: dict, consts: dict, kernel: KernelDescription) -> None:
+def _walk(jaxpr: Any, labels: dict, consts: dict, kernel: KernelDescription,
+          guarded: bool) -> None:
+  """`guarded`: inside a branch that runs only if a value known at run time says so."""
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
     if name == "new_ref":
       labels[eqn.outvars[0]] = _scoped_label(eqn)
     if "tree" in eqn.params:
       for ref, transforms, masked in _accesses(eqn, name, consts):
-        _check_access(eqn, ref, transforms, masked, labels, kernel)
-    for sub, operands, sub_consts in _sub_jaxprs(eqn):
+        _check_access(eqn, ref, transforms, masked, labels, kernel, guarded)
+    taken = _branches_taken(eqn, jaxpr, consts, kernel) if name == "cond" else None
+    for k, (sub, operands, sub_consts) in enumerate(_sub_jaxprs(eqn)):
+      if taken is not None and k not in taken:
+        continue   # no grid step runs this branch
       inner_labels = {v: labels[o] for v, o in zip(sub.invars, operands)
                       if not isinstance(o, Literal) and o in labels}
       inner_consts = {v: (o.val if isinstance(o, Literal) else consts[o])
                       for v, o in zip(sub.invars, operands)
                       if isinstance(o, Literal) or o in consts}
       inner_consts.update(zip(sub.constvars, sub_consts))
-      _walk(sub, inner_labels, inner_consts, kernel)
+      decided = name != "cond" or taken is not None
+      _walk(sub, inner_labels, inner_consts, kernel, guarded or not decided)
+
+
+def _branches_taken(eqn: Any, jaxpr: Any, consts: dict, kernel: KernelDescription
+                    ) -> set[int] | None:
+  """The branches of a cond that some grid step runs, where its index is known while
+  tracing or computed from the grid position in the kernel's own body (not inside a
+  loop); None where data decides."""
+  index = _value(eqn.invars[0], consts)
+  gm = kernel.grid_mapping
+  if index is None and jaxpr is kernel.jaxpr.jaxpr and not gm.dynamic_axes:
+    values = grid_eval.value_over_grid(jaxpr, kernel.jaxpr.consts, eqn.invars[0], gm.grid)
+    index = None if values is None else np.unique(values)
+  if index is None:
+    return None
+  last = len(eqn.params["branches"]) - 1
+  return {min(max(int(i), 0), last) for i in np.ravel(index)}   # clamped, as lax.switch
 
 
 def _value(v: Any, consts: dict) -> Any:
@@ -113,7 +145,7 @@ def _unflatten(tree: Any, leaves: list) -> Any:
 
 
 def _check_access(eqn: Any, ref: Any, transforms: Sequence[Any], masked: bool,
-                  labels: dict, kernel: KernelDescription) -> None:
+                  labels: dict, kernel: KernelDescription, guarded: bool) -> None:
   indexers = [t for t in transforms if isinstance(t, internals.NDIndexer)]
   for k, indexer in enumerate(indexers):
     if masked and k == len(indexers) - 1:
@@ -123,8 +155,17 @@ def _check_access(eqn: Any, ref: Any, transforms: Sequence[Any], masked: bool,
       if not isinstance(size, (int, np.integer)):
         continue
       problem = _problem(index, int(size))
-      if problem is not None:
-        raise _error(eqn, ref, labels, kernel, problem, d, int(size), shape, k > 0)
+      if problem is None:
+        continue
+      message = _message(eqn, ref, labels, kernel, problem, d, int(size), shape, k > 0)
+      if not guarded:
+        raise PalletError(message + " (the index is known while tracing; reading past the "
+                          "end would return a clamped value)")
+      tracebacks.warn(message + " (the index is known while tracing). It is inside a branch "
+                      "decided at run time (pl.when, lax.cond), so pallet runs the kernel; "
+                      "if the branch runs, the access is clamped onto the last element. "
+                      "Checking mode (PALLET_CHECKS=1) reports it if it runs",
+                      IndexBoundsWarning)
 
 
 def _problem(index: Any, size: int) -> str | None:
@@ -147,19 +188,17 @@ def _problem(index: Any, size: int) -> str | None:
   return f"index {int(value)}"
 
 
-def _error(eqn: Any, ref: Any, labels: dict, kernel: KernelDescription, problem: str, d: int,
-           size: int, shape: tuple, of_view: bool) -> PalletError:
+def _message(eqn: Any, ref: Any, labels: dict, kernel: KernelDescription, problem: str,
+             d: int, size: int, shape: tuple, of_view: bool) -> str:
   src = internals.equation_source(eqn)
   line = f"{src[0]}:{src[1]}" if src else kernel.source
   code = linecache.getline(src[0], src[1]).strip() if src else ""
   label = labels.get(ref, "a ref made inside the kernel")
   target = f"a view (shape {shape}) of {label}" if of_view else f"{label} (shape {shape})"
-  return PalletError(
-      f"kernel '{kernel.name}' ({kernel.source}) at {line}"
-      + (f" (`{code}`)" if code else "")
-      + f": {problem} is out of bounds for dimension {d} of {target}, which has "
-      f"{size} elements; expected an index in [-{size}, {size}) (the index is known "
-      f"while tracing; reading past the end would return a clamped value)")
+  return (f"kernel '{kernel.name}' ({kernel.source}) at {line}"
+          + (f" (`{code}`)" if code else "")
+          + f": {problem} is out of bounds for dimension {d} of {target}, which has "
+          f"{size} elements; expected an index in [-{size}, {size})")
 
 
 _PIPELINE_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
