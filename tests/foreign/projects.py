@@ -15,6 +15,8 @@ that project skip and say which variable to set:
     PALLET_SGLANG_JAX_SOURCE=/path/to/sglang-jax        (sgl-project/sglang-jax)
     PALLET_RECURRENTGEMMA_SOURCE=/path/to/recurrentgemma (google-deepmind/recurrentgemma)
     PALLET_EJKERNEL_SOURCE=/path/to/ejkernel            (erfanzar/ejkernel)
+    PALLET_TOKAMAX_SOURCE=/path/to/tokamax              (openxla/tokamax)
+    PALLET_AXLEARN_SOURCE=/path/to/axlearn              (apple/axlearn)
 
 A project's modules are found by an import hook for its top-level package, so the
 kernels' imports of their own helpers work as written. The top-level package's
@@ -54,10 +56,14 @@ PROJECTS = {
     "tpu_inference": Project("PALLET_TPU_INFERENCE_SOURCE", "", "vllm-project/tpu-inference",
                              absent=("vllm", "torch", "torchax")),
     "maxtext": Project("PALLET_MAXTEXT_SOURCE", "src", "AI-Hypercomputer/maxtext"),
-    "sgl_jax": Project("PALLET_SGLANG_JAX_SOURCE", "python", "sgl-project/sglang-jax"),
+    "sgl_jax": Project("PALLET_SGLANG_JAX_SOURCE", "python", "sgl-project/sglang-jax",
+                       absent=("zmq", "fastapi")),
     "recurrentgemma": Project("PALLET_RECURRENTGEMMA_SOURCE", "",
                               "google-deepmind/recurrentgemma"),
-    "ejkernel": Project("PALLET_EJKERNEL_SOURCE", "", "erfanzar/ejkernel"),
+    "ejkernel": Project("PALLET_EJKERNEL_SOURCE", "", "erfanzar/ejkernel",
+                        absent=("jaxtyping",)),
+    "tokamax": Project("PALLET_TOKAMAX_SOURCE", "", "openxla/tokamax", absent=("xprof",)),
+    "axlearn": Project("PALLET_AXLEARN_SOURCE", "", "apple/axlearn"),
 }
 
 
@@ -166,12 +172,16 @@ class _RoutedLoader(importlib.abc.Loader):
       return
     try:
       jax_ops.exec_routed(module, self.path)
-    except ModuleNotFoundError as e:
-      if e.name and e.name.split(".")[0] in PROJECTS:
+    except ImportError as e:
+      # a name from a sub-package that was itself emptied counts as missing too
+      emptied = getattr(sys.modules.get(e.name or ""), "_emptied", False)
+      if not emptied and (not isinstance(e, ModuleNotFoundError)
+                          or (e.name and e.name.split(".")[0] in PROJECTS)):
         raise
       # a missing third-party library: keep the package, without its re-exports
       for name in [n for n in vars(module) if not n.startswith("__")]:
         delattr(module, name)
+      module._emptied = True
 
 
 class _ProjectFinder(importlib.abc.MetaPathFinder):
