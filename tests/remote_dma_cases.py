@@ -399,6 +399,40 @@ def waits_whose_size_differs_per_device():
   np.testing.assert_array_equal(np.asarray(n).reshape(N, 2), [[0, 0], [1, 0], [2, 0], [2, 0]])
 
 
+def ragged_send_kernel(x_ref, o_ref, copy_sem, send_sem, recv_sem):
+  """Each device sends a number of rows known only at run time (its index + 1, as an
+  MoE kernel sends its tokens) from row `me` of its block to row `2 * me + 1` of its
+  right neighbour's, after copying its own block into place; the receiver waits for
+  exactly the rows its left neighbour sends."""
+  me, right, left = neighbours()
+  pltpu.sync_copy(x_ref, o_ref)
+  barrier_with(left, right)
+  n, n_left = me + 1, left + 1
+  send = pltpu.make_async_remote_copy(x_ref.at[pl.ds(me, n)], o_ref.at[pl.ds(2 * me + 1, n)],
+                                      send_sem, recv_sem, device_id=(right,))
+  send.start()
+  send.wait_send()
+  pltpu.make_async_remote_copy(x_ref.at[pl.ds(left, n_left)],
+                               o_ref.at[pl.ds(2 * left + 1, n_left)], send_sem, recv_sem,
+                               device_id=(left,)).wait_recv()
+
+
+@case
+def copies_whose_size_differs_per_device():
+  x = random((N * 16, 128), 17)
+  f = lambda v: pl.pallas_call(
+      ragged_send_kernel, out_shape=jax.ShapeDtypeStruct(v.shape, v.dtype),
+      in_specs=[ANY], out_specs=ANY, scratch_shapes=[pltpu.SemaphoreType.DMA] * 3,
+      compiler_params=pltpu.CompilerParams(collective_id=0), interpret=True)(v)
+  got = np.asarray(on_mesh(f, P("x"), P("x"))(x)).reshape(N, 16, 128)
+  blocks = np.asarray(x).reshape(N, 16, 128)
+  expected = blocks.copy()
+  for s in range(N):
+    r, n = (s + 1) % N, s + 1
+    expected[r, 2 * s + 1:2 * s + 1 + n] = blocks[s, s:s + n]
+  close(got, expected, rtol=0, atol=0)
+
+
 # ------------------------------------------------------------------ errors
 def run_expecting(f, x, *needles):
   try:

@@ -22,6 +22,7 @@ CASES = ["ring_all_gather_f32_and_bf16", "grad_of_all_gather", "barrier_then_exc
          "ring_reduce_scatter_double_buffered", "kernel_and_core_map_on_a_core_mesh",
          "device_ids_mesh_logical_and_dict", "control_flow_that_differs_between_devices",
          "devices_that_wait_for_a_later_branch", "waits_whose_size_differs_per_device",
+         "copies_whose_size_differs_per_device",
          "jax_all_gather_op", "deadlock_and_ordering_errors", "checking_mode_on_every_device"]
 ANY = pl.BlockSpec(memory_space=pltpu.ANY)
 

@@ -223,26 +223,27 @@ def _describe_window(dtype: Any, window: dynamic_views.Window) -> str:
   return f"{jnp.dtype(dtype).name}[{', '.join(dims)}]"
 
 
-def _check_dynamic_copy(src: Any, src_t: Any, dst: Any, dst_t: Any) -> None:
-  """A copy whose size is known at run time: both ends must agree in rank and dtype,
-  static sizes now, run-time sizes when the copy starts (a mismatch fails the kernel)."""
-  api = "make_async_copy(...).start()"
-  src_w = _dynamic_window(src, src_t, api, "the source")
-  dst_w = _dynamic_window(dst, dst_t, api, "the destination")
+def check_dynamic_copy(src: Any, src_t: Any, dst: Any, dst_t: Any,
+                       api: str = "make_async_copy") -> None:
+  """A copy whose size is known at run time (local, or remote with `api`
+  "make_async_remote_copy"): both ends must agree in rank and dtype, static sizes now,
+  run-time sizes when the copy starts (a mismatch fails the kernel)."""
+  src_w = _dynamic_window(src, src_t, f"{api}(...).start()", "the source")
+  dst_w = _dynamic_window(dst, dst_t, f"{api}(...).start()", "the destination")
   src_dtype, dst_dtype = jax.typeof(src).dtype, jax.typeof(dst).dtype
   shapes = (f"source {_describe_window(src_dtype, src_w)} and destination "
             f"{_describe_window(dst_dtype, dst_w)}")
   if len(src_w.visible) != len(dst_w.visible) or src_dtype != dst_dtype:
-    raise PalletError(f"make_async_copy in {kernel_site()}: {shapes} must have the same "
+    raise PalletError(f"{api} in {kernel_site()}: {shapes} must have the same "
                       f"shape and dtype")
   for axis, (a, b) in enumerate(zip(src_w.view_requested, dst_w.view_requested)):
     if dynamic_views.is_static(a) and dynamic_views.is_static(b):
       if a != b:
-        raise PalletError(f"make_async_copy in {kernel_site()}: {shapes} must have the "
+        raise PalletError(f"{api} in {kernel_site()}: {shapes} must have the "
                           f"same shape and dtype")
       continue
     checks.check(jnp.asarray(a, jnp.int32) == jnp.asarray(b, jnp.int32),
-                 f"make_async_copy in {kernel_site()}: {shapes} differ in size along "
+                 f"{api} in {kernel_site()}: {shapes} differ in size along "
                  f"dimension {axis} when the copy starts; expected the same size at both "
                  f"ends")
 
@@ -278,7 +279,7 @@ class AsyncCopyDescriptor:
     if shared_sem:
       src_sem = None
     if dynamic_views.has_dynamic_size(src_t) or dynamic_views.has_dynamic_size(dst_t):
-      _check_dynamic_copy(src, src_t, dst, dst_t)
+      check_dynamic_copy(src, src_t, dst, dst_t)
     else:
       src_aval = primitives.view_aval(jax.typeof(src), src_t)
       dst_aval = primitives.view_aval(jax.typeof(dst), dst_t)

@@ -9,7 +9,9 @@ each where `mask` (an (n,) bool: the devices whose control flow reaches it) is s
   sender in device order, written into its destination view on its target device
   (added with `add=True`), and the copied element count added to the receive
   semaphore there and to the send semaphore here. Reading all before writing any
-  is one order the hardware may run concurrent DMAs in;
+  is one order the hardware may run concurrent DMAs in. Views of a size known only at
+  run time (`pl.ds(start, n)`, `n` per device) move exactly `n` rows, as local DMAs
+  do (pallet/core/dynamic_views.py);
 * `lockstep_signal`: each sender adds its increment to the semaphore view on its
   target device;
 * `lockstep_wait`: each device needs its semaphore view to hold at least its
@@ -31,7 +33,7 @@ from jax import lax
 from jax.extend.core import Primitive
 
 from pallet import _internals as internals
-from pallet.core import checks, ref_views
+from pallet.core import checks, dynamic_views, ref_views
 
 lockstep_copy_p = Primitive("lockstep_copy")
 lockstep_copy_p.multiple_results = True
@@ -81,15 +83,20 @@ def _copy_discharge(in_avals, out_avals, *args, n_refs, roles, tree, add):
   refs, (*leaves, target, mask) = list(args[:n_refs]), args[n_refs:]
   src_t, dst_t, recv_t, send_t = jax.tree_util.tree_unflatten(tree, leaves)
   src, dst, recv, send = roles
-  data = jax.vmap(ref_views.read)(refs[src], src_t)      # every sender's view, read first
-  size = math.prod(data.shape[1:])
+  if dynamic_views.has_dynamic_size(src_t) or dynamic_views.has_dynamic_size(dst_t):
+    arrivals, sizes = _dynamic_arrivals(refs[src], src_t, refs[dst], dst_t, add)
+  else:
+    data = jax.vmap(ref_views.read)(refs[src], src_t)      # every sender's view, read first
+    size = math.prod(data.shape[1:])
+    arrivals = lambda d, stack, to, on: _updated(stack, to, _at(dst_t, d), (
+        (lambda old: (old + data[d]).astype(old.dtype)) if add else
+        (lambda old: data[d].astype(old.dtype))), on)
+    sizes = lambda d, stack, to: size
 
   def one_sender(d, stacks):
     stacks, on, to = list(stacks), mask[d], target[d]
-    x = data[d]
-    arrive = ((lambda old: (old + x).astype(old.dtype)) if add else
-              (lambda old: x.astype(old.dtype)))
-    stacks[dst] = _updated(stacks[dst], to, _at(dst_t, d), arrive, on)
+    size = sizes(d, stacks[dst], to)
+    stacks[dst] = arrivals(d, stacks[dst], to, on)
     stacks[recv] = _updated(stacks[recv], to, _at(recv_t, d), lambda c: c + size, on)
     if send is not None:
       stacks[send] = _updated(stacks[send], d, _at(send_t, d), lambda c: c + size, on)
@@ -97,6 +104,34 @@ def _copy_discharge(in_avals, out_avals, *args, n_refs, roles, tree, add):
 
   stacks = lax.fori_loop(0, refs[src].shape[0], one_sender, tuple(refs))
   return tuple(stacks) + (None,) * (len(args) - n_refs), []
+
+
+def _dynamic_arrivals(src_stack: jax.Array, src_t: Any, dst_stack: jax.Array, dst_t: Any,
+                      add: bool) -> tuple[Any, Any]:
+  """A copy whose views have a size known at run time (`pl.ds(start, n)`, per device):
+  (how sender d's data lands on its target, how many elements it moves), as the local
+  DMA's masked copy over static bounds (pallet/core/dynamic_views.py)."""
+  src_bounds = dynamic_views.window(src_stack.shape[1:], _at(src_t, 0)).view_bounds
+  dst_bounds = dynamic_views.window(dst_stack.shape[1:], _at(dst_t, 0)).view_bounds
+  bounds = [min(a, b) for a, b in zip(src_bounds, dst_bounds)]
+
+  def read(x, transforms):
+    w = dynamic_views.window(x.shape, transforms)
+    return dynamic_views.read(x, w, bounds), [jnp.asarray(s, jnp.int32) for s in w.view_sizes]
+  data, src_sizes = jax.vmap(read)(src_stack, src_t)     # every sender's view, read first
+
+  def counts(d, stack, to):
+    w = dynamic_views.window(stack.shape[1:], _at(dst_t, d))
+    return w, [dynamic_views.smallest(s[d], n, b)
+               for s, n, b in zip(src_sizes, w.view_sizes, bounds)]
+
+  def arrivals(d, stack, to, on):
+    current = lax.dynamic_index_in_dim(stack, to, 0, keepdims=False)
+    w, n = counts(d, stack, to)
+    new = dynamic_views.write(current, w, bounds, n, data[d], add=add)
+    return lax.dynamic_update_index_in_dim(stack, jnp.where(on, new, current), to, 0)
+
+  return arrivals, lambda d, stack, to: dynamic_views.product(counts(d, stack, to)[1])
 
 
 # ------------------------------------------------------------------ signals
