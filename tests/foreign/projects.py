@@ -168,10 +168,10 @@ class _RoutedLoader(importlib.abc.Loader):
     if self.path is None:
       return
     if self.path.name != "__init__.py":
-      jax_ops.exec_routed(module, self.path)
+      _execute(module, self.path)
       return
     try:
-      jax_ops.exec_routed(module, self.path)
+      _execute(module, self.path)
     except ImportError as e:
       # a name from a sub-package that was itself emptied counts as missing too
       emptied = getattr(sys.modules.get(e.name or ""), "_emptied", False)
@@ -182,6 +182,18 @@ class _RoutedLoader(importlib.abc.Loader):
       for name in [n for n in vars(module) if not n.startswith("__")]:
         delattr(module, name)
       module._emptied = True
+
+
+# Set in the child process of `run_on_jax_pallas`: modules run on JAX's own Pallas.
+PEER_VARIABLE = "PALLET_FOREIGN_ON_JAX_PALLAS"
+
+
+def _execute(module: types.ModuleType, path: pathlib.Path) -> None:
+  if os.environ.get(PEER_VARIABLE):
+    module.__file__ = str(path)
+    exec(compile(path.read_text(), str(path), "exec"), module.__dict__)
+  else:
+    jax_ops.exec_routed(module, path)
 
 
 class _ProjectFinder(importlib.abc.MetaPathFinder):

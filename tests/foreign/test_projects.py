@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import pallet
-from tests.foreign import projects
+from tests.foreign import peer, projects
 
 KERNEL = '''
 import jax
@@ -73,6 +73,16 @@ def test_kernel_runs_on_pallet_with_its_own_helpers(fake_project):
   assert not any(n.startswith("absent_lib_for_pallet_tests") for n in sys.modules)
   # a sub-package whose __init__ needs a missing library stays an (empty) package
   assert "flax_like_zoo_not_installed" not in vars(sys.modules["fakeproj.kernels"])
+
+
+def test_the_same_kernel_on_jax_pallas_in_a_child_process(fake_project):
+  """The JAX-interpreter oracle: the unrouted module, run on JAX's Pallas."""
+  x = jax.random.normal(jax.random.key(4), (16, 16), jnp.float32)
+  theirs = peer.run_on_jax_pallas("fakeproj.kernels.scale", "scale_rows", x, block=8)
+  assert isinstance(theirs, np.ndarray)
+  np.testing.assert_allclose(theirs, 2 * x + jnp.repeat(jnp.arange(2.0), 8)[:, None], rtol=1e-6)
+  ours = projects.load("fakeproj.kernels.scale").scale_rows(x, block=8)
+  np.testing.assert_array_equal(ours, theirs)
 
 
 def test_missing_project_module_is_an_error(fake_project):
