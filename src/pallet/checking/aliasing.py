@@ -1,13 +1,15 @@
 """In-place aliasing hazards: `input_output_aliases` makes an input and an output one
-buffer on a TPU or GPU, so a program that reads the input where another program has
-already written the output sees the new values, not the originals. pallet keeps the
-input's values apart (XLA's functional semantics), so such a kernel gives the
-intended result here by luck; on the hardware it depends on the order of programs.
-
-Two cases are reported, naming the reading program, the input and its read:
+buffer on a TPU or GPU. pallet runs blocked pairs as a TPU does
+(backends/xla/aliased_reads.py): an input block is fetched from the shared buffer when
+its position changes, and an output block reaches the buffer when it stops being
+resident. A kernel can build on that (splash attention adds to blocks an earlier head
+wrote); what it cannot rely on is reported, naming the reading program, the input
+and its read:
 
 * a program reads a block of the input that a program before it (in grid order)
-  writes in the output (wrong on every target where the buffer is shared);
+  writes in the output while that output block is still resident, or with the input
+  block fetched before that write (the read sees the old values on a TPU, the new
+  ones where writes land at once, as in JAX's generic interpreter);
 * a program reads a block that a later program of another parallel program writes
   (where the two run at once, the write may come first).
 
@@ -104,7 +106,7 @@ def _first_hazard(bi, bo, ti, to, reads, writes, grid, parallel) -> tuple[int, i
       writers.setdefault(tuple(to[p]), []).append(int(p))
     for q in np.flatnonzero(reads):
       for p in writers.get(tuple(ti[q]), ()):
-        if p != q and (p < q or par[p] != par[q]):
+        if p != q and ((p < q and _stale(p, int(q), ti, to)) or par[p] != par[q]):
           return int(q), p
     return None
   if n * n > _MAX_PAIRS:
@@ -115,10 +117,19 @@ def _first_hazard(bi, bo, ti, to, reads, writes, grid, parallel) -> tuple[int, i
   q_ids, p_ids = np.meshgrid(np.arange(n), np.arange(n), indexing="ij")
   hazard = (overlap & reads[:, None] & writes[None, :] & (q_ids != p_ids)
             & ((p_ids < q_ids) | (par[p_ids] != par[q_ids])))
-  if not hazard.any():
-    return None
-  q = int(np.argmax(hazard.any(axis=1)))
-  return q, int(np.argmax(hazard[q]))
+  for q, p in zip(*np.nonzero(hazard)):   # row-major: the first read in grid order
+    if p > q or par[p] != par[q] or _stale(int(p), int(q), ti, to):
+      return int(q), int(p)
+  return None
+
+
+def _stale(p: int, q: int, ti: np.ndarray, to: np.ndarray) -> bool:
+  """Whether step q's read of what step p < q wrote depends on when writes land: the
+  output block p wrote is still resident at q, or q's input block was fetched at or
+  before p (its position unchanged since)."""
+  resident = np.all(to[p:q] == to[p])
+  unfetched = np.all(ti[p:q + 1] == ti[q])
+  return bool(resident or unfetched)
 
 
 def _parallel_index(grid: Sequence[int], parallel: Sequence[int], n: int) -> np.ndarray:

@@ -6,13 +6,13 @@ buffer) works on that buffer itself, through either ref: a DMA into the input's 
 in the output (JAX's `test_dynamic_dma_on_2nd_minor` writes only through the input).
 pallet otherwise keeps an aliased input's values apart from its output (the output starts
 as a copy), so such a write reached no result. Blocked operands are copies of their
-blocks on a TPU, so there input and output stay apart, as pallet runs them.
+blocks on a TPU: writing an input block changes no output, and the XLA backend fetches
+an aliased input's blocks from the output's buffer as a TPU does
+(backends/xla/aliased_reads.py).
 
 `merge` makes every use of an in-place aliased input ref that the kernel writes a use of
 the output's ref, so every backend sees one buffer. An input the kernel only reads keeps
-its values: reading it where the output was already written is the hazard checking mode
-reports (checking/aliasing.py), since pallet then gives the originals and the hardware
-the new values.
+its values.
 """
 from __future__ import annotations
 

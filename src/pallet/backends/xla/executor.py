@@ -367,6 +367,7 @@ def build(kernel: KernelDescription, plan: ExecutionPlan | None = None) -> Calla
   grid = plan.grid
   n_dyn, n_pre = len(gm.dynamic_axes), len(gm.prefetch_avals)
   aliases = dict((o, i) for i, o in kernel.input_output_aliases)
+  shared = dict(plan.shared_reads)   # input -> output whose buffer it is read from
   in_slabs = [_Slab(op, plan) for op in plan.inputs]
   out_slabs = [_Slab(op, plan) for op in plan.outputs]
   vbody = _vectorized_body(body, plan, in_slabs, len(plan.outputs), n_pre,
@@ -414,9 +415,10 @@ def build(kernel: KernelDescription, plan: ExecutionPlan | None = None) -> Calla
       loop = {**_unravel(s, plan.outer, outer_sizes), **_unravel(r, plan.inner, inner_sizes)}
       return [loop[g] * plan.chunk.get(g, 1) if g in loop else 0 for g in range(len(grid))]
 
-    def step(s, r, outs, scratch, ids=None):
+    def step(s, r, outs, scratch, ids=None, held=None):
       ids = base_ids(s, r) if ids is None else ids
-      ins = [sl.cut(x, st.at(s, r, ids)) for x, sl, st in zip(padded_in, in_slabs, in_starts)]
+      ins = [held[i] if held and i in held else sl.cut(x, st.at(s, r, ids))
+             for i, (x, sl, st) in enumerate(zip(padded_in, in_slabs, in_starts))]
       results, scratch = vbody(ids + sizes, prefetch, ins, outs, scratch)
       for x, shape in zip(results, out_shapes):
         if x.shape != shape:   # a batching rule gave wrong shapes: the plan must loop
@@ -452,6 +454,9 @@ def build(kernel: KernelDescription, plan: ExecutionPlan | None = None) -> Calla
                                (load(bufs, s, 0), scratch), plan.unrolled)
         return store(bufs, slabs, s, 0), scratch
 
+      if shared:
+        return shared_loop(s, bufs, scratch)
+
       def inner_step(r, c):
         bufs, scratch = c
         ids = base_ids(s, r)   # once per step: load, body and store share it
@@ -459,10 +464,73 @@ def build(kernel: KernelDescription, plan: ExecutionPlan | None = None) -> Calla
         return store(bufs, slabs, s, r, ids), scratch
       return _loop(n_inner, inner_step, (bufs, scratch), plan.unrolled)
 
+    def shared_loop(s, bufs, scratch):
+      """The grid in order where aliased inputs share their outputs' buffers
+      (aliased_reads.py), as a TPU runs it: `memory` is each shared output's buffer
+      as the inputs see it, which gets an output block when the block stops being
+      resident (the next step's block is elsewhere); an input block is fetched from
+      it when its position changes, and kept while it stays."""
+      memory = {o: bufs[o] for o in set(shared.values())}
+      held = {i: in_slabs[i].cut(_shared_input(memory[o], plan.outputs[o], plan.inputs[i],
+                                               kernel.poison_buffers),
+                                 in_starts[i].at(s, 0, base_ids(s, 0) if n_dyn else ()))
+              for i, o in shared.items()}   # replaced at step 0: a block of the right shape
+
+      def inner_step(r, c):
+        bufs, scratch, memory, held = c
+        ids = base_ids(s, r)
+        before = base_ids(s, _previous(r)) if n_dyn else ()
+        first = _is_first(r)
+        memory = dict(memory)
+        for o in memory:   # the block resident until the previous step is written back
+          sl, st = out_slabs[o], out_starts[o]
+          ended = st.at(s, _previous(r), before)
+          moved = jnp.logical_and(jnp.logical_not(first), _differ(st.at(s, r, ids), ended))
+          memory[o] = jnp.where(moved, sl.put(memory[o], sl.raw(bufs[o], ended), ended),
+                                memory[o])
+        held = dict(held)
+        for i, o in shared.items():
+          st = in_starts[i]
+          now = st.at(s, r, ids)
+          fetch = jnp.logical_or(first, _differ(now, st.at(s, _previous(r), before)))
+          source = _shared_input(memory[o], plan.outputs[o], plan.inputs[i],
+                                 kernel.poison_buffers)
+          held[i] = jnp.where(fetch, in_slabs[i].cut(source, now), held[i])
+        slabs, scratch = step(s, r, load(bufs, s, r, ids), scratch, ids, held)
+        return store(bufs, slabs, s, r, ids), scratch, memory, held
+      bufs, scratch, _, _ = _loop(n_inner, inner_step, (bufs, scratch, memory, held),
+                                  plan.unrolled)
+      return bufs, scratch
+
     bufs, _ = _loop(n_outer, outer_step, (bufs, scratch), plan.unrolled)
     return _unpad(bufs, plan)
 
   return run
+
+
+def _previous(r: Any) -> Any:
+  """The previous loop step (step 0 for step 0: its results are masked by _is_first)."""
+  return max(r - 1, 0) if isinstance(r, int) else jnp.maximum(r - 1, 0)
+
+
+def _is_first(r: Any) -> Any:
+  return jnp.asarray(r == 0) if isinstance(r, int) else r == 0
+
+
+def _differ(a: Any, b: Any) -> jax.Array:
+  """Whether two block starts (tuples, lists of scalars or arrays) differ."""
+  as_vector = lambda x: jnp.stack([jnp.asarray(v, jnp.int32) for v in x]) if isinstance(
+      x, (tuple, list)) else jnp.asarray(x, jnp.int32)
+  return jnp.any(as_vector(a) != as_vector(b))
+
+
+def _shared_input(buf: jax.Array, out: OperandPlan, inp: OperandPlan,
+                  poison: bool) -> jax.Array:
+  """An aliased output's buffer as it stands, in its input's padded layout: what the
+  input's blocks are read from where the two share one buffer (aliased_reads.py)."""
+  if out.pad == inp.pad:
+    return buf
+  return _pad(_unpad_one(buf, out), inp, poison)
 
 
 def _pad(x: jax.Array, op: OperandPlan, poison: bool) -> jax.Array:
@@ -500,10 +568,12 @@ def _loop(n: Any, step: Callable, carry: Any, unrolled: bool = False) -> Any:
 
 
 def _unpad(bufs: list[jax.Array], plan: ExecutionPlan) -> list[jax.Array]:
-  outs = []
-  for b, op in zip(bufs, plan.outputs):
-    if any(p != (0, 0) for p in op.pad):
-      b = lax.slice(b, [lo for lo, _ in op.pad],
-                    [lo + n for (lo, _), n in zip(op.pad, op.mapping.array_shape)])
-    outs.append(b)
-  return outs
+  return [_unpad_one(b, op) for b, op in zip(bufs, plan.outputs)]
+
+
+def _unpad_one(b: jax.Array, op: OperandPlan) -> jax.Array:
+  """`b` without the padding `op`'s blocks past the array's edges needed."""
+  if all(p == (0, 0) for p in op.pad):
+    return b
+  return lax.slice(b, [lo for lo, _ in op.pad],
+                   [lo + n for (lo, _), n in zip(op.pad, op.mapping.array_shape)])

@@ -49,7 +49,7 @@ from jax.interpreters import batching
 
 from pallet.core import grid_analysis, grid_eval
 from pallet.core.dma import uses_dmas
-from pallet.backends.xla import bounded_loops
+from pallet.backends.xla import aliased_reads, bounded_loops
 from pallet.backends.xla.body_analysis import (BodyFacts, analyse_body, itemsize,
                                                 blocks_merge_along, discharged,
                                                 evaluate_resets, max_intermediate_bytes,
@@ -110,6 +110,9 @@ class ExecutionPlan:
   reasons: list[str]
   bounded_loops: bool = False   # while loops run as masked fixed-length loops (bounded_loops.py)
   unrolled: bool = False        # the grid loops are unrolled (GRID_UNROLL_STEPS)
+  # (input, output) aliased pairs whose input blocks are read from the output's buffer
+  # as it stands at each step (aliased_reads.py); only fully looped plans have them
+  shared_reads: tuple[tuple[int, int], ...] = ()
 
   def loop_size(self, g: int) -> int | None:
     """Iterations axis `g` contributes to the loop it belongs to (None: traced)."""
@@ -269,6 +272,18 @@ def _axes_plan(kernel: KernelDescription, unbatchable: str | None) -> ExecutionP
     return ExecutionPlan(grid, [], {}, [], [], [], order, inputs, outputs, resident,
                          [True] * len(outputs), reasons)
 
+  unpadded = lambda op: None if op.table is None else op.table - np.array(
+      [lo for lo, _ in op.pad], np.int64)
+  shared = aliased_reads.shared_pairs(kernel, [unpadded(op) for op in inputs],
+                                      [unpadded(op) for op in outputs])
+  if shared:
+    reasons.append(f"aliased (input, output) pairs {list(shared)} share one buffer and a "
+                   f"step may read an input block an earlier step wrote as output: every "
+                   f"axis runs as one loop in grid order, outputs stored every step, those "
+                   f"inputs read from the outputs' buffers")
+    plan = looped(list(range(G)), resident=False)
+    plan.shared_reads = shared
+    return plan
   if gm.dynamic_axes:
     reasons.append(f"axes {list(gm.dynamic_axes)} have sizes computed at run time: the grid "
                    f"runs as one loop with a traced trip count, index maps evaluated per step")
