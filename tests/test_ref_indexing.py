@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import pallet as pl
-from helpers import assert_close, pallas_call, random_array, sds
+from helpers import assert_close, current_test_backend, pallas_call, random_array, sds
 
 f32 = jnp.float32
 
@@ -94,6 +94,39 @@ def test_stride_zero_reads_repeat_one_element():
   assert_close(outs[1], np.broadcast_to(yn[:, 1:2, :], (2, 4, 8)))
   assert_close(outs[2], np.broadcast_to(xn[1, 0:32:2], (5, 16)))
   assert_close(outs[3], np.broadcast_to(xn[0] + xn[1] + xn[2], (8, 128)))
+
+
+@pytest.mark.parametrize("store", [False, True])
+def test_load_and_store_keep_a_run_time_window_past_the_end_in_place(store):
+  """plgpu.load / pl.store without a mask through `pl.ds(start, n)` reaching past the
+  ref: rows inside it are where a GPU puts them (tokamax's ragged dot loads so and
+  masks the store); rows outside read zero and, on the XLA backend, are not written
+  (the Triton backend's interpreter reports such a store, as it would corrupt memory
+  on a GPU). Plain `x_ref[...]` indexing keeps JAX's meaning (the window moved inside)."""
+  import pallet.triton as plgpu
+  import pallet.tpu as pltpu
+  if store and current_test_backend() != "xla":
+    pytest.skip("an unmasked store past the end is an error on the Triton backend")
+  n, b = 24, 16
+
+  def kernel(s_ref, x_ref, y_ref, o_ref, p_ref):
+    start = s_ref[0]
+    o_ref[...] = plgpu.load(x_ref.at[pl.ds(start, b)])
+    p_ref[...] = jnp.full(p_ref.shape, -1.0, f32)
+    if store:
+      pl.store(p_ref, (pl.ds(start, b), slice(None)), val=y_ref[...])
+
+  x, y = random_array((n, 8)), random_array((b, 8))
+  start = 16
+  load, stored = pallas_call(
+      kernel, out_shape=(jax.ShapeDtypeStruct((b, 8), f32), jax.ShapeDtypeStruct((n, 8), f32)),
+      in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec(memory_space=pl.ANY),
+                pl.BlockSpec(memory_space=pl.ANY)])(jnp.array([start], jnp.int32), x, y)
+  assert_close(load[:n - start], x[start:])
+  if current_test_backend() == "xla":   # a GPU reads whatever memory holds there
+    assert_close(load[n - start:], jnp.zeros((b - n + start, 8), f32))
+  assert_close(stored[:start], jnp.full((start, 8), -1.0, f32))
+  assert_close(stored[start:], y[:n - start] if store else jnp.full((n - start, 8), -1.0, f32))
 
 
 def test_at_views_can_be_chained_and_written():

@@ -85,6 +85,15 @@ def test_the_same_kernel_on_jax_pallas_in_a_child_process(fake_project):
   np.testing.assert_array_equal(ours, theirs)
 
 
+def test_loaded_modules_keep_their_own_annotations(fake_project):
+  """The loader's `from __future__ import annotations` does not leak into the modules
+  it executes (tokamax builds pydantic models from real annotations)."""
+  (fake_project / "fakeproj" / "kernels" / "typed.py").write_text(
+      "def f(x: int) -> float:\n  return float(x)\n")
+  module = projects.load("fakeproj.kernels.typed")
+  assert module.f.__annotations__ == {"x": int, "return": float}
+
+
 def test_missing_project_module_is_an_error(fake_project):
   with pytest.raises(ImportError, match="no_such_module"):
     projects.load("fakeproj.kernels.broken")

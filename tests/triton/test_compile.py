@@ -434,6 +434,17 @@ def test_dot_algorithm_other_than_a_float32_precision_is_a_clear_error():
   assert 'input_precision="ieee"' in plt.source(f, a, b)
 
 
+@pytest.mark.parametrize("dtype,preset", [(jnp.bfloat16, "BF16_BF16_F32"),
+                                          (jnp.float16, "F16_F16_F32"),
+                                          (jnp.bfloat16, "BF16_BF16_BF16")])
+def test_sixteen_bit_dot_algorithms_on_operands_of_that_dtype_are_plain_dots(dtype, preset):
+  """GPU kernels (tokamax's and axlearn's attention) name the 16-bit algorithm of their
+  bf16 / fp16 operands: the dot Triton makes of them anyway."""
+  precision = getattr(jax.lax.DotAlgorithmPreset, preset)
+  f, a, b = _mixed_dot(dtype, dtype, precision=precision, pet=jnp.float32)
+  assert "tl.dot(" in plt.source(f, a, b)
+
+
 # ------------------------------------------------------------------ grid sizes known at run time
 @pytest.mark.parametrize("target", sorted(TARGETS))
 @pytest.mark.parametrize("name", DYNAMIC_GRID_CASES)

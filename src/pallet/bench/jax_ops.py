@@ -94,7 +94,9 @@ def exec_routed(module: types.ModuleType, path: pathlib.Path) -> None:
   module.__dict__["_route_import"] = _route_import
   tree = _Router().visit(ast.parse(path.read_text(), str(path)))
   ast.fix_missing_locations(tree)
-  exec(compile(tree, str(path), "exec"), module.__dict__)
+  # dont_inherit: this module's `from __future__ import annotations` must not turn the
+  # loaded module's annotations into strings (pydantic and dataclasses read them)
+  exec(compile(tree, str(path), "exec", dont_inherit=True), module.__dict__)
 
 
 def _path(name: str) -> pathlib.Path:

@@ -284,16 +284,26 @@ def _split(args: Sequence[Any], counts: Sequence[int]) -> list[list[Any]]:
 load_p = Primitive("masked_load")
 
 
+def _traced_slice_start(transforms: Sequence[Any]) -> bool:
+  """Whether a slice among `transforms` starts at a position known only at run time."""
+  return any(isinstance(i, internals.Slice) and not _static(i.start)
+             for t in transforms if isinstance(t, internals.NDIndexer) for i in t.indices)
+
+
 def load(ref: Any, idx: Any = None, *, mask: Any = None, other: Any = None,
          cache_modifier: str | None = None, eviction_policy: str | None = None,
          volatile: bool = False, memory_space: Any = None) -> jax.Array:
-  """Reads `ref[idx]`; where `mask` is False the result is `other` (out-of-bounds safe)."""
+  """Reads `ref[idx]`; where `mask` is False the result is `other` (out-of-bounds safe).
+
+  Without a mask, a window at a start known only at run time that reaches past the
+  ref is not moved back inside it (as `ref[pl.ds(start, n)]` is, following JAX): its
+  rows inside the ref are where a GPU's load puts them, those outside read zero."""
   del cache_modifier, eviction_policy, volatile, memory_space  # hints for GPU backends
   base, transforms = _as_transformed(ref, idx)
-  if mask is None:
+  if mask is None and not _traced_slice_start(transforms):
     return _ref_view(base, transforms)[...]
   shape, dtype = _view_shape_dtype(jax.typeof(base), transforms)
-  mask = jnp.broadcast_to(jnp.asarray(mask, jnp.bool_), shape)
+  mask = jnp.broadcast_to(jnp.asarray(True if mask is None else mask, jnp.bool_), shape)
   extra = [mask]
   if other is not None:
     extra.append(jnp.broadcast_to(jnp.asarray(other, dtype), shape))
@@ -337,17 +347,21 @@ store_p = Primitive("masked_store")
 store_p.multiple_results = True
 
 
-def store(ref: Any, idx: Any, value: Any = None, *, mask: Any = None,
+def store(ref: Any, idx: Any, val: Any = None, *, mask: Any = None,
           eviction_policy: str | None = None, memory_space: Any = None) -> None:
-  """Writes `value` to `ref[idx]` where `mask` is True (masked-out writes never happen)."""
+  """Writes `val` to `ref[idx]` where `mask` is True (masked-out writes never happen).
+
+  Without a mask, a window at a start known only at run time that reaches past the
+  ref is not moved back inside it: its rows inside the ref land where a GPU's store
+  puts them, those outside are dropped (checking mode reports them)."""
   del eviction_policy, memory_space
   base, transforms = _as_transformed(ref, idx)
   shape, dtype = _view_shape_dtype(jax.typeof(base), transforms)
-  value = jnp.broadcast_to(jnp.asarray(value, dtype), shape)
-  if mask is None:
+  value = jnp.broadcast_to(jnp.asarray(val, dtype), shape)
+  if mask is None and not _traced_slice_start(transforms):
     _ref_view(base, transforms)[...] = value
     return
-  mask = jnp.broadcast_to(jnp.asarray(mask, jnp.bool_), shape)
+  mask = jnp.broadcast_to(jnp.asarray(True if mask is None else mask, jnp.bool_), shape)
   flat, tree = jax.tree_util.tree_flatten(transforms)
   store_p.bind(base, *flat, value, mask, tree=tree)
 

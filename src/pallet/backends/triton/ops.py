@@ -837,15 +837,26 @@ def input_precision(precision: Any, a: Value, b: Value) -> str | None:
   return _PRECISIONS.get(best, "ieee")
 
 
-def _check_dot_algorithm(gen, precision: Any) -> None:
-  """Dot algorithms other than a float32 input precision (which convert operands to
-  other types and accumulate in them) are refused rather than approximated."""
+# 16-bit algorithms: the dot Triton makes of two operands of that dtype already (what
+# GPU kernels pass for bf16 or fp16 inputs, as JAX's Triton lowering takes them).
+_SIXTEEN_BIT_ALGORITHMS = {"BF16_BF16_F32": "bfloat16", "BF16_BF16_BF16": "bfloat16",
+                           "F16_F16_F32": "float16", "F16_F16_F16": "float16"}
+
+
+def _check_dot_algorithm(gen, precision: Any, a: Any, b: Any) -> None:
+  """Dot algorithms other than a float32 input precision, or a 16-bit one on operands
+  of that dtype (which would convert operands to other types and accumulate in them),
+  are refused rather than approximated."""
   name = getattr(precision, "name", None)
   if isinstance(precision, tuple) or name is None or name == "DEFAULT":
     return
+  sixteen = _SIXTEEN_BIT_ALGORITHMS.get(name)
+  if sixteen is not None and a.dtype.name == sixteen and b.dtype.name == sixteen:
+    return
   if name not in _ALGORITHM_PRECISIONS:
-    gen.fail(f"a dot with the algorithm {name} (the Triton backend takes the float32 "
-             f"algorithms {sorted(_ALGORITHM_PRECISIONS)}, or a lax.Precision)")
+    gen.fail(f"a dot with the algorithm {name} of {a.dtype.name} x {b.dtype.name} (the "
+             f"Triton backend takes the float32 algorithms {sorted(_ALGORITHM_PRECISIONS)}, "
+             f"the 16-bit ones on operands of that dtype, or a lax.Precision)")
 
 
 # What tl.dot multiplies on tensor cores: two operands of one of these dtypes, or any
@@ -888,7 +899,7 @@ def _dot_general(gen, eqn, a, b):
     gen.fail(f"dot_general with dimension numbers {eqn.params['dimension_numbers']}: "
              f"the Triton backend contracts one dimension, with at most one batch dimension")
   precision = eqn.params.get("precision")
-  _check_dot_algorithm(gen, precision)
+  _check_dot_algorithm(gen, precision, a, b)
   wanted = dot_operand_dtypes(a.dtype, b.dtype, dtype)
   if any(np.issubdtype(d, np.unsignedinteger) for d in wanted):
     gen.fail(f"a dot of unsigned integers ({a.dtype} x {b.dtype}; Triton's dot takes "
