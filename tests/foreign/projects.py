@@ -191,7 +191,7 @@ PEER_VARIABLE = "PALLET_FOREIGN_ON_JAX_PALLAS"
 def _execute(module: types.ModuleType, path: pathlib.Path) -> None:
   if os.environ.get(PEER_VARIABLE):
     module.__file__ = str(path)
-    exec(compile(path.read_text(), str(path), "exec"), module.__dict__)
+    exec(compile(path.read_text(), str(path), "exec", dont_inherit=True), module.__dict__)
   else:
     jax_ops.exec_routed(module, path)
 
