@@ -223,11 +223,24 @@ def _describe_window(dtype: Any, window: dynamic_views.Window) -> str:
   return f"{jnp.dtype(dtype).name}[{', '.join(dims)}]"
 
 
-def check_dynamic_copy(src: Any, src_t: Any, dst: Any, dst_t: Any,
-                       api: str = "make_async_copy") -> None:
-  """A copy whose size is known at run time (local, or remote with `api`
-  "make_async_remote_copy"): both ends must agree in rank and dtype, static sizes now,
-  run-time sizes when the copy starts (a mismatch fails the kernel)."""
+def check_copy_ends(src: Any, src_t: Any, dst: Any, dst_t: Any,
+                    api: str = "make_async_copy") -> None:
+  """The two ends of a copy (local, or remote with `api` "make_async_remote_copy") must
+  have the same shape and dtype: an error now, or for sizes known only at run time, a
+  check when the copy starts."""
+  if dynamic_views.has_dynamic_size(src_t) or dynamic_views.has_dynamic_size(dst_t):
+    _check_dynamic_copy(src, src_t, dst, dst_t, api)
+    return
+  src_aval = primitives.view_aval(jax.typeof(src), src_t)
+  dst_aval = primitives.view_aval(jax.typeof(dst), dst_t)
+  if src_aval.shape != dst_aval.shape or src_aval.dtype != dst_aval.dtype:
+    raise PalletError(f"{api} in {kernel_site()}: source {src_aval.str_short()} and "
+                      f"destination {dst_aval.str_short()} must have the same shape and dtype")
+
+
+def _check_dynamic_copy(src: Any, src_t: Any, dst: Any, dst_t: Any, api: str) -> None:
+  """Both ends of a copy whose size is known at run time must agree in rank and dtype,
+  static sizes now, run-time sizes when the copy starts (a mismatch fails the kernel)."""
   src_w = _dynamic_window(src, src_t, f"{api}(...).start()", "the source")
   dst_w = _dynamic_window(dst, dst_t, f"{api}(...).start()", "the destination")
   src_dtype, dst_dtype = jax.typeof(src).dtype, jax.typeof(dst).dtype
@@ -278,15 +291,7 @@ class AsyncCopyDescriptor:
     shared_sem = src_sem is not None and src_sem is sem
     if shared_sem:
       src_sem = None
-    if dynamic_views.has_dynamic_size(src_t) or dynamic_views.has_dynamic_size(dst_t):
-      check_dynamic_copy(src, src_t, dst, dst_t)
-    else:
-      src_aval = primitives.view_aval(jax.typeof(src), src_t)
-      dst_aval = primitives.view_aval(jax.typeof(dst), dst_t)
-      if src_aval.shape != dst_aval.shape or src_aval.dtype != dst_aval.dtype:
-        raise PalletError(f"make_async_copy in {kernel_site()}: source {src_aval.str_short()} "
-                          f"and destination {dst_aval.str_short()} must have the same shape "
-                          f"and dtype")
+    check_copy_ends(src, src_t, dst, dst_t)
     flat, tree = jax.tree_util.tree_flatten(
         (src, src_t, dst, dst_t, sem, sem_t, src_sem, src_sem_t))
     dma_start_p.bind(*flat, tree=tree, add=add, shared_sem=shared_sem)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.extend.core import Literal, Primitive, jaxprs_in_params, subjaxprs
 
 from pallet import _internals as internals
-from pallet.core import checks, device_ids, dma, dynamic_views, primitives
+from pallet.core import checks, device_ids, dma, primitives
 from pallet.errors import PalletError
 from pallet.core.refs_select import SelectedRef
 
@@ -120,15 +120,7 @@ class RemoteCopyDescriptor(dma.AsyncCopyDescriptor):
     dst, dst_t = primitives.ref_and_transforms(self.dst_ref)
     recv, recv_t = dma.semaphore_view(self.dst_sem, api)
     send, send_t = dma.semaphore_view(self.src_sem, api)
-    if dynamic_views.has_dynamic_size(src_t) or dynamic_views.has_dynamic_size(dst_t):
-      dma.check_dynamic_copy(src, src_t, dst, dst_t, "make_async_remote_copy")
-    else:
-      src_aval = primitives.view_aval(jax.typeof(src), src_t)
-      dst_aval = primitives.view_aval(jax.typeof(dst), dst_t)
-      if src_aval.shape != dst_aval.shape or src_aval.dtype != dst_aval.dtype:
-        raise PalletError(f"make_async_remote_copy in {site}: source "
-                          f"{src_aval.str_short()} and destination {dst_aval.str_short()} "
-                          f"must have the same shape and dtype")
+    dma.check_copy_ends(src, src_t, dst, dst_t, "make_async_remote_copy")
     target = device_ids.normalize(self.device_id, self.device_id_type,
                                   "make_async_remote_copy", site)
     shared_sem = send is recv
