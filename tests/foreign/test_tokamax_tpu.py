@@ -11,14 +11,9 @@ How the kernels are reached on a CPU:
   autotuning cache through `importlib.resources`, which a routed checkout does not
   provide; the tests run under tokamax's own `ignore_autotuning_cache(True)`, so the
   heuristics (which read pallet's TPU v5e `get_tpu_info`) pick the config.
-- tokamax's configs are pydantic dataclasses: their annotations must be real objects,
-  so the modules are compiled without inheriting `from __future__ import annotations`
-  from the loader (pallet/bench/jax_ops.py compiles routed modules with the loader's
-  own future flags; patched here while loading).
 """
 from __future__ import annotations
 
-import builtins
 import contextlib
 import functools
 from unittest import mock
@@ -28,7 +23,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallet.bench import jax_ops
 from tests.foreign import projects
 
 HI = jax.lax.Precision.HIGHEST
@@ -36,10 +30,7 @@ T = "tokamax._src."
 
 
 def _load(dotted):
-  with mock.patch.object(jax_ops, "compile",
-                         functools.partial(builtins.compile, dont_inherit=True),
-                         create=True):
-    return projects.load(dotted)
+  return projects.load(dotted)
 
 
 @contextlib.contextmanager
