@@ -165,25 +165,33 @@ def test_input_blocks_at_data_positions_vectorize():
   assert_close(jax.jit(call)(perm, x), 2 * x.reshape(4, 4, 8)[perm].reshape(16, 8))
 
 
-def test_aliased_input_at_data_positions_reads_the_input_values():
-  # o aliases x and program i reads x block perm[i], which another program writes: a
-  # blocked input is a copy of the input's values (docs/semantics.md, section 5), so
-  # the programs are still independent and vectorize.
+def test_aliased_input_at_data_positions_sees_earlier_writes():
+  # o aliases x and program i reads x block perm[i], which another program writes: the
+  # two share one buffer (docs/semantics.md, section 5), so with block positions known
+  # only at run time the grid runs in order and matches JAX's TPU interpreter.
   def kernel(perm_ref, x_ref, o_ref):
     o_ref[...] = x_ref[...] + 1
 
-  def call(perm, x):
+  def call(perm, x, pl=pl, pltpu=pltpu, **interpret):
     spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1, grid=(4,),
         in_specs=[pl.BlockSpec((4, 8), lambda i, perm: (perm[i], 0))],
         out_specs=pl.BlockSpec((4, 8), lambda i, perm: (i, 0)))
     return pl.pallas_call(kernel, grid_spec=spec, out_shape=jax.ShapeDtypeStruct(x.shape, f32),
-                          input_output_aliases={1: 0})(perm, x)
+                          input_output_aliases={1: 0}, **interpret)(perm, x)
 
+  from jax.experimental import pallas as jpl
+  from jax.experimental.pallas import tpu as jpltpu
   perm = jnp.asarray([3, 0, 0, 2], jnp.int32)
   x = random_array((16, 8))
-  assert _plan(call, perm, x).vectorized == [0]
-  assert_close(jax.jit(call)(perm, x), (x.reshape(4, 4, 8)[perm] + 1).reshape(16, 8))
+  plan = _plan(call, perm, x)
+  assert plan.vectorized == [] and plan.shared_reads == ((0, 0),)
+  theirs = call(perm, x, pl=jpl, pltpu=jpltpu, interpret=jpltpu.InterpretParams())
+  assert_close(jax.jit(call)(perm, x), theirs)
+  # the hardware's answer, by hand: step 1 fetches block 0 after step 0 wrote it, step 2
+  # keeps that block (same position), step 3 fetches block 2 after step 2 wrote it
+  x3 = x.reshape(4, 4, 8)[3]
+  assert_close(theirs, jnp.concatenate([x3 + 1, x3 + 2, x3 + 2, x3 + 3]))
 
 
 def test_kernel_writing_its_prefetch_loops_the_grid():

@@ -276,18 +276,18 @@ def _axes_plan(kernel: KernelDescription, unbatchable: str | None) -> ExecutionP
       [lo for lo, _ in op.pad], np.int64)
   shared = aliased_reads.shared_pairs(kernel, [unpadded(op) for op in inputs],
                                       [unpadded(op) for op in outputs])
+  if gm.dynamic_axes:
+    reasons.append(f"axes {list(gm.dynamic_axes)} have sizes computed at run time: the grid "
+                   f"runs as one loop with a traced trip count, index maps evaluated per step")
   if shared:
     reasons.append(f"aliased (input, output) pairs {list(shared)} share one buffer and a "
                    f"step may read an input block an earlier step wrote as output: every "
                    f"axis runs as one loop in grid order, outputs stored every step, those "
                    f"inputs read from the outputs' buffers")
+  if gm.dynamic_axes or shared:
     plan = looped(list(range(G)), resident=False)
     plan.shared_reads = shared
     return plan
-  if gm.dynamic_axes:
-    reasons.append(f"axes {list(gm.dynamic_axes)} have sizes computed at run time: the grid "
-                   f"runs as one loop with a traced trip count, index maps evaluated per step")
-    return looped(list(range(G)), resident=False)
   data_blocks = _data_blocks_loop_everything(kernel, outputs)
   if data_blocks is not None:
     reasons.append(f"index maps read scalar-prefetch operands and {data_blocks}: "
