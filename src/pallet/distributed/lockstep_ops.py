@@ -84,19 +84,19 @@ def _copy_discharge(in_avals, out_avals, *args, n_refs, roles, tree, add):
   src_t, dst_t, recv_t, send_t = jax.tree_util.tree_unflatten(tree, leaves)
   src, dst, recv, send = roles
   if dynamic_views.has_dynamic_size(src_t) or dynamic_views.has_dynamic_size(dst_t):
-    arrivals, sizes = _dynamic_arrivals(refs[src], src_t, refs[dst], dst_t, add)
+    arrive = _dynamic_arrival(refs[src], src_t, refs[dst], dst_t, add)
   else:
     data = jax.vmap(ref_views.read)(refs[src], src_t)      # every sender's view, read first
     size = math.prod(data.shape[1:])
-    arrivals = lambda d, stack, to, on: _updated(stack, to, _at(dst_t, d), (
-        (lambda old: (old + data[d]).astype(old.dtype)) if add else
-        (lambda old: data[d].astype(old.dtype))), on)
-    sizes = lambda d, stack, to: size
+
+    def arrive(d, stack, to, on):
+      land = ((lambda old: (old + data[d]).astype(old.dtype)) if add else
+              (lambda old: data[d].astype(old.dtype)))
+      return _updated(stack, to, _at(dst_t, d), land, on), size
 
   def one_sender(d, stacks):
     stacks, on, to = list(stacks), mask[d], target[d]
-    size = sizes(d, stacks[dst], to)
-    stacks[dst] = arrivals(d, stacks[dst], to, on)
+    stacks[dst], size = arrive(d, stacks[dst], to, on)
     stacks[recv] = _updated(stacks[recv], to, _at(recv_t, d), lambda c: c + size, on)
     if send is not None:
       stacks[send] = _updated(stacks[send], d, _at(send_t, d), lambda c: c + size, on)
@@ -106,11 +106,12 @@ def _copy_discharge(in_avals, out_avals, *args, n_refs, roles, tree, add):
   return tuple(stacks) + (None,) * (len(args) - n_refs), []
 
 
-def _dynamic_arrivals(src_stack: jax.Array, src_t: Any, dst_stack: jax.Array, dst_t: Any,
-                      add: bool) -> tuple[Any, Any]:
+def _dynamic_arrival(src_stack: jax.Array, src_t: Any, dst_stack: jax.Array, dst_t: Any,
+                     add: bool) -> Any:
   """A copy whose views have a size known at run time (`pl.ds(start, n)`, per device):
-  (how sender d's data lands on its target, how many elements it moves), as the local
-  DMA's masked copy over static bounds (pallet/core/dynamic_views.py)."""
+  `arrive(d, stack, to, on)` lands sender d's data on its target and says how many
+  elements it moved, as the local DMA's masked copy over static bounds
+  (pallet/core/dynamic_views.py)."""
   src_bounds = dynamic_views.window(src_stack.shape[1:], _at(src_t, 0)).view_bounds
   dst_bounds = dynamic_views.window(dst_stack.shape[1:], _at(dst_t, 0)).view_bounds
   bounds = [min(a, b) for a, b in zip(src_bounds, dst_bounds)]
@@ -120,18 +121,15 @@ def _dynamic_arrivals(src_stack: jax.Array, src_t: Any, dst_stack: jax.Array, ds
     return dynamic_views.read(x, w, bounds), [jnp.asarray(s, jnp.int32) for s in w.view_sizes]
   data, src_sizes = jax.vmap(read)(src_stack, src_t)     # every sender's view, read first
 
-  def counts(d, stack, to):
-    w = dynamic_views.window(stack.shape[1:], _at(dst_t, d))
-    return w, [dynamic_views.smallest(s[d], n, b)
-               for s, n, b in zip(src_sizes, w.view_sizes, bounds)]
-
-  def arrivals(d, stack, to, on):
+  def arrive(d, stack, to, on):
     current = lax.dynamic_index_in_dim(stack, to, 0, keepdims=False)
-    w, n = counts(d, stack, to)
-    new = dynamic_views.write(current, w, bounds, n, data[d], add=add)
-    return lax.dynamic_update_index_in_dim(stack, jnp.where(on, new, current), to, 0)
-
-  return arrivals, lambda d, stack, to: dynamic_views.product(counts(d, stack, to)[1])
+    w = dynamic_views.window(current.shape, _at(dst_t, d))
+    counts = [dynamic_views.smallest(s[d], n, b)
+              for s, n, b in zip(src_sizes, w.view_sizes, bounds)]
+    new = dynamic_views.write(current, w, bounds, counts, data[d], add=add)
+    return (lax.dynamic_update_index_in_dim(stack, jnp.where(on, new, current), to, 0),
+            dynamic_views.product(counts))
+  return arrive
 
 
 # ------------------------------------------------------------------ signals
