@@ -71,3 +71,24 @@ def test_plan_says_why_it_loops():
   # an in-place update that never reads an earlier step's block keeps its plan
   same = jax.make_jaxpr(_call(pl, pltpu, MAPS[0], MAPS[0], False))(acc, x)
   assert make_plan(same.jaxpr.eqns[0].params["kernel"]).shared_reads == ()
+
+
+def test_blocks_of_different_shapes_match_jax_tpu_interpreter():
+  """Input blocks of 16 rows over output blocks of 8: overlaps compared pairwise."""
+  from jax.experimental import pallas as jpl
+  from jax.experimental.pallas import tpu as jpltpu
+
+  def call(pl, pltpu, **interpret):
+    def kernel(acc_ref, o_ref):
+      o_ref[...] = acc_ref[pl.ds(0, 8), :] * 0.5 + pl.program_id(0).astype(jnp.float32)
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((64, 128), jnp.float32), grid=(6,),
+        in_specs=[pl.BlockSpec((16, 128), lambda i: ((i + 1) % 4, 0))],
+        out_specs=pl.BlockSpec((8, 128), lambda i: (i, 0)), input_output_aliases={0: 0},
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)), **interpret)
+
+  x = random_array((64, 128))
+  from pallet.backends.xla.plan import make_plan
+  kernel = jax.make_jaxpr(call(pl, pltpu))(x).jaxpr.eqns[0].params["kernel"]
+  assert make_plan(kernel).shared_reads == ((0, 0),)
+  assert_close(call(pl, pltpu)(x), call(jpl, jpltpu, interpret=jpltpu.InterpretParams())(x))

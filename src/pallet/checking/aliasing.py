@@ -24,13 +24,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from pallet.core import checks
+from pallet.core import checks, grid_analysis
 from pallet import _internals as internals
 from pallet.checking import coverage
 from pallet.core.tracing import KernelDescription
-
-_MAX_PAIRS = 1 << 24    # steps x steps compared at most, for blocks of different shapes
-
 
 def whole_pairs(kernel: KernelDescription) -> tuple[tuple[int, int], ...]:
   """(input, output) aliased pairs that the kernel sees whole on both sides."""
@@ -109,11 +106,9 @@ def _first_hazard(bi, bo, ti, to, reads, writes, grid, parallel) -> tuple[int, i
         if p != q and ((p < q and _stale(p, int(q), ti, to)) or par[p] != par[q]):
           return int(q), p
     return None
-  if n * n > _MAX_PAIRS:
+  overlap = grid_analysis.window_overlaps(*_windows(bi, ti), *_windows(bo, to))
+  if overlap is None:
     return None
-  (si, zi), (so, zo) = _windows(bi, ti), _windows(bo, to)
-  overlap = np.all((si[:, None, :] < so[None, :, :] + zo[None, :, :])
-                   & (so[None, :, :] < si[:, None, :] + zi[:, None, :]), axis=-1)
   q_ids, p_ids = np.meshgrid(np.arange(n), np.arange(n), indexing="ij")
   hazard = (overlap & reads[:, None] & writes[None, :] & (q_ids != p_ids)
             & ((p_ids < q_ids) | (par[p_ids] != par[q_ids])))

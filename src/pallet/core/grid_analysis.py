@@ -745,3 +745,18 @@ def _reads_inputs(jaxpr: Any, first: int) -> bool:
     if any(is_var(v) and v in tainted for v in eqn.invars):
       tainted.update(eqn.outvars)
   return any(is_var(v) and v in tainted for v in jaxpr.outvars)
+
+
+# (step, step) pairs `window_overlaps` compares at most
+MAX_WINDOW_PAIRS = 1 << 24
+
+
+def window_overlaps(starts_a: np.ndarray, sizes_a: np.ndarray, starts_b: np.ndarray,
+                    sizes_b: np.ndarray) -> np.ndarray | None:
+  """(n_a, n_b) bool: whether window p of `a` and window q of `b` share an element
+  (per window, a start and a size for each array dimension); None where there are
+  more than MAX_WINDOW_PAIRS pairs to compare."""
+  if len(starts_a) * len(starts_b) > MAX_WINDOW_PAIRS:
+    return None
+  return np.all((starts_a[:, None, :] < starts_b[None, :, :] + sizes_b[None, :, :])
+                & (starts_b[None, :, :] < starts_a[:, None, :] + sizes_a[:, None, :]), axis=-1)

@@ -20,11 +20,9 @@ from __future__ import annotations
 import numpy as np
 
 from pallet import _internals as internals
+from pallet.core import grid_analysis
 from pallet.core.grid_mapping import BlockMapping
 from pallet.core.tracing import KernelDescription
-
-_MAX_PAIRS = 1 << 24   # (step, step) pairs compared at most for blocks of different shapes
-
 
 def shared_pairs(kernel: KernelDescription, in_tables: list[np.ndarray | None],
                  out_tables: list[np.ndarray | None]) -> tuple[tuple[int, int], ...]:
@@ -57,10 +55,9 @@ def _reads_earlier_writes(bi: BlockMapping, bo: BlockMapping, ti: np.ndarray,
     for t in range(n):
       first_write.setdefault(tuple(so[t]), t)
     return any(first_write.get(tuple(si[s]), n) < s for s in range(n))
-  if n * n > _MAX_PAIRS:
+  sizes = lambda m: np.broadcast_to(np.array([d.size for d in m.dims], np.int64),
+                                    (n, len(m.dims)))
+  overlap = grid_analysis.window_overlaps(si, sizes(bi), so, sizes(bo))
+  if overlap is None:
     return True   # too many to compare: assume it does (the plan stays correct)
-  zi = np.array([d.size for d in bi.dims], np.int64)
-  zo = np.array([d.size for d in bo.dims], np.int64)
-  overlap = np.all((si[:, None, :] < so[None, :, :] + zo)
-                   & (so[None, :, :] < si[:, None, :] + zi), axis=-1)
   return bool(np.any(np.tril(overlap, k=-1)))
