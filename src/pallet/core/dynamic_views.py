@@ -123,8 +123,9 @@ def window(shape: Sequence[Any], transforms: Sequence[Any] | None) -> Window | N
         return None
       seen = seen[:kept] + list(new)
       starts = starts[:kept] + [0] * len(new)
-      sizes, bounds, requested = seen[:], bounds[:kept] + list(new), requested[:kept] + list(new)
-      sizes[:kept] = [1] * kept
+      sizes = sizes[:kept] + list(new)           # dimensions ..kept: 1 (scalar indices)
+      bounds = bounds[:kept] + list(new)
+      requested = requested[:kept] + list(new)
       visible = list(range(kept, len(seen)))
       continue
     if not isinstance(t, internals.NDIndexer) or len(t.indices) != len(visible):
