@@ -255,6 +255,8 @@ def _check_dynamic_copy(src: Any, src_t: Any, dst: Any, dst_t: Any, api: str) ->
         raise PalletError(f"{api} in {kernel_site()}: {shapes} must have the "
                           f"same shape and dtype")
       continue
+    if a is b:   # the same run-time value at both ends (`pl.ds(i, n)` to `pl.ds(j, n)`)
+      continue
     checks.check(jnp.asarray(a, jnp.int32) == jnp.asarray(b, jnp.int32),
                  f"{api} in {kernel_site()}: {shapes} differ in size along "
                  f"dimension {axis} when the copy starts; expected the same size at both "

@@ -180,10 +180,11 @@ def read(x: Any, w: Window, bounds: Sequence[int]) -> Any:
   i of the window; positions past the window's size hold other elements of `x`."""
   slab_starts, slab_sizes, shifts = _slab(w, bounds)
   x = lax.reshape(x, w.shape) if x.shape != w.shape else x
-  slab = lax.dynamic_slice(x, [_i32(s) for s in slab_starts], slab_sizes)
+  slab = lax.dynamic_slice(x, [_i32(s) for s in slab_starts], slab_sizes,
+                           allow_negative_indices=False)
   slab = lax.reshape(slab, tuple(bounds))
   for axis, shift in shifts.items():
-    slab = _roll(slab, lax.neg(_i32(shift)), axis)
+    slab = _rotate_left(slab, shift, axis)
   return slab
 
 
@@ -195,12 +196,13 @@ def write(x: Any, w: Window, bounds: Sequence[int], counts: Sequence[Size], valu
   slab_starts, slab_sizes, shifts = _slab(w, bounds)
   starts = [_i32(s) for s in slab_starts]
   x = lax.reshape(x, w.shape) if x.shape != w.shape else x
-  old = lax.reshape(lax.dynamic_slice(x, starts, slab_sizes), tuple(bounds))
+  old = lax.reshape(lax.dynamic_slice(x, starts, slab_sizes, allow_negative_indices=False),
+                    tuple(bounds))
   value = lax.convert_element_type(value, x.dtype)
   mask = None
   for axis, (bound, count) in enumerate(zip(bounds, counts)):
     if axis in shifts:
-      value = _roll(value, shifts[axis], axis)
+      value = _rotate_right(value, shifts[axis], axis)
     elif is_static(count) and count == bound:
       continue
     position = lax.broadcasted_iota(np.int32, tuple(bounds), axis)
@@ -211,7 +213,8 @@ def write(x: Any, w: Window, bounds: Sequence[int], counts: Sequence[Size], valu
   new = lax.add(old, value) if add else value
   if mask is not None:
     new = lax.select(mask, new, old)
-  x = lax.dynamic_update_slice(x, lax.reshape(new, tuple(slab_sizes)), starts)
+  x = lax.dynamic_update_slice(x, lax.reshape(new, tuple(slab_sizes)), starts,
+                               allow_negative_indices=False)
   return lax.reshape(x, w.base_shape) if x.shape != w.base_shape else x
 
 
@@ -240,13 +243,23 @@ def _slab(w: Window, bounds: Sequence[int]) -> tuple[list[Size], list[int], dict
   return starts, sizes, shifts
 
 
-def _roll(x: Any, shift: Any, axis: int) -> Any:
-  """`x` rotated by `shift` positions along `axis` (position i gets x[i - shift])."""
+def _rotate_left(x: Any, shift: Any, axis: int) -> Any:
+  """`x` rotated along `axis` so that position i gets x[i + shift], for a `shift` in
+  [0, n) (a window's offset in its slab)."""
   n = x.shape[axis]
   if n == 0:
     return x
-  begin = lax.rem(lax.add(lax.rem(lax.neg(shift), _i32(n)), _i32(n)), _i32(n))
-  return lax.dynamic_slice_in_dim(lax.concatenate([x, x], axis), begin, n, axis)
+  return lax.dynamic_slice_in_dim(lax.concatenate([x, x], axis), shift, n, axis,
+                                  allow_negative_indices=False)
+
+
+def _rotate_right(x: Any, shift: Any, axis: int) -> Any:
+  """The inverse of `_rotate_left`: position i gets x[i - shift], `shift` in [0, n)."""
+  n = x.shape[axis]
+  if n == 0:
+    return x
+  return lax.dynamic_slice_in_dim(lax.concatenate([x, x], axis), lax.sub(_i32(n), shift),
+                                  n, axis, allow_negative_indices=False)
 
 
 def _fitted(start: Any, extent: Size, size: Size) -> Size:
