@@ -88,7 +88,7 @@ def test_static_index_pass_traces_only_where_a_rewrite_can_fire(monkeypatch):
 
 
 def test_scratch_kernel_outside_the_accumulator_pattern_is_discharged_once(monkeypatch):
-  from pallet import _internals as internals
+  from pallet.core import discharge
   from pallet.core import trace_cache
 
   def matmul(x, y):
@@ -111,8 +111,8 @@ def test_scratch_kernel_outside_the_accumulator_pattern_is_discharged_once(monke
   trace_cache.clear()
   kernel = _kernel_of(matmul, x, y)
   discharged = []
-  real = internals.discharge_state
-  monkeypatch.setattr(internals, "discharge_state",
+  real = discharge.discharge_state
+  monkeypatch.setattr(discharge, "discharge_state",
                       lambda j: discharged.append(j is kernel.jaxpr) or real(j))
   xy = x @ y
   blocks = xy.reshape(2, 8, 2, 8).sum(axis=(1, 3))

@@ -8,7 +8,6 @@ is a one-file change. Supported: jax 0.10.2 and 0.12.x.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
 from typing import Any, Callable, Iterator, Sequence
 
@@ -78,80 +77,58 @@ _STRIPS_MEMORY_SPACES = "strip_memory_space" in inspect.signature(
     _discharge.discharge_state).parameters
 
 
-def discharge_state(closed_jaxpr: Any) -> Any:
+def discharge_state(closed_jaxpr: Any, *, load: Callable | None = None,
+                    store: Callable | None = None) -> Any:
   """Pure version of a jaxpr over refs: ref inputs become values, final values are appended.
 
   Memory spaces are dropped from the values (where JAX can): a ref a kernel made with
   `jax.empty_ref(ty, pltpu.VMEM)` would otherwise become a value whose type names a
   memory space JAX's primitives refuse; on the CPU every memory space is one memory.
-  Loads with stride 0 are discharged as broadcasts (`_get_with_broadcasts`)."""
-  with _get_rule(_get_with_broadcasts):
+
+  `load(x, transforms)` -> view and `store(x, transforms, value)` -> (old view, new x)
+  replace JAX's discharge of a ref's loads and stores while this runs (JAX's own rules
+  are restored afterwards, so JAX's Pallas behaves as it does without pallet); each
+  returns None to leave an access to JAX's rule.
+  pallet's meaning of such accesses is in pallet/core/discharge.py."""
+  with _state_rules(load, store):
     if _STRIPS_MEMORY_SPACES:
       return _discharge.discharge_state(closed_jaxpr, strip_memory_space=True)
     return _discharge.discharge_state(closed_jaxpr)
 
 
-# A load `ref[pl.ds(i, n, 0)]` reads element i n times: a TPU kernel's sublane
-# broadcast (a scale row repeated over 8 sublanes). JAX's discharge of `get` slices
-# with that stride and fails (division by zero); pallet discharges such a load as
-# a read of element i, broadcast. Only while pallet discharges: JAX's own rule is
-# restored afterwards, so JAX's Pallas behaves as it does without pallet.
-_JAX_GET_RULE = _discharge._discharge_rules[_state_primitives.get_p]
-
-
 @contextlib.contextmanager
-def _get_rule(rule: Callable) -> Iterator[None]:
+def _state_rules(load: Callable | None, store: Callable | None) -> Iterator[None]:
+  """JAX's discharge rules of get and swap replaced by adapters calling `load` and
+  `store`; the rules' leading arguments differ between JAX versions, then come the
+  ref's value, the stored value (swap) and the flat transforms."""
   rules = _discharge._discharge_rules
-  previous = rules[_state_primitives.get_p]
-  rules[_state_primitives.get_p] = rule
+  prims = (_state_primitives.get_p, _state_primitives.swap_p)
+  previous = {p: rules[p] for p in prims}
+
+  def adapter(prim: Any, fn: Callable, n_values: int) -> Callable:
+    jax_rule = previous[prim]
+
+    def rule(*args: Any, tree: Any) -> Any:
+      n = tree.num_leaves
+      first = len(args) - n - n_values
+      transforms = jax.tree_util.tree_unflatten(tree, args[len(args) - n:])
+      x, *value = args[first:len(args) - n]
+      out = fn(x, transforms, *value)
+      if out is None:
+        return jax_rule(*args, tree=tree)
+      if prim is _state_primitives.get_p:
+        return (None,) * (n + 1), out
+      old, new_x = out
+      return (new_x, None) + (None,) * n, old
+    return rule
+
+  for prim, fn, n_values in zip(prims, (load, store), (1, 2)):
+    if fn is not None:
+      rules[prim] = adapter(prim, fn, n_values)
   try:
     yield
   finally:
-    rules[_state_primitives.get_p] = previous
-
-
-def _get_with_broadcasts(*args: Any, tree: Any) -> Any:
-  """JAX's `get` discharge rule (whose leading arguments differ between versions, then
-  the ref and its flat transforms), with the stride-0 slices of the last indexer read
-  once and broadcast."""
-  n = tree.num_leaves
-  head, x, flat = args[:len(args) - n - 1], args[len(args) - n - 1], args[len(args) - n:]
-  once = _read_once(jax.tree_util.tree_unflatten(tree, flat))
-  if once is None:
-    return _JAX_GET_RULE(*args, tree=tree)
-  transforms, repeats = once
-  new_flat, new_tree = jax.tree_util.tree_flatten(transforms)
-  _, y = _JAX_GET_RULE(*head, x, *new_flat, tree=new_tree)
-  for axis, size in repeats:
-    shape = list(y.shape)
-    shape[axis] = size
-    y = jax.lax.broadcast_in_dim(y, tuple(shape), tuple(range(y.ndim)))
-  return (None,) * (n + 1), y
-
-
-def _read_once(transforms: Any) -> tuple[Any, list[tuple[int, int]]] | None:
-  """(`transforms` with every stride-0 slice of their last indexer made a one-element
-  slice, [(axis of the result, repeats)]), or None where there is no such slice (or
-  integer-array indices reorder the result's axes)."""
-  last = transforms[-1] if transforms else None
-  if not isinstance(last, NDIndexer) or not any(
-      isinstance(i, Slice) and isinstance(i.stride, int) and i.stride == 0
-      for i in last.indices):
-    return None
-  indices, repeats, axis = [], [], 0
-  for i in last.indices:
-    if isinstance(i, Slice):
-      if i.stride == 0:
-        indices.append(Slice(i.start, 1, 1))
-        repeats.append((axis, i.size))
-      else:
-        indices.append(i)
-      axis += 1
-    elif jax.numpy.shape(i) == ():
-      indices.append(i)
-    else:
-      return None
-  return (*transforms[:-1], dataclasses.replace(last, indices=tuple(indices))), repeats
+    rules.update(previous)
 
 
 def with_leading_inputs(closed_jaxpr: Any, avals: Sequence[Any],

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallet import _internals as internals
-from pallet.core import checks
+from pallet.core import checks, discharge
 from pallet.checking import report
 from pallet.core.grid_mapping import BlockMapping
 from pallet.core.tracing import KernelDescription
@@ -91,7 +91,7 @@ def check_at_run_time(kernel: KernelDescription, names: Sequence[str],
   coords = jnp.asarray(np.indices(gm.grid).reshape(len(gm.grid), gm.num_steps).astype(np.int32))
   reports = []
   for name, b in _mappings(kernel, names):
-    pure = internals.discharge_state(b.index_map)
+    pure = discharge.discharge_state(b.index_map)
     n_idx = len(b.array_shape)
 
     def at(*ids, pure=pure):

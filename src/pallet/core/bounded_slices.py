@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallet import _internals as internals
-from pallet.core import checks
+from pallet.core import checks, discharge
 from pallet.core import grid_eval
 from pallet.core.grid_mapping import BlockMapping
 from pallet.core.tracing import KernelDescription
@@ -91,7 +91,7 @@ def check(kernel: KernelDescription, prefetch: Sequence[Any]) -> None:
 
 def _sizes(size_map: Any, coords: Any, prefetch: Sequence[Any]) -> list[Any]:
   """The traced sizes at every grid step, with JAX: one (num_steps,) array each."""
-  pure = internals.discharge_state(size_map)
+  pure = discharge.discharge_state(size_map)
   n_sizes = len(size_map.jaxpr.outvars)
 
   def at(*ids):   # the discharged jaxpr also returns the prefetch refs' final values

@@ -47,7 +47,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Literal
 
 from pallet import _internals as internals
-from pallet.core import grid_eval, trace_cache, tracebacks
+from pallet.core import discharge, grid_eval, trace_cache, tracebacks
 from pallet.core.dma import uses_dmas
 from pallet.core.grid_mapping import BlockMapping
 from pallet.core.tracing import KernelDescription
@@ -727,7 +727,7 @@ def block_table(mapping: BlockMapping, grid: tuple[int, ...]) -> np.ndarray | No
   values = grid_eval.values_over_grid(im.jaxpr, im.consts, im.jaxpr.outvars[:ndim], grid)
   if values is not None:
     return np.stack([v.astype(np.int64) for v in values], -1)
-  pure = internals.discharge_state(im) if n_prefetch else im
+  pure = discharge.discharge_state(im) if n_prefetch else im
   avals = [getattr(v.aval, "inner_aval", v.aval) for v in im.jaxpr.invars[len(grid):]]
   dummies = [jnp.zeros(a.shape, a.dtype) for a in avals]
   coords = np.indices(grid).reshape(len(grid), n).astype(np.int32)

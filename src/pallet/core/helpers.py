@@ -19,7 +19,7 @@ import numpy as np
 from jax import lax
 
 from pallet import _internals as internals
-from pallet.core import checks, primitives
+from pallet.core import checks, discharge, primitives
 from pallet.core.specs import CostEstimate, ScratchShape
 
 
@@ -166,7 +166,7 @@ def run_state(f: Callable[[Any], None]) -> Callable[[Any], Any]:
       f(jax.tree_util.tree_unflatten(tree, refs))
       return []
     closed = jax.make_jaxpr(stateful)(*avals)
-    pure = internals.discharge_state(closed)
+    pure = discharge.discharge_state(closed)
     finals = jax.core.eval_jaxpr(pure.jaxpr, pure.consts, *leaves)
     return jax.tree_util.tree_unflatten(tree, finals)
   return pure

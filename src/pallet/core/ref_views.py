@@ -44,6 +44,14 @@ def write(x: Any, transforms: Sequence[Any] | None, value: Any) -> Any:
   return _write_window(x, window, value)
 
 
+def swap(x: Any, transforms: Sequence[Any] | None, value: Any) -> tuple[Any, Any]:
+  """(the view's old value, `x` with `value` written there), as a store returns them."""
+  window = _window(x.shape, transforms)
+  if window is None:
+    return internals.transform_swap_array(x, transforms, value)
+  return _read_window(x, window), _write_window(x, window, value)
+
+
 def update(x: Any, transforms: Sequence[Any] | None, fn: Callable[[Any], Any]) -> Any:
   """`x` with the view `transforms` look at replaced by `fn(view)`: the window (and a
   traced start's arithmetic) is worked out once for the read and the write."""

@@ -16,6 +16,7 @@ import jax
 from jax.extend.core import Primitive
 
 from pallet import _internals as internals
+from pallet.core import discharge
 
 scoped_region_p = Primitive("pallet_scoped_region")
 scoped_region_p.multiple_results = True
@@ -59,7 +60,7 @@ def _impl(*args: Any, jaxpr: Any) -> list:
 @internals.register_discharge_rule(scoped_region_p)
 def _discharge(in_avals, out_avals, *args, jaxpr):
   """The region's pure form: its jaxpr discharged, the final value of every ref input."""
-  pure = internals.discharge_state(jax.extend.core.ClosedJaxpr(jaxpr, []))
+  pure = discharge.discharge_state(jax.extend.core.ClosedJaxpr(jaxpr, []))
   finals = iter(jax.core.eval_jaxpr(pure.jaxpr, pure.consts, *args))
   return [next(finals) if isinstance(a, internals.AbstractRef) else None
           for a in in_avals], []

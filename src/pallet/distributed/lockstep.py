@@ -43,7 +43,7 @@ from jax import lax
 from jax.extend.core import ClosedJaxpr, Jaxpr, jaxprs_in_params
 
 from pallet import _internals as internals
-from pallet.core import checks, dma, dynamic_views, ref_views, trace_cache
+from pallet.core import checks, discharge, dma, dynamic_views, ref_views, trace_cache
 from pallet.distributed import lockstep_ops, lockstep_schedule, remote
 from pallet.core.grid_mapping import BlockDimension
 from pallet.errors import PalletError
@@ -234,7 +234,7 @@ class _Lockstep:
     prim, params = eqn.primitive, eqn.params
     avals = [v.aval for v in eqn.invars]
     one = jax.make_jaxpr(lambda *a: prim.bind(*a, **params))(*avals)
-    pure = internals.discharge_state(one)
+    pure = discharge.discharge_state(one)
     ref_pos = [i for i, v in enumerate(ins) if isinstance(v, _Ref)]
     wholes = {i: ins[i].ref[...] for i in ref_pos}
     values = [wholes[i] if i in wholes else ins[i].x for i in range(len(ins))]

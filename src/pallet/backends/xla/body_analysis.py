@@ -26,7 +26,7 @@ import numpy as np
 from jax.extend.core import Literal
 
 from pallet import _internals as internals
-from pallet.core import grid_eval, primitives, trace_cache
+from pallet.core import discharge, grid_eval, primitives, trace_cache
 from pallet.core.grid_analysis import apply_equation, is_var as _is_var
 from pallet.core.tracing import KernelDescription
 
@@ -372,7 +372,7 @@ def discharged(kernel: KernelDescription) -> Any:
   """The kernel's pure (state-discharged) jaxpr. Discharging traces every
   equation's rule, so the analyses and the emitted body share one per kernel;
   atomics whose results nothing reads discharge to plain scatters."""
-  return internals.discharge_state(primitives.unread_atomics_as_updates(kernel.jaxpr))
+  return discharge.discharge_state(primitives.unread_atomics_as_updates(kernel.jaxpr))
 
 
 def trip_count_axes(jaxpr: Any, num_axes: int) -> frozenset[int]:

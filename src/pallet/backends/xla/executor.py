@@ -18,8 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallet import _internals as internals
-from pallet.core import array_ops, checks
+from pallet.core import array_ops, checks, discharge
 from pallet.backends.xla.plan import ExecutionPlan, OperandPlan, element_scale, make_plan
 from pallet.backends.xla import (body_analysis, bounded_loops, literal_folding,
                                  replicated_scratch, widening)
@@ -281,7 +280,7 @@ def _unravel(flat: Any, axes: Sequence[int], sizes: Sequence[int]) -> dict[int, 
 def _start_fn(op: OperandPlan, prefetch: Sequence[Any]) -> Callable:
   """`ids -> (ndim,) int32` element starts in the padded array, index map run on data."""
   m = op.mapping
-  pure = internals.discharge_state(m.index_map)
+  pure = discharge.discharge_state(m.index_map)
   ndim = len(m.array_shape)
   factor, shift = element_scale(m)
   offset = np.array([lo for lo, _ in op.pad], np.int64) - shift
