@@ -225,6 +225,29 @@ def test_load_with_mask_and_other():
   assert_close(out[13:], jnp.full((3,), -7.0))
 
 
+def test_load_and_store_with_one_mask_for_a_whole_row():
+  """A scalar condition as the mask of a row (the row before a block, absent for the
+  first): Triton's interpreter once held such a broadcast mask as integers."""
+  from pallet import triton as plgpu
+  rows, lanes, block = 32, 16, 8
+
+  def kernel(x_ref, o_ref, p_ref):
+    i = jnp.minimum(pl.program_id(0), pl.num_programs(0) - 1)
+    row = i * block - 1
+    inside = (row >= 0) & (row < rows)
+    o_ref[0, :] = plgpu.load(x_ref.at[row, :], mask=inside, other=-3.0)
+    p_ref[0, :] = jnp.full((lanes,), 5.0, f32)
+    plgpu.store(p_ref.at[0, :], x_ref[row, :], mask=inside)
+
+  x = random_array((rows, lanes))
+  out, put = pallas_call(kernel, grid=(rows // block,),
+                         out_specs=[pl.BlockSpec((1, lanes), lambda i: (i, 0))] * 2,
+                         out_shape=[jax.ShapeDtypeStruct((rows // block, lanes), f32)] * 2)(x)
+  before = x[block - 1::block][:rows // block - 1]
+  assert_close(out, jnp.concatenate([jnp.full((1, lanes), -3.0), before]))
+  assert_close(put, jnp.concatenate([jnp.full((1, lanes), 5.0), before]))
+
+
 def test_load_without_other_and_without_mask():
   def kernel(x_ref, a_ref, b_ref):
     a_ref[...] = pl.load(x_ref, (slice(None),))

@@ -115,8 +115,9 @@ def test_inline_assembly_is_a_clear_error_under_the_interpreter():
         result_shape_dtypes=[sds(x)])
 
   with pytest.raises(Exception, match=r"asm_kernel.*inline GPU assembly under Triton's "
-                                      r"interpreter"):
+                                      r"interpreter") as refused:
     jax.block_until_ready(call(asm_kernel, sds(x), True)(x))
+  assert "XLA backend runs it" not in str(refused.value)   # it refuses inline assembly too
 
 
 _SHARDED_SCRIPT = """

@@ -208,10 +208,12 @@ class KernelGenerator:
         return f"{src[0]}:{src[1]}"
     return self.kernel.source
 
-  def fail(self, what: str) -> None:
+  def fail(self, what: str, *, xla_runs_it: bool = True) -> None:
+    """Refuses the equation being generated; `xla_runs_it=False` where the XLA backend
+    refuses it too (the message would otherwise point there)."""
     prim = self.eqn.primitive.name if self.eqn is not None else "kernel"
     elsewhere = ""
-    if self.eqn is not None and internals.runs_on_cpu(self.eqn.primitive):
+    if xla_runs_it and self.eqn is not None and internals.runs_on_cpu(self.eqn.primitive):
       elsewhere = "; the XLA backend runs it (backend=\"xla\", the default without a GPU)"
     raise TritonLoweringError(
         f"pallet Triton backend: kernel '{self.kernel.name}' ({self.kernel.source}) at "

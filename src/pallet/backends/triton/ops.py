@@ -346,7 +346,8 @@ def _inline_asm(gen, eqn, *args):
   """pallet.triton.elementwise_inline_asm: the assembly, as Triton's inline asm."""
   if generating_for_interpreter():
     gen.fail("inline GPU assembly under Triton's interpreter (it runs only in kernels "
-             "compiled for a GPU)")
+             "compiled for a GPU; no CPU backend runs it: write the operation with "
+             "jax.numpy there)", xla_runs_it=False)
   outs = [_out(eqn, i) for i in range(len(eqn.outvars))]
   dtypes = [tl_dtype(d) for _, d in outs]
   dtype = dtypes[0] if len(dtypes) == 1 else f"({', '.join(dtypes)},)"
@@ -398,7 +399,17 @@ def _broadcast_in_dim(gen, eqn, x):
     squeezed = [x.tensor_shape[i] for i in keep]
     expr = f"tl.reshape({expr}, {squeezed})"
   expr = _expand_to_rank(expr, len(shape), [dims[i] for i in keep])
-  return [gen.let("broadcast", f"tl.broadcast_to({expr}, {tshape})", shape, dtype)]
+  return [gen.let("broadcast", _splat(f"tl.broadcast_to({expr}, {tshape})", x), shape, dtype)]
+
+
+def _splat(expr: str, x: Value) -> str:
+  """`expr`, a broadcast of `x`. Triton's interpreter gives a comparison of scalars the
+  operands' type, so a boolean scalar broadcast to a block holds integers there, which
+  its masked loads and stores refuse ("mask has unsupported dtype"); a comparison of
+  the block makes it boolean again."""
+  if generating_for_interpreter() and not x.shape and is_bool(x.dtype):
+    return f"({expr} != 0)"
+  return expr
 
 
 def _reshape(gen, x: Value, shape: tuple[int, ...], what: str) -> Value:
@@ -411,7 +422,7 @@ def _reshape(gen, x: Value, shape: tuple[int, ...], what: str) -> Value:
   tshape = list(Value("", shape, dtype).tensor_shape)
   if not x.shape:
     # Triton cannot reshape a scalar; broadcasting it gives the all-ones shape.
-    return gen.let(what, f"tl.broadcast_to({x.expr}, {tshape})", shape, dtype)
+    return gen.let(what, _splat(f"tl.broadcast_to({x.expr}, {tshape})", x), shape, dtype)
   if not tshape:
     # A one-element tensor to a scalar.
     return gen.let(what, f"tl.sum(tl.reshape({x.expr}, [1]), axis=0)", shape, dtype)
