@@ -622,3 +622,31 @@ def test_copy_started_in_one_call_and_waited_in_another(interpret):
   out = pl.pallas_call(done, out_shape=sds(x), in_specs=[ANY, ANY, sem_spec], out_specs=ANY,
                        input_output_aliases={1: 0}, interpret=interpret)(x2, out, sem)
   assert_close(out, x)
+
+
+@xla_only("operands in host memory")
+def test_a_copy_into_an_operand_in_host_memory():
+  """A DMA from device memory into an operand placed in host memory (`pl.HOST`, a
+  `pinned_host` array aliased to the output), as KV-cache offloading kernels do."""
+  def kernel(src_ref, host_in, host_out):
+    del host_in
+
+    def body(sem):
+      pltpu.async_copy(src_ref, host_out, sem).wait()
+    pl.run_scoped(body, pltpu.SemaphoreType.DMA)
+
+  device = jax.devices()[0]
+  x = random_array((8, 128))
+  on_host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+  dest = jax.device_put(jnp.zeros_like(x), on_host)
+
+  def copy(src, dst):
+    return pl.pallas_call(kernel, in_specs=[pl.BlockSpec(memory_space=pl.ANY),
+                                            pl.BlockSpec(memory_space=pl.HOST)],
+                          out_specs=pl.BlockSpec(memory_space=pl.HOST),
+                          input_output_aliases={1: 0},
+                          out_shape=jax.ShapeDtypeStruct(dst.shape, dst.dtype))(src, dst)
+
+  y = jax.jit(copy, out_shardings=on_host)(x, dest)
+  assert y.sharding.memory_kind == "pinned_host"
+  assert_close(y, x)

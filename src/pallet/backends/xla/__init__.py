@@ -120,4 +120,18 @@ def plan_of(kernel: KernelDescription) -> ExecutionPlan:
 
 def lower(ctx: Any, *args: Any, kernel: KernelDescription, interpret: bool) -> list:
   del interpret  # the XLA backend is what interpret mode means on the CPU
-  return mlir.lower_fun(kernel_as_function(kernel), multiple_results=True)(ctx, *args)
+  fn = kernel_as_function(kernel)
+  on_host = [getattr(a, "memory_space", None) == jax.memory.Space.Host for a in ctx.avals_in]
+  if any(on_host):
+    fn = _moved_to_device(fn, on_host)
+  return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+
+
+def _moved_to_device(fn: Callable, on_host: list[bool]) -> Callable:
+  """`fn` reading operands that live in host memory (`memory_kind="pinned_host"`, a
+  kernel's `pl.HOST` operand) from device memory: one memory on the CPU, but XLA's
+  ops refuse operands of two memory spaces."""
+  def moved(*args):
+    return fn(*(jax.device_put(a, jax.memory.Space.Device) if host else a
+                for a, host in zip(args, on_host)))
+  return moved
