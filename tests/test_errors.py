@@ -553,3 +553,26 @@ def test_float64_inputs_follow_jax_x64_setting(x64):
     want = jnp.asarray(x) + 1
   assert out.dtype == want.dtype == (jnp.float64 if x64 else jnp.float32)
   assert_close(out, want)
+
+
+@pytest.mark.parametrize("which", ["tpu.sync_copy", "program_id"])
+def test_calling_jax_pallas_inside_a_pallet_kernel_names_the_line(which):
+  """A leftover import of JAX's own Pallas in a kernel pallet runs: its primitives would
+  fail deep inside pallet's analyses; the error names the call instead."""
+  from jax.experimental import pallas as jpl
+  from jax.experimental.pallas import tpu as jpltpu
+
+  def kernel(x_ref, o_ref):
+    if which == "program_id":
+      o_ref[...] = x_ref[...] + jpl.program_id(0).astype(jnp.float32)
+    else:
+      jpltpu.sync_copy(x_ref, o_ref)   # the line the error names
+
+  x = random_array((8, 128))
+  line = inspect.getsourcelines(kernel)[1] + (2 if which == "program_id" else 4)
+  with pytest.raises(pl.PalletError, match=rf"kernel 'kernel' .* at .*test_errors\.py:{line} "
+                                           r"calls JAX's own Pallas .*import it from pallet"):
+    pallas_call(kernel, out_shape=sds(x), grid=(1,))(x)
+  # pallet's own API in the same process is unaffected
+  assert_close(pallas_call(lambda x_ref, o_ref: pltpu.sync_copy(x_ref, o_ref),
+                           out_shape=sds(x))(x), x)

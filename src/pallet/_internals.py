@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
@@ -252,6 +253,28 @@ def equation_source(eqn: Any) -> tuple[str, int] | None:
     if not _from_pallet(frame.file_name):
       return frame.file_name, frame.start_line
   return None
+
+
+_JAX_PALLAS = ("jax._src.pallas", "jax.experimental.pallas")
+_jax_pallas_primitives: dict[frozenset[str], frozenset[Any]] = {}
+
+
+def jax_pallas_primitives() -> frozenset[Any]:
+  """The primitives JAX's own Pallas defines, among the modules this process has loaded
+  (none unless the program imported `jax.experimental.pallas`): a kernel pallet traces
+  that binds one called JAX's Pallas where it meant pallet. Read from the loaded
+  modules, never imported; JAX primitives its modules merely import are left out."""
+  loaded = frozenset(n for n in list(sys.modules) if n.startswith(_JAX_PALLAS))
+  if loaded not in _jax_pallas_primitives:
+    def primitives_of(names):
+      return {v for n in names if (m := sys.modules.get(n)) is not None
+              for v in list(vars(m).values()) if isinstance(v, _core.Primitive)}
+    elsewhere = [n for n in list(sys.modules)
+                 if n.startswith("jax") and not n.startswith(_JAX_PALLAS)]
+    _jax_pallas_primitives.clear()
+    _jax_pallas_primitives[loaded] = frozenset(
+        primitives_of(loaded) - primitives_of(elsewhere)) if loaded else frozenset()
+  return _jax_pallas_primitives[loaded]
 
 
 def equation_from_pallet(eqn: Any) -> bool:

@@ -40,6 +40,10 @@ ROUTES = {
     _PALLAS + ".mosaic_gpu": "pallet.mosaic_gpu",
     _PALLAS + ".tpu_sc": "pallet.tpu_sc",
     _PALLAS + ".fuser": "pallet.fuser",
+    # JAX's private TPU modules that some projects import kernel functions from
+    # (`sync_copy`, `to_pallas_key`); JAX's other private modules are imported as they are
+    "jax._src.pallas.mosaic.helpers": "pallet.tpu",
+    "jax._src.pallas.mosaic.random": "pallet.tpu.random",
 }
 _PRNG = "jax._src.random.prng"
 # Loaded modules are registered under this package name (never under jax's own).
@@ -117,7 +121,7 @@ def _route_import(dotted: str, attribute: str | None) -> Any:
     if attribute is not None and _path(f"{rel}/{attribute}").exists():
       return load(f"{rel}/{attribute}")
     module = load(rel)
-  elif dotted.startswith((_PALLAS + ".", "jax._src.pallas")):
+  elif dotted.startswith(_PALLAS + "."):
     raise ImportError(f"{dotted} is JAX's Pallas, which pallet does not run on and has "
                       "no route for (ROUTES in pallet/bench/jax_ops.py)")
   else:

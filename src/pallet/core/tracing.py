@@ -14,6 +14,8 @@ Python function.
 from __future__ import annotations
 
 import dataclasses
+import os
+import traceback
 from typing import Any, Callable
 
 import jax
@@ -25,6 +27,7 @@ from pallet.core import primitives
 from pallet.core.grid_mapping import (GridMapping, function_source, kernel_parameter_names,
                                       user_function)
 from pallet.errors import PalletError
+from pallet.core.tracebacks import is_pallet_file
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -87,9 +90,14 @@ def trace_kernel(kernel: Callable, name: str, grid_mapping: GridMapping,
       try:
         positional, keywords = jax.tree_util.tree_unflatten(kernel_args_tree, refs)
         result = kernel(*positional, **keywords)
-      except (ValueError, AssertionError) as e:
+      except Exception as e:  # noqa: BLE001 - re-raised unless JAX's Pallas raised it
         # Caught here, inside the trace, where the traceback still holds JAX's frames
         # (they show which ref the failing operation was applied to).
+        called = _jax_pallas_call_site(e)
+        if called is not None:
+          raise _jax_pallas_error(name, source, called, "a function") from e
+        if not isinstance(e, (ValueError, AssertionError)):
+          raise
         error = kernel_errors.translate(e, kernel=name, source=source, refs=refs,
                                         labels=_ref_labels(gm, kernel, kernel_args_tree))
         if error is None:
@@ -108,9 +116,53 @@ def trace_kernel(kernel: Callable, name: str, grid_mapping: GridMapping,
         f"Python needs a concrete one: a slice bound (write pl.ds(start, size) for a "
         f"dynamic slice), an `if` (use pl.when or lax.cond) or a Python loop bound (use "
         f"lax.fori_loop)") from e
+  _refuse_jax_pallas(jaxpr.jaxpr, name, source)
   return KernelDescription(name=name, jaxpr=jaxpr, grid_mapping=gm,
                            ref_names=_ref_names(kernel, kernel_args_tree, len(ref_avals)),
                            **description_fields)
+
+
+def _refuse_jax_pallas(jaxpr: Any, name: str, source: str) -> None:
+  """A kernel that calls JAX's own Pallas (a leftover `from jax.experimental.pallas import
+  tpu as pltpu`, a helper imported from JAX's private modules) binds primitives pallet
+  does not know, which fail far from the user's line; say so where the call is."""
+  foreign = internals.jax_pallas_primitives()
+  if not foreign:
+    return
+  for eqn in jaxpr.eqns:
+    if eqn.primitive in foreign:
+      where = internals.equation_source(eqn)
+      raise _jax_pallas_error(name, source, f"{where[0]}:{where[1]}" if where else None,
+                              f"primitive '{eqn.primitive.name}'")
+  for sub in jax.extend.core.subjaxprs(jaxpr):
+    _refuse_jax_pallas(sub, name, source)
+
+
+def _jax_pallas_error(name: str, source: str, where: str | None, what: str) -> PalletError:
+  at = f" at {where}" if where else ""
+  return PalletError(
+      f"kernel '{name}' ({source}){at} calls JAX's own Pallas ({what} of "
+      f"jax.experimental.pallas); a kernel run by pallet uses pallet's API throughout: "
+      f"import it from pallet (`import pallet as pl`, `from pallet import tpu as pltpu`, "
+      f"`from pallet import triton as plgpu`)")
+
+
+_JAX_PALLAS_DIRS = (os.path.join("jax", "_src", "pallas", ""),
+                    os.path.join("jax", "experimental", "pallas", ""))
+_JAX_KERNEL_LIBRARY = os.path.join("jax", "experimental", "pallas", "ops", "")
+
+
+def _jax_pallas_call_site(error: BaseException) -> str | None:
+  """"file:line" of the user's call into JAX's own Pallas that raised `error` (JAX's
+  kernel library, which pallet runs as user code, excepted), or None."""
+  caller = None
+  for frame in traceback.extract_tb(error.__traceback__):
+    path = frame.filename
+    if any(d in path for d in _JAX_PALLAS_DIRS) and _JAX_KERNEL_LIBRARY not in path:
+      return caller
+    if not is_pallet_file(path) and f"{os.sep}jax{os.sep}" not in path:
+      caller = f"{path}:{frame.lineno}"
+  return None
 
 
 def _ref_names(kernel: Callable, kernel_args_tree: Any, n_refs: int) -> tuple[str, ...]:
