@@ -18,7 +18,7 @@ from jax import lax
 
 import pallet as pl
 import pallet.tpu as pltpu
-from helpers import assert_close, random_array
+from helpers import assert_close, random_array, current_test_backend
 
 F32 = jnp.float32
 CHECKED = pl.InterpretParams(detect_races=True, out_of_bounds_reads="raise",
@@ -647,3 +647,31 @@ def test_constants_put_in_rows_past_the_edge_are_no_data(backend):
   m, count = call(x)
   assert_close(m, jnp.max(x[:, :6], axis=1))
   assert int(count.sum()) == int(jnp.sum(x[:, 0] > 0))
+
+
+@pytest.mark.skipif(current_test_backend() != "xla", reason="TPU DMAs run on the XLA backend")
+@pytest.mark.parametrize("wait_first", [False, True])
+def test_a_scoped_buffer_written_while_a_dma_still_copies_from_it(wait_first):
+  """A `run_scoped` buffer copied out by a DMA and refilled before (a race on a TPU,
+  reported) or after (clean) the copy's wait."""
+  def kernel(x_ref, o_hbm):
+    def body(buf, sem):
+      buf[...] = x_ref[...]
+      pltpu.make_async_copy(buf, o_hbm, sem).start()
+      if wait_first:
+        pltpu.make_async_copy(buf, o_hbm, sem).wait()
+      buf[...] = x_ref[...] + 1.0
+      if not wait_first:
+        pltpu.make_async_copy(buf, o_hbm, sem).wait()
+    pl.run_scoped(body, pltpu.VMEM((8, 128), F32), pltpu.SemaphoreType.DMA)
+
+  x = random_array((8, 128))
+  call = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, F32),
+                        out_specs=pl.BlockSpec(memory_space=pltpu.ANY), interpret=CHECKED)
+  if wait_first:
+    assert_close(call(x), x)
+  else:
+    with pytest.raises(pl.KernelCheckError, match=r"race .* 'run_scoped buffer|race .*while a "
+                                                  r"DMA started earlier still copies") as info:
+      jax.block_until_ready(call(x))
+    assert info.value.kind == "race"

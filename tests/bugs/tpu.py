@@ -161,6 +161,46 @@ def dma_started_but_never_waited(bug, **call):
                         **call)
 
 
+@bug_case(kind="race", ref="buf", inputs=lambda: (random_array((128, 8)),),
+          reference=lambda x: 2.0 * x, triton=NO_TRITON_DMA, triton_runs=False)
+def dma_source_overwritten_before_its_wait(bug, **call):
+  """Double-buffered copies out of VMEM: each step fills slot i % 2 and copies it to HBM,
+  waiting for the copy of step i - 2 out of the same slot only after refilling it.
+  Modeled on vllm-project/tpu-inference's gated-delta recurrent scan (its decode loop
+  stores a state slot before waiting for the store DMA of two iterations earlier)."""
+  def kernel(x_ref, o_hbm, buf, sems):
+    i = pl.program_id(0)
+    slot = i % 2
+
+    def copy(step, s):
+      return pltpu.make_async_copy(buf.at[s], o_hbm.at[pl.ds(step * 32, 32)], sems.at[s])
+
+    def wait_two_steps_back():
+      @pl.when(i >= 2)
+      def _():
+        copy(i - 2, slot).wait()
+
+    if not bug:
+      wait_two_steps_back()
+    buf[slot] = 2.0 * x_ref[...]  # BUG: the copy of step i - 2 may still read this slot
+    if bug:
+      wait_two_steps_back()
+    copy(i, slot).start()
+
+    @pl.when(i == pl.num_programs(0) - 1)
+    def _():
+      copy(i - 1, 1 - slot).wait()
+      copy(i, slot).wait()
+
+  return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((128, 8), F32), grid=(4,),
+                        in_specs=[pl.BlockSpec((32, 8), lambda i: (i, 0))],
+                        out_specs=pl.BlockSpec(memory_space=pltpu.ANY),
+                        scratch_shapes=[pltpu.VMEM((2, 32, 8), F32),
+                                        pltpu.SemaphoreType.DMA((2,))],
+                        compiler_params=pltpu.CompilerParams(
+                            dimension_semantics=("arbitrary",)), **call)
+
+
 def _shifted_windows(x):
   return jnp.concatenate([x[min(i * 32 + 1, 96):][:32] for i in range(4)])
 

@@ -42,7 +42,7 @@ from jax.extend.core import Literal
 from pallet import _internals as internals
 from pallet.core import checks
 from pallet.core import primitives
-from pallet.core import dynamic_views
+from pallet.core import dynamic_views, ref_views
 from pallet.checking import bounds, loops, merges, padding, report
 from pallet.checking.options import CheckOptions
 from pallet.core.grid_mapping import BlockDimension, BlockMapping
@@ -79,6 +79,7 @@ class _Ref:
   alias_reads: Any = None   # aliased input seen whole: who wrote each element (step + 1)
   alias_writes: Any = None  # ... and its output, which stamps it
   aliased_to: str = ""
+  sending: Any = None      # which DMA (by its semaphore) still copies from each element
 
 
 def ref_names(kernel: KernelDescription, param_names: Sequence[str] | None) -> list[str]:
@@ -187,6 +188,39 @@ def _walk_reads(jaxpr: Any, refs: dict[Any, int], out: set[int]) -> None:
       _walk_reads(sub, {v: p for v, p in zip(sub.invars, args) if p is not None}, out)
 
 
+def _dma_sources(kernel: KernelDescription) -> tuple[int, ...]:
+  """Scratch buffers (by position among the scratch) that a local DMA copies from."""
+  jaxpr, gm = kernel.jaxpr.jaxpr, kernel.grid_mapping
+  first_scratch = len(jaxpr.invars) - len(gm.scratch_avals)
+  found: set[int] = set()
+  _walk_dma_sources(jaxpr, {v: i for i, v in enumerate(jaxpr.invars)}, found)
+  return tuple(sorted(i - first_scratch for i in found if i >= first_scratch))
+
+
+def _copies_from_scoped_buffers(kernel: KernelDescription) -> bool:
+  """Whether a local DMA copies from a buffer the kernel allocates (`pl.run_scoped`)."""
+  jaxpr = kernel.jaxpr.jaxpr
+  found: set[int] = set()
+  _walk_dma_sources(jaxpr, {}, found, allocated=True)
+  return bool(found)
+
+
+def _walk_dma_sources(jaxpr: Any, refs: dict[Any, int], out: set[int],
+                      allocated: bool = False) -> None:
+  """Adds to `out` the positions (in `refs`) of the refs local DMAs copy from; with
+  `allocated`, refs made by `new_ref` in the kernel count too (as -1)."""
+  if allocated:
+    refs = dict(refs)
+    refs.update({eqn.outvars[0]: -1 for eqn in jaxpr.eqns if eqn.primitive.name == "new_ref"})
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dma_start" and not _literal(eqn.invars[0]) \
+        and eqn.invars[0] in refs:
+      out.add(refs[eqn.invars[0]])
+    for sub, args in _sub_jaxprs_mapped(eqn, refs) or ():
+      _walk_dma_sources(sub, {v: p for v, p in zip(sub.invars, args) if p is not None}, out,
+                        allocated)
+
+
 def mixes_atomics(kernel: KernelDescription) -> bool:
   """Whether some ref is both updated atomically and stored into plainly."""
   jaxpr = kernel.jaxpr.jaxpr
@@ -263,6 +297,9 @@ class _Instrumenter:
     self.merges: dict[int, merges.MergeWrite] = {}   # id(equation) -> its merge write
     self.merge_masks: dict[int, Any] = {}            # id(select_n) -> lanes it writes anew
     self._lanes: Any = None   # (transforms, mask, lanes in bounds) of the last masked access
+    self.semaphores: dict[int, int] = {}   # id(semaphore ref) -> its number
+    self.sending_scratch: tuple[int, ...] = ()   # scratch buffers DMAs copy from
+    self.sends_from_scoped_buffers = False       # ... and `run_scoped` buffers
     self.record: Any = None           # this step's row of the failure record
     self.record_has_ids = False       # one row for the whole grid (sizes known at run time)
 
@@ -305,12 +342,12 @@ class _Instrumenter:
   def body(self, layout_counts: tuple[int, ...], *args: Any) -> list:
     gm = self.kernel.grid_mapping
     (n_ids, n_pre, n_in, n_shadow, n_record_in, n_out, n_record, n_scratch,
-     n_sscratch) = layout_counts
+     n_sscratch, n_sending) = layout_counts
     it = iter(args)
     take = lambda n: [next(it) for _ in range(n)]
-    ids, pre, ins, _, _, outs, out_shadows, records, scratch, scratch_shadows = (
+    ids, pre, ins, _, _, outs, out_shadows, records, scratch, scratch_shadows, sending = (
         take(n_ids), take(n_pre), take(n_in), take(n_shadow), take(n_record_in), take(n_out),
-        take(n_shadow), take(n_record), take(n_scratch), take(n_sscratch))
+        take(n_shadow), take(n_record), take(n_scratch), take(n_sscratch), take(n_sending))
     self.ids = ids[:len(gm.grid)]
     if records:
       self.record = records[0]
@@ -343,6 +380,8 @@ class _Instrumenter:
     for k, s in enumerate(self.shadowed_scratch):
       self.refs[id(scratch[s])].shadow = scratch_shadows[k]
       self.refs[id(scratch[s])].scratch = True
+    for k, s in enumerate(self.sending_scratch):
+      self.refs[id(scratch[s])].sending = sending[k]
     self.eval(self.kernel.jaxpr.jaxpr, self.kernel.jaxpr.consts, [*ids, *refs])
     return []
 
@@ -547,6 +586,8 @@ class _Instrumenter:
       return
     if self.guard and mask is not None and self.opts.bounds and self._shadowed(ref):
       mask = self._in_bounds(transforms, mask)
+    if writes:
+      self._check_not_sending(eqn, ref, transforms, mask)
     r = self.info(ref)
     if r is not None and (r.alias_reads is not None or r.alias_writes is not None):
       self._alias_access(eqn, r, transforms, mask, reads, writes)
@@ -781,11 +822,14 @@ class _Instrumenter:
 
   # -- DMAs (TPU kernels) -----------------------------------------------------------
   def _dma_start(self, eqn, ins, producers):
-    src, src_t, dst, dst_t, *_ = jax.tree_util.tree_unflatten(eqn.params["tree"], ins)
+    src, src_t, dst, dst_t, sem, sem_t, *_ = jax.tree_util.tree_unflatten(
+        eqn.params["tree"], ins)
     src_t, dst_t = tuple(src_t or ()), tuple(dst_t or ())
     ok_src = self._bounds(eqn, src, src_t, None, "copies from")
     ok_dst = self._bounds(eqn, dst, dst_t, None, "copies into")
     self._shadow_access(eqn, src, src_t, None, reads=True, writes=False)
+    self._check_not_sending(eqn, dst, dst_t, None, "copies into")
+    self._mark_sending(src, src_t, self._semaphore_code(sem, sem_t))
     r = self.info(dst)
     if r is not None and r.shadow is not None and dynamic_views.has_dynamic_size(dst_t):
       shadow = r.shadow[...]
@@ -801,6 +845,7 @@ class _Instrumenter:
   def _dma_wait(self, eqn, ins, producers):
     ref, ref_t, sem, sem_t = jax.tree_util.tree_unflatten(eqn.params["tree"], ins)
     ref_t = tuple(ref_t or ())
+    self._sent(self._semaphore_code(sem, sem_t))
     r = self.info(ref)
     if r is not None and r.shadow is not None and dynamic_views.has_dynamic_size(ref_t):
       shadow = r.shadow[...]
@@ -814,6 +859,60 @@ class _Instrumenter:
       view[...] = jnp.where(old == self.in_flight, self.stamp, old)
     size = primitives.view_aval(jax.typeof(ref), ref_t).size
     return self._wait(eqn, ins, sem, sem_t, size, "a DMA wait")
+
+  # A DMA reads its source until its wait: a store into the source before then races
+  # with the copy (on a TPU the copy may send the new values). Each element of a
+  # scratch buffer that DMAs copy from holds the code of the semaphore of the copy still
+  # reading it (0: none); a wait on that semaphore ends it.
+  def _semaphore_code(self, sem: Any, sem_t: Any) -> Any:
+    """1 + a number for the semaphore element `sem` seen through `sem_t`, or None."""
+    if not any(r.sending is not None for r in self.refs.values()):
+      return None
+    shape = jnp.shape(sem)
+    number = self.semaphores.setdefault(id(sem), len(self.semaphores))
+    positions = jnp.arange(math.prod(shape), dtype=jnp.int32).reshape(shape)
+    try:
+      flat = ref_views.read(positions, tuple(sem_t or ()))
+    except Exception:  # noqa: BLE001 - a view this check does not follow: no check
+      return None
+    if jnp.shape(flat) != ():
+      return None
+    return 1 + number * (1 << 20) + flat
+
+  def _sending_view(self, ref: Any, transforms: tuple) -> tuple[Any, Any] | None:
+    """(the `sending` buffer of `ref`, its window of `transforms`) or None."""
+    r = self.info(ref)
+    if r is None or r.sending is None or dynamic_views.has_dynamic_size(transforms) \
+        or not bounds.only_indexers(transforms):
+      return None
+    return r, internals.TransformedRef(r.sending, transforms) if transforms else r.sending
+
+  def _mark_sending(self, src: Any, src_t: tuple, code: Any) -> None:
+    found = self._sending_view(src, src_t)
+    if found is not None and code is not None:
+      found[1][...] = jnp.full(found[1].shape, code, jnp.int32)
+
+  def _sent(self, code: Any) -> None:
+    if code is None:
+      return
+    for r in self.refs.values():
+      if r.sending is not None:
+        old = r.sending[...]
+        r.sending[...] = jnp.where(old == code, 0, old)
+
+  def _check_not_sending(self, eqn: Any, ref: Any, transforms: tuple, mask: Any,
+                         what: str = "writes") -> None:
+    found = self._sending_view(ref, transforms)
+    if found is None or self.quiet:
+      return
+    r, view = found
+    pending = view[...] > 0
+    if mask is not None:
+      pending = pending & jnp.broadcast_to(mask, pending.shape)
+    self.check(eqn, "race", ~pending,
+               f"{what} '{r.name}' while a DMA started earlier still copies from it (its "
+               f"wait has not happened): on a TPU the copy may send the new values",
+               r.name)
 
   def _semaphore_wait(self, eqn, ins, producers):
     *flat, value = ins
@@ -844,6 +943,9 @@ class _Instrumenter:
     if self.opts.uninitialized and _poison_fill(eqn.invars[0], producers):
       shadow = jax.new_ref(jnp.zeros(jnp.shape(ins[0]), jnp.int32))
       self.refs[id(ref)] = _Ref(_scoped_name(eqn), shadow, scratch=True)
+    if self.sends_from_scoped_buffers:   # a `run_scoped` buffer a DMA may copy from
+      r = self.refs.setdefault(id(ref), _Ref(_scoped_name(eqn), scratch=True))
+      r.sending = jax.new_ref(jnp.zeros(jnp.shape(ins[0]), jnp.int32))
     return ref
 
   # -- pl.debug_check ---------------------------------------------------------------
@@ -1050,6 +1152,8 @@ def _instrument(kernel: KernelDescription, opts: CheckOptions, names: list[str],
   n_ids = len(gm.grid) + len(gm.dynamic_axes)
   tool = _Instrumenter(kernel, opts, names, parallel, guard, concurrent)
   tool.shadowed_outputs, tool.shadowed_scratch = shadowed_outputs, shadowed_scratch
+  tool.sending_scratch = _dma_sources(kernel) if opts.races else ()
+  tool.sends_from_scoped_buffers = opts.races and _copies_from_scoped_buffers(kernel)
   tool.alias_pairs = alias_pairs
   shadowed_outputs_all = shadowed_outputs + alias_outputs
   n_out_names = names[len(gm.prefetch_avals) + len(gm.inputs):]
@@ -1066,7 +1170,7 @@ def _instrument(kernel: KernelDescription, opts: CheckOptions, names: list[str],
     if record_has_ids:   # one row kept across the grid: starts as the caller's zeros
       record_inputs = (mapping.replace(origin="initial check record"),)
   shadow_scratch = tuple(jax.core.ShapedArray(gm.scratch_avals[s].shape, jnp.int32)
-                         for s in shadowed_scratch)
+                         for s in shadowed_scratch + tool.sending_scratch)
   new_gm = gm.replace(inputs=gm.inputs + shadow_inputs + record_inputs,
                       outputs=gm.outputs + shadow_outputs + record_outputs,
                       scratch_avals=gm.scratch_avals + shadow_scratch)
@@ -1077,7 +1181,7 @@ def _instrument(kernel: KernelDescription, opts: CheckOptions, names: list[str],
   id_avals = [jax.core.ShapedArray((), jnp.int32)] * n_ids
   counts = (n_ids, len(gm.prefetch_avals), len(gm.inputs), len(shadowed_outputs_all),
             len(record_inputs), len(gm.outputs), len(record_outputs), len(gm.scratch_avals),
-            len(shadowed_scratch))
+            len(shadowed_scratch), len(tool.sending_scratch))
   with internals.vma_checks_off():
     jaxpr = jax.make_jaxpr(functools.partial(tool.body, counts))(*id_avals, *ref_avals)
   n_in, n_out = len(gm.inputs), len(gm.outputs)
