@@ -17,6 +17,7 @@ that project skip and say which variable to set:
     PALLET_EJKERNEL_SOURCE=/path/to/ejkernel            (erfanzar/ejkernel)
     PALLET_TOKAMAX_SOURCE=/path/to/tokamax              (openxla/tokamax)
     PALLET_AXLEARN_SOURCE=/path/to/axlearn              (apple/axlearn)
+    PALLET_LEVANTER_SOURCE=/path/to/marin               (marin-community/marin, lib/levanter)
 
 A project's modules are found by an import hook for its top-level package, so the
 kernels' imports of their own helpers work as written. The top-level package's
@@ -64,6 +65,8 @@ PROJECTS = {
                         absent=("jaxtyping",)),
     "tokamax": Project("PALLET_TOKAMAX_SOURCE", "", "openxla/tokamax", absent=("xprof",)),
     "axlearn": Project("PALLET_AXLEARN_SOURCE", "", "apple/axlearn"),
+    "levanter": Project("PALLET_LEVANTER_SOURCE", "lib/levanter/src",
+                        "marin-community/marin (lib/levanter)"),
 }
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import ast
 import importlib
 import pathlib
+import re
 import sys
 import types
 import warnings
@@ -96,7 +97,10 @@ def exec_routed(module: types.ModuleType, path: pathlib.Path) -> None:
   pallet (what `load` does for JAX's kernels; tests use it for other projects' kernels)."""
   module.__file__ = str(path)
   module.__dict__["_route_import"] = _route_import
-  tree = _Router().visit(ast.parse(path.read_text(), str(path)))
+  text = path.read_text()
+  for dotted in set(re.findall(r"\bjax\._src\.pallas(?:\.\w+)+", text)):
+    _import_module_part(dotted)
+  tree = _Router().visit(ast.parse(text, str(path)))
   ast.fix_missing_locations(tree)
   # dont_inherit: this module's `from __future__ import annotations` must not turn the
   # loaded module's annotations into strings (pydantic and dataclasses read them)
@@ -129,6 +133,20 @@ def _route_import(dotted: str, attribute: str | None) -> Any:
     if attribute is not None and not hasattr(module, attribute):
       return importlib.import_module(f"{dotted}.{attribute}")
   return module if attribute is None else getattr(module, attribute)
+
+
+def _import_module_part(dotted: str) -> None:
+  """Imports the longest module `dotted` starts with. Code that names JAX's private
+  Pallas modules as attributes (`jax._src.pallas.mosaic.primitives.AsyncCopyDescriptor`
+  in an annotation) relies on `jax.experimental.pallas.tpu` having imported them, which
+  the routed import no longer does."""
+  parts = dotted.split(".")
+  for n in range(len(parts), 2, -1):
+    try:
+      importlib.import_module(".".join(parts[:n]))
+      return
+    except ImportError:
+      continue
 
 
 def _routed(dotted: str) -> bool:
