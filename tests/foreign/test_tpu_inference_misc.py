@@ -375,8 +375,8 @@ def causal_conv1d_reference(x, state, weight, bias, q_loc, state_indices, n_seqs
   return out, state
 
 
-# B (performance): one 128x128 ragged_causal_conv1d call takes ~250 s on pallet (inside
-# XLA, the kernel's row-by-row unrolled strided loads)
+# Slow: XLA:CPU compiles the kernel's 64 unrolled rows per loop iteration (about 30 s per
+# new shape on a quiet machine; docs/performance.md, "Chained views in one window")
 @pytest.mark.slow
 @pytest.mark.parametrize("lengths,q_loc,n_seqs,decodes,dtype,has_bias", [
     ([256], [0, 128], 1, 0, jnp.float32, True),
