@@ -54,24 +54,18 @@ def _close(actual, expected, atol, rtol=0.0, what=""):
 # fused_cross_entropy_loss.pallas_tpu (forward kernel + backward kernel, custom VJP)
 # ----------------------------------------------------------------------------------
 
-class _FakeTpu:
-  platform = "tpu"
-
-  def __init__(self, kind):
-    self.device_kind = kind
-
-
-class _JaxOnTpu(types.SimpleNamespace):
-  """`jax`, except that it reports a TPU backend of the given kind."""
+class _JaxReporting(types.SimpleNamespace):
+  """`jax`, except that it reports the backend `platform` with one device of `kind`
+  (the kernels' wrappers check them; the kernels run unchanged)."""
 
   def __getattr__(self, name):
     return getattr(jax, name)
 
   def default_backend(self):
-    return "tpu"
+    return self.platform
 
   def devices(self, *args):
-    return [_FakeTpu(self.kind)]
+    return [types.SimpleNamespace(platform=self.platform, device_kind=self.kind)]
 
 
 def _ce_inputs(b, h, v, seed, dtype=jnp.float32):
@@ -107,7 +101,7 @@ def test_fused_cross_entropy_pallas_tpu_value_and_grad(monkeypatch, b, h, v, blo
   kernel = projects.load(K + "fused_cross_entropy_loss.pallas_tpu")
   ref = projects.load(K + "fused_cross_entropy_loss.reference")
   config = projects.load(K + "fused_cross_entropy_loss.config")
-  monkeypatch.setattr(kernel, "jax", _JaxOnTpu(kind=kind))
+  monkeypatch.setattr(kernel, "jax", _JaxReporting(platform="tpu", kind=kind))
   block_sizes = config.BlockSizes(*blocks)
   x, labels, w = _ce_inputs(b, h, v, seed=b + h + v)
   d_loss, d_lse = _normal(1, (b,)), _normal(2, (b,))
