@@ -35,6 +35,7 @@ import importlib.machinery
 import importlib.util
 import os
 import pathlib
+import re
 import sys
 import types
 
@@ -191,12 +192,38 @@ class _RoutedLoader(importlib.abc.Loader):
 PEER_VARIABLE = "PALLET_FOREIGN_ON_JAX_PALLAS"
 
 
+# JAX's private TPU modules that projects import kernel functions from (`sync_copy`,
+# `to_pallas_key`): routed to pallet like the public namespaces. Other private modules
+# (tpu_info, core, utils: plumbing) are imported as they are.
+PRIVATE_ROUTES = {
+    "jax._src.pallas.mosaic.helpers": "pallet.tpu",
+    "jax._src.pallas.mosaic.random": "pallet.tpu.random",
+}
+
+
 def _execute(module: types.ModuleType, path: pathlib.Path) -> None:
   if os.environ.get(PEER_VARIABLE):
     module.__file__ = str(path)
     exec(compile(path.read_text(), str(path), "exec", dont_inherit=True), module.__dict__)
-  else:
-    jax_ops.exec_routed(module, path)
+    return
+  text = path.read_text()
+  for dotted in set(re.findall(r"\bjax\._src\.pallas(?:\.\w+)+", text)):
+    _import_module_part(dotted)
+  jax_ops.exec_routed(module, path, routes={**jax_ops.ROUTES, **PRIVATE_ROUTES})
+
+
+def _import_module_part(dotted: str) -> None:
+  """Imports the longest module `dotted` starts with: code that names JAX's private
+  Pallas modules as attributes (`jax._src.pallas.mosaic.primitives.AsyncCopyDescriptor`
+  in an annotation) relies on `jax.experimental.pallas.tpu` having imported them, which
+  the routed import does not."""
+  parts = dotted.split(".")
+  for n in range(len(parts), 2, -1):
+    try:
+      importlib.import_module(".".join(parts[:n]))
+      return
+    except ImportError:
+      continue
 
 
 class _ProjectFinder(importlib.abc.MetaPathFinder):

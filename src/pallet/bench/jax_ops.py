@@ -20,13 +20,13 @@ and pallet's error messages point into the original file):
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import pathlib
-import re
 import sys
 import types
 import warnings
-from typing import Any
+from typing import Any, Mapping
 
 import jax
 
@@ -41,10 +41,6 @@ ROUTES = {
     _PALLAS + ".mosaic_gpu": "pallet.mosaic_gpu",
     _PALLAS + ".tpu_sc": "pallet.tpu_sc",
     _PALLAS + ".fuser": "pallet.fuser",
-    # JAX's private TPU modules that some projects import kernel functions from
-    # (`sync_copy`, `to_pallas_key`); JAX's other private modules are imported as they are
-    "jax._src.pallas.mosaic.helpers": "pallet.tpu",
-    "jax._src.pallas.mosaic.random": "pallet.tpu.random",
 }
 _PRNG = "jax._src.random.prng"
 # Loaded modules are registered under this package name (never under jax's own).
@@ -92,15 +88,14 @@ def load(name: str) -> types.ModuleType:
   return module
 
 
-def exec_routed(module: types.ModuleType, path: pathlib.Path) -> None:
+def exec_routed(module: types.ModuleType, path: pathlib.Path,
+                routes: Mapping[str, str] = ROUTES) -> None:
   """Executes the Python file `path` as `module`'s code, its Pallas imports routed to
-  pallet (what `load` does for JAX's kernels; tests use it for other projects' kernels)."""
+  pallet (what `load` does for JAX's kernels; tests use it for other projects' kernels,
+  with `routes` for modules of JAX those import besides ROUTES)."""
   module.__file__ = str(path)
-  module.__dict__["_route_import"] = _route_import
-  text = path.read_text()
-  for dotted in set(re.findall(r"\bjax\._src\.pallas(?:\.\w+)+", text)):
-    _import_module_part(dotted)
-  tree = _Router().visit(ast.parse(text, str(path)))
+  module.__dict__["_route_import"] = functools.partial(_route_import, routes=routes)
+  tree = _Router(routes).visit(ast.parse(path.read_text(), str(path)))
   ast.fix_missing_locations(tree)
   # dont_inherit: this module's `from __future__ import annotations` must not turn the
   # loaded module's annotations into strings (pydantic and dataclasses read them)
@@ -112,14 +107,15 @@ def _path(name: str) -> pathlib.Path:
   return file if file.exists() else OPS_DIR / name / "__init__.py"
 
 
-def _route_import(dotted: str, attribute: str | None) -> Any:
+def _route_import(dotted: str, attribute: str | None,
+                  routes: Mapping[str, str] = ROUTES) -> Any:
   """`import dotted` (attribute None) or `from dotted import attribute`, routed."""
   if f"{dotted}.{attribute}" == _PRNG or (attribute is None and dotted == _PRNG):
     return _PrngRegistry()
-  if attribute is not None and f"{dotted}.{attribute}" in ROUTES:
-    return importlib.import_module(ROUTES[f"{dotted}.{attribute}"])
-  if dotted in ROUTES:
-    module = importlib.import_module(ROUTES[dotted])
+  if attribute is not None and f"{dotted}.{attribute}" in routes:
+    return importlib.import_module(routes[f"{dotted}.{attribute}"])
+  if dotted in routes:
+    module = importlib.import_module(routes[dotted])
   elif dotted == _OPS or dotted.startswith(_OPS + "."):
     rel = dotted[len(_OPS) + 1:].replace(".", "/")
     if attribute is not None and _path(f"{rel}/{attribute}").exists():
@@ -135,23 +131,9 @@ def _route_import(dotted: str, attribute: str | None) -> Any:
   return module if attribute is None else getattr(module, attribute)
 
 
-def _import_module_part(dotted: str) -> None:
-  """Imports the longest module `dotted` starts with. Code that names JAX's private
-  Pallas modules as attributes (`jax._src.pallas.mosaic.primitives.AsyncCopyDescriptor`
-  in an annotation) relies on `jax.experimental.pallas.tpu` having imported them, which
-  the routed import no longer does."""
-  parts = dotted.split(".")
-  for n in range(len(parts), 2, -1):
-    try:
-      importlib.import_module(".".join(parts[:n]))
-      return
-    except ImportError:
-      continue
-
-
-def _routed(dotted: str) -> bool:
-  return (dotted in ROUTES or dotted == _OPS or dotted.startswith(_OPS + ".")
-          or any(r.startswith(dotted + ".") for r in (*ROUTES, _PRNG)) or dotted == _PRNG)
+def _routed(dotted: str, routes: Mapping[str, str]) -> bool:
+  return (dotted in routes or dotted == _OPS or dotted.startswith(_OPS + ".")
+          or any(r.startswith(dotted + ".") for r in (*routes, _PRNG)) or dotted == _PRNG)
 
 
 class _PrngRegistry(types.ModuleType):
@@ -172,17 +154,20 @@ class _PrngRegistry(types.ModuleType):
 class _Router(ast.NodeTransformer):
   """Rewrites imports of Pallas namespaces into `_route_import` assignments."""
 
+  def __init__(self, routes: Mapping[str, str]):
+    self.routes = routes
+
   def _assign(self, node: ast.AST, target: str, dotted: str, attribute: str | None):
     call = ast.Call(ast.Name("_route_import", ast.Load()),
                     [ast.Constant(dotted), ast.Constant(attribute)], [])
     return ast.copy_location(ast.Assign([ast.Name(target, ast.Store())], call), node)
 
   def visit_Import(self, node: ast.Import):
-    if not any(_routed(a.name) for a in node.names):
+    if not any(_routed(a.name, self.routes) for a in node.names):
       return node
     out = []
     for a in node.names:
-      if not _routed(a.name):
+      if not _routed(a.name, self.routes):
         out.append(ast.copy_location(ast.Import([a]), node))
       elif a.asname is None:   # `import jax.experimental.pallas` binds `jax`: leave it
         out.append(ast.copy_location(ast.Import([a]), node))
@@ -191,7 +176,7 @@ class _Router(ast.NodeTransformer):
     return out
 
   def visit_ImportFrom(self, node: ast.ImportFrom):
-    if node.level or not node.module or not _routed(node.module):
+    if node.level or not node.module or not _routed(node.module, self.routes):
       return node
     return [self._assign(node, a.asname or a.name, node.module, a.name)
             for a in node.names]
