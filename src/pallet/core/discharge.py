@@ -9,7 +9,10 @@ where pallet departs from JAX's discharge rules, and only in two ways:
   (`ref_views`). JAX applies the views one after another: a store through
   `buf.at[slot][i] = v` (a double-buffered TPU scratch) slices out the whole slot,
   updates it and writes it back, which XLA cannot do in place, so every such store
-  in a loop copied the slot. A single view keeps JAX's rule, which is as short.
+  in a loop copied the slot; and on jaxlib 0.10 XLA folded the nested dynamic slices
+  into one and dropped the first one's clamp, reading the wrong element for a traced
+  start clamped by one view and indexed by the next. A single view keeps JAX's rule,
+  which is as short.
 * A load `ref[pl.ds(i, n, 0)]` reads element i n times (a TPU sublane broadcast: a
   scale row repeated over 8 sublanes). JAX's rule slices with stride 0 and divides by
   zero; here it is a read of element i, broadcast.
