@@ -188,37 +188,27 @@ def _walk_reads(jaxpr: Any, refs: dict[Any, int], out: set[int]) -> None:
       _walk_reads(sub, {v: p for v, p in zip(sub.invars, args) if p is not None}, out)
 
 
-def _dma_sources(kernel: KernelDescription) -> tuple[int, ...]:
-  """Scratch buffers (by position among the scratch) that a local DMA copies from."""
+def _dma_sources(kernel: KernelDescription) -> tuple[tuple[int, ...], bool]:
+  """The scratch buffers (by position among the scratch) that a local DMA copies from,
+  and whether it copies from a buffer the kernel allocates (`pl.run_scoped`)."""
   jaxpr, gm = kernel.jaxpr.jaxpr, kernel.grid_mapping
   first_scratch = len(jaxpr.invars) - len(gm.scratch_avals)
   found: set[int] = set()
   _walk_dma_sources(jaxpr, {v: i for i, v in enumerate(jaxpr.invars)}, found)
-  return tuple(sorted(i - first_scratch for i in found if i >= first_scratch))
+  return tuple(sorted(i - first_scratch for i in found if i >= first_scratch)), -1 in found
 
 
-def _copies_from_scoped_buffers(kernel: KernelDescription) -> bool:
-  """Whether a local DMA copies from a buffer the kernel allocates (`pl.run_scoped`)."""
-  jaxpr = kernel.jaxpr.jaxpr
-  found: set[int] = set()
-  _walk_dma_sources(jaxpr, {}, found, allocated=True)
-  return bool(found)
-
-
-def _walk_dma_sources(jaxpr: Any, refs: dict[Any, int], out: set[int],
-                      allocated: bool = False) -> None:
-  """Adds to `out` the positions (in `refs`) of the refs local DMAs copy from; with
-  `allocated`, refs made by `new_ref` in the kernel count too (as -1)."""
-  if allocated:
-    refs = dict(refs)
-    refs.update({eqn.outvars[0]: -1 for eqn in jaxpr.eqns if eqn.primitive.name == "new_ref"})
+def _walk_dma_sources(jaxpr: Any, refs: dict[Any, int], out: set[int]) -> None:
+  """Adds to `out` the positions (in `refs`) of the refs local DMAs copy from, -1 for
+  refs made by `new_ref` in the kernel."""
+  refs = {**refs, **{eqn.outvars[0]: -1 for eqn in jaxpr.eqns
+                     if eqn.primitive.name == "new_ref"}}
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "dma_start" and not _literal(eqn.invars[0]) \
         and eqn.invars[0] in refs:
       out.add(refs[eqn.invars[0]])
     for sub, args in _sub_jaxprs_mapped(eqn, refs) or ():
-      _walk_dma_sources(sub, {v: p for v, p in zip(sub.invars, args) if p is not None}, out,
-                        allocated)
+      _walk_dma_sources(sub, {v: p for v, p in zip(sub.invars, args) if p is not None}, out)
 
 
 def mixes_atomics(kernel: KernelDescription) -> bool:
@@ -868,13 +858,13 @@ class _Instrumenter:
     """1 + a number for the semaphore element `sem` seen through `sem_t`, or None."""
     if not any(r.sending is not None for r in self.refs.values()):
       return None
+    sem_t = tuple(sem_t or ())
+    if not bounds.only_indexers(sem_t):
+      return None   # a view this check does not follow: no check
     shape = jnp.shape(sem)
     number = self.semaphores.setdefault(id(sem), len(self.semaphores))
     positions = jnp.arange(math.prod(shape), dtype=jnp.int32).reshape(shape)
-    try:
-      flat = ref_views.read(positions, tuple(sem_t or ()))
-    except Exception:  # noqa: BLE001 - a view this check does not follow: no check
-      return None
+    flat = ref_views.read(positions, sem_t)
     if jnp.shape(flat) != ():
       return None
     return 1 + number * (1 << 20) + flat
@@ -1152,8 +1142,8 @@ def _instrument(kernel: KernelDescription, opts: CheckOptions, names: list[str],
   n_ids = len(gm.grid) + len(gm.dynamic_axes)
   tool = _Instrumenter(kernel, opts, names, parallel, guard, concurrent)
   tool.shadowed_outputs, tool.shadowed_scratch = shadowed_outputs, shadowed_scratch
-  tool.sending_scratch = _dma_sources(kernel) if opts.races else ()
-  tool.sends_from_scoped_buffers = opts.races and _copies_from_scoped_buffers(kernel)
+  if opts.races:
+    tool.sending_scratch, tool.sends_from_scoped_buffers = _dma_sources(kernel)
   tool.alias_pairs = alias_pairs
   shadowed_outputs_all = shadowed_outputs + alias_outputs
   n_out_names = names[len(gm.prefetch_avals) + len(gm.inputs):]
