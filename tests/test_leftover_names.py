@@ -35,6 +35,16 @@ def test_host_memory_space_runs_like_any():
   assert pl.HOST is pl.MemorySpace.HOST
 
 
+def test_tpu_host_is_pl_host_for_kernels_written_before_jax_0_12():
+  # JAX 0.12 removed pltpu.HOST (deprecated for pl.HOST since 0.10); pallet keeps it,
+  # as it keeps pltpu.TPUCompilerParams, so older kernels run as written.
+  assert pltpu.HOST is pl.HOST
+  x = random_array((8, 16))
+  out = pallas_call(_copy_kernel, out_shape=sds(x),
+                    in_specs=[pl.BlockSpec(memory_space=pltpu.HOST)])(x)
+  assert_close(out, x)
+
+
 def test_memory_ref_as_scratch_and_in_run_scoped():
   aval = jax.core.ShapedArray((8, 16), f32)
   scratch = pl.MemoryRef(aval, pltpu.VMEM)

@@ -18,6 +18,8 @@ that project skip and say which variable to set:
     PALLET_TOKAMAX_SOURCE=/path/to/tokamax              (openxla/tokamax)
     PALLET_AXLEARN_SOURCE=/path/to/axlearn              (apple/axlearn)
     PALLET_LEVANTER_SOURCE=/path/to/marin               (marin-community/marin, lib/levanter)
+    PALLET_TORCH_XLA_SOURCE=/path/to/xla                (pytorch/xla: its JAX Pallas kernels)
+    PALLET_ALPHAFOLD3_SOURCE=/path/to/alphafold3        (google-deepmind/alphafold3)
 
 A project's modules are found by an import hook for its top-level package, so the
 kernels' imports of their own helpers work as written. The top-level package's
@@ -68,6 +70,8 @@ PROJECTS = {
     "axlearn": Project("PALLET_AXLEARN_SOURCE", "", "apple/axlearn"),
     "levanter": Project("PALLET_LEVANTER_SOURCE", "lib/levanter/src",
                         "marin-community/marin (lib/levanter)"),
+    "torch_xla": Project("PALLET_TORCH_XLA_SOURCE", "", "pytorch/xla", absent=("torch",)),
+    "alphafold3": Project("PALLET_ALPHAFOLD3_SOURCE", "src", "google-deepmind/alphafold3"),
 }
 
 

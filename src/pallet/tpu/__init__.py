@@ -43,6 +43,7 @@ HBM = MemorySpace.HBM
 SEMAPHORE = MemorySpace.SEMAPHORE
 CMEM = MemorySpace.CMEM
 VMEM_SHARED = MemorySpace.VMEM_SHARED
+HOST = MemorySpace.HOST  # `pl.HOST` since JAX 0.10; kernels written before still say pltpu.HOST
 
 
 class TPUMemorySpace:
