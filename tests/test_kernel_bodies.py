@@ -11,6 +11,7 @@ import pytest
 from jax import lax
 
 import pallet as pl
+import pallet.tpu as pltpu
 from helpers import assert_close, pallas_call, random_array, sds
 
 f32 = jnp.float32
@@ -258,3 +259,38 @@ def test_multiple_of_and_max_contiguous_are_identities():
   x = random_array((32,))
   out = pallas_call(kernel, out_shape=sds(x), grid=(4,))(x)
   assert_close(out, x * 2)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.int8])
+@pytest.mark.parametrize("lhs_transposed", [True, False])
+def test_narrow_products_accumulated_wide_over_a_k_axis(dtype, lhs_transposed):
+  """`dot(x.T, y)` of bfloat16 blocks into float32 (int8 into int32), summed in scratch
+  over a k grid axis, as backward kernels compute `dW = x.T @ dy`. Vectorized over the
+  column blocks, the product has a right operand of two free dimensions, which XLA:CPU
+  compiled into a product its runtime refuses for bfloat16; pallet runs it as 2-D."""
+  M, N, K, bm, bn, bk = 16, 68, 48, 16, 32, 16
+  wide = jnp.int32 if dtype == jnp.int8 else f32
+  x = random_array((K, M) if lhs_transposed else (M, K), dtype)
+  y = random_array((K, N), dtype)
+
+  def kernel(x_ref, y_ref, o_ref, acc_ref):
+    @pl.when(pl.program_id(2) == 0)
+    def _():
+      acc_ref[...] = jnp.zeros_like(acc_ref)
+    contract = 0 if lhs_transposed else 1
+    acc_ref[...] += lax.dot_general(x_ref[...], y_ref[...], (((contract,), (0,)), ((), ())),
+                                    preferred_element_type=wide)
+    o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+
+  x_spec = (pl.BlockSpec((bk, bm), lambda j, i, k: (k, i)) if lhs_transposed
+            else pl.BlockSpec((bm, bk), lambda j, i, k: (i, k)))
+  out = pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((M, N), dtype if dtype != jnp.int8 else wide),
+                    grid=(pl.cdiv(N, bn), M // bm, K // bk),
+                    in_specs=[x_spec, pl.BlockSpec((bk, bn), lambda j, i, k: (k, j))],
+                    out_specs=pl.BlockSpec((bm, bn), lambda j, i, k: (i, j)),
+                    scratch_shapes=[pltpu.VMEM((bm, bn), wide)])(x, y)
+  lhs = x.T if lhs_transposed else x
+  expected = jnp.dot(lhs.astype(wide), y.astype(wide),
+                     precision=lax.Precision.HIGHEST).astype(out.dtype)
+  tol = 0 if dtype == jnp.int8 else 3e-2
+  assert_close(out, expected, rtol=tol, atol=tol)

@@ -95,6 +95,27 @@ def differentiable_function(kernel: KernelDescription,
   plan, fn = _planned(kernel)
   if not plan.vectorized or not _binds_dot(kernel):
     return fn
+  return _with_2d_products(kernel, avals)
+
+
+def _lowered_function(kernel: KernelDescription,
+                      avals: tuple[Any, ...]) -> Callable[..., list[Any]]:
+  """What `lower` hands to XLA: `kernel_as_function`, with its products as 2-D products
+  where the kernel multiplies narrow operands into a wider result. XLA:CPU (jaxlib
+  0.10-0.12) compiles `bf16 x bf16 -> f32` contracting the left operand's first
+  dimension with a right operand of more than one free dimension, vmap's form of
+  `dot(x.T, y)` over a grid axis, into a product its runtime refuses ("Unsupported
+  element type for DotThunk::Execute: BF16 x BF16 = F32"); the 2-D form runs. Same
+  numbers; one more trace of the emitted program, for such kernels only."""
+  plan, fn = _planned(kernel)
+  if not (plan.vectorized or plan.merged) or not _binds_widening_dot(kernel):
+    return fn
+  return _with_2d_products(kernel, avals)
+
+
+def _with_2d_products(kernel: KernelDescription,
+                      avals: tuple[Any, ...]) -> Callable[..., list[Any]]:
+  """`kernel_as_function` traced once, its products rewritten by canonical_dots."""
   closed = _emitted_program(kernel, avals)
   if not canonical_dots.needs_rewrite(closed.jaxpr):
     return lambda *args: jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
@@ -112,6 +133,19 @@ def _binds_dot(kernel: KernelDescription) -> bool:
   return _uses_primitive(kernel.jaxpr.jaxpr, ("dot_general",))
 
 
+def _binds_widening_dot(kernel: KernelDescription) -> bool:
+  """Whether the kernel has a product whose result is wider than an operand."""
+  from pallet.backends.xla.plan import subjaxprs
+
+  def walk(jaxpr: Any) -> bool:
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "dot_general" and any(
+          v.aval.dtype != eqn.outvars[0].aval.dtype for v in eqn.invars):
+        return True
+    return any(walk(sub) for sub in subjaxprs(jaxpr))
+  return walk(kernel.jaxpr.jaxpr)
+
+
 def plan_of(kernel: KernelDescription) -> ExecutionPlan:
   plan = _planned(kernel)[0]
   fallback = _fallbacks.get(kernel)
@@ -120,7 +154,7 @@ def plan_of(kernel: KernelDescription) -> ExecutionPlan:
 
 def lower(ctx: Any, *args: Any, kernel: KernelDescription, interpret: bool) -> list:
   del interpret  # the XLA backend is what interpret mode means on the CPU
-  fn = kernel_as_function(kernel)
+  fn = _lowered_function(kernel, tuple(ctx.avals_in))
   on_host = [getattr(a, "memory_space", None) == jax.memory.Space.Host for a in ctx.avals_in]
   if any(on_host):
     fn = _moved_to_device(fn, on_host)

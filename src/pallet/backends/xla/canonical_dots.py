@@ -7,9 +7,16 @@ for `jax.grad` contract over those split dimensions (`f32[8,16,2,64] . f32[8,16,
 contracting {0,1}), which XLA:CPU does not hand to its matrix-multiply library: each
 costs 100-400 ms to compile, against about 15 ms for the same product written
 `x.T @ g` on 2-D arrays. `canonical` rewrites every product whose contracting and
-free dimensions each form one contiguous run per operand (and no batch dimensions)
-as a reshape of each operand to 2-D, a 2-D product and a reshape back: the same
-numbers, bitcasts for XLA, and its derivatives are 2-D products too.
+free dimensions each form one contiguous run per operand, after leading batch
+dimensions (the same positions in both operands), as a reshape of each operand to
+2-D (3-D with the batch dimensions kept in front), a plain product and a reshape
+back: the same numbers, bitcasts for XLA, and its derivatives are plain products too.
+
+The forward program needs the same form where a narrow product is accumulated wide:
+XLA:CPU (jaxlib 0.10-0.12) compiles `bf16 x bf16 -> f32` whose left operand contracts
+before its free dimension and whose right operand has several free dimensions into
+a product its runtime refuses ("Unsupported element type for DotThunk::Execute");
+one free run per operand runs.
 """
 from __future__ import annotations
 
@@ -39,36 +46,40 @@ def _runs(dims: Sequence[int], rank: int) -> tuple[list[int], list[int]] | None:
 
 
 def _plan(eqn: Any) -> tuple | None:
-  """How to run a dot_general equation as a 2-D product, or None (already 2-D-like,
-  batch dimensions, or dimensions not in contiguous runs)."""
+  """How to run a dot_general equation as a plain product, or None (already plain,
+  batch dimensions not leading, or dimensions not in contiguous runs)."""
   if eqn.primitive.name != "dot_general":
     return None
   (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-  if lb or rb:
+  batch = len(lb)
+  if list(lb) != list(range(batch)) or list(rb) != list(range(batch)):
     return None
   lhs, rhs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
-  lr, rr = _runs(lc, len(lhs)), _runs(rc, len(rhs))
+  lr = _runs([d - batch for d in lc], len(lhs) - batch)
+  rr = _runs([d - batch for d in rc], len(rhs) - batch)
   if lr is None or rr is None:
     return None
   if all(len(run) <= 1 for run in (*lr, *rr)):
     return None
-  return lr, rr
+  return batch, lr, rr
 
 
-def _collapse(x: Any, contract: list[int], free: list[int]) -> tuple[Any, int]:
-  """`x` as a 2-D (or 1-D) array with its contracting run and free run each one
-  dimension; returns it and where the contracting dimension is."""
+def _collapse(x: Any, batch: int, contract: list[int], free: list[int]) -> tuple[Any, int]:
+  """`x` with its `batch` leading dimensions kept and its contracting run and free run
+  (counted after them) each one dimension; returns it and where the contracting
+  dimension is."""
   shape = jax.numpy.shape(x)
   parts = sorted([r for r in (contract, free) if r], key=lambda r: r[0])
-  x = lax.reshape(x, tuple(math.prod(shape[d] for d in r) for r in parts))
-  return x, next(i for i, r in enumerate(parts) if r is contract) if contract else 0
+  x = lax.reshape(x, shape[:batch] + tuple(math.prod(shape[batch + d] for d in r)
+                                           for r in parts))
+  return x, batch + (next(i for i, r in enumerate(parts) if r is contract) if contract else 0)
 
 
 def _dot(eqn: Any, lhs: Any, rhs: Any, plan: tuple) -> Any:
-  (lc, lf), (rc, rf) = plan
-  lhs2, lpos = _collapse(lhs, lc, lf)
-  rhs2, rpos = _collapse(rhs, rc, rf)
-  dn = (((lpos,), (rpos,)) if lc else ((), ()), ((), ()))
+  batch, (lc, lf), (rc, rf) = plan
+  lhs2, lpos = _collapse(lhs, batch, lc, lf)
+  rhs2, rpos = _collapse(rhs, batch, rc, rf)
+  dn = (((lpos,), (rpos,)) if lc else ((), ()), (tuple(range(batch)), tuple(range(batch))))
   params = {**eqn.params, "dimension_numbers": dn}
   out = eqn.primitive.bind(lhs2, rhs2, **params)
   return lax.reshape(out, eqn.outvars[0].aval.shape)
