@@ -250,6 +250,19 @@ def test_x64_on_and_off():
       assert_close(_run(_bits_kernel, x), x + (64.0 if x64 else 32.0))
 
 
+def test_grid_loop_under_x64_counts_program_ids_in_int32():
+  # fori_loop counts in int64 under x64; the grid's indices stay int32 (a grid of
+  # 10 whole-array steps loops on the XLA backend: it failed in lax.rem, int64 x int32).
+  def kernel(x_ref, o_ref):
+    i = pl.program_id(0)
+    rows = pl.ds(i * 8, 8)
+    o_ref[rows, :] = x_ref[rows, :] * 2.0 + i.astype(jnp.float32) + (i.dtype == jnp.int32)
+  x = random_array((80, 128))
+  with jax.enable_x64(True) if hasattr(jax, "enable_x64") else _x64(True):
+    out = pallas_call(kernel, out_shape=sds(x), grid=(10,))(x)
+  assert_close(out, x * 2.0 + jnp.repeat(jnp.arange(10.0), 8)[:, None] + 1.0)
+
+
 def _x64(on: bool):
   from jax.experimental import enable_x64, disable_x64
   return enable_x64() if on else disable_x64()

@@ -563,7 +563,9 @@ def _loop(n: Any, step: Callable, carry: Any, unrolled: bool = False) -> Any:
     return as_tuple(carry)
   if isinstance(n, int) and n == 1:
     return as_tuple(step(jnp.int32(0), carry))
-  return lax.fori_loop(0, n, lambda i, c: as_tuple(step(i, c)), as_tuple(carry))
+  # Grid indices are int32, also under jax_enable_x64, where fori_loop counts in int64.
+  index = lambda i: i if i.dtype == np.int32 else lax.convert_element_type(i, np.int32)
+  return lax.fori_loop(0, n, lambda i, c: as_tuple(step(index(i), c)), as_tuple(carry))
 
 
 def _unpad(bufs: list[jax.Array], plan: ExecutionPlan) -> list[jax.Array]:
