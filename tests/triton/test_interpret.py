@@ -148,3 +148,18 @@ def test_interpreter_under_shard_map_on_four_devices():
   """The four devices' host callbacks call the interpreter from several threads at once."""
   output = run_on_simulated_devices(_SHARDED_SCRIPT, env={"TRITON_INTERPRET": "1"})
   assert "SHARDED_INTERPRETER_OK" in output, output[-3000:]
+
+
+@pytest.mark.parametrize("source", [jnp.float32, jnp.float16, jnp.int32])
+def test_conversion_to_bfloat16_rounds_inside_the_kernel(source):
+  # The interpreter's code holds bfloat16 in float32; `.astype(bf16)` must still round
+  # (to nearest even), as the GPU and XLA do, not only at the output (alphafold3's
+  # gated linear unit rounds its products and carries on in float32).
+  x = (random_array((16, 128)) * 300).astype(source)
+
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...].astype(jnp.bfloat16).astype(jnp.float32) * 1.5
+
+  out = call(kernel, jax.ShapeDtypeStruct((16, 128), jnp.float32), True)(x)
+  expected = x.astype(jnp.bfloat16).astype(jnp.float32) * 1.5
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(expected))

@@ -182,7 +182,25 @@ def _to_float8(name: str):
   return convert
 
 
+def _to_bfloat16(x, _semantic=None):
+  """A conversion to bfloat16 (to nearest even; ml_dtypes), held in float32 as the
+  interpreter's code holds bfloat16: without it `.astype(bf16)` would not round."""
+  import ml_dtypes
+  import triton.language as tl
+  from triton.runtime.interpreter import TensorHandle
+  source = x.handle.dtype.scalar if hasattr(x.handle.dtype, "scalar") else x.handle.dtype
+  data = x.handle.data
+  stored = {tl.float8e4nv: ml_dtypes.float8_e4m3fn, tl.float8e5: ml_dtypes.float8_e5m2}
+  if source in stored:   # float8 is held as its raw bits
+    data = data.view(stored[source])
+  with np.errstate(all="ignore"):
+    rounded = np.asarray(data).astype(ml_dtypes.bfloat16).astype(np.float32)
+  ty = tl.block_type(tl.float32, x.type.shape) if x.type.is_block() else tl.float32
+  return tl.tensor(TensorHandle(rounded, tl.float32), ty)
+
+
 numpy_libdevice = types.SimpleNamespace(
+    to_bfloat16=_to_bfloat16,
     tan=_wrap(np.tan), asin=_wrap(np.arcsin), acos=_wrap(np.arccos), atan=_wrap(np.arctan),
     sinh=_wrap(np.sinh), cosh=_wrap(np.cosh), tanh=_wrap(np.tanh),
     asinh=_wrap(np.arcsinh), acosh=_wrap(np.arccosh), atanh=_wrap(np.arctanh),

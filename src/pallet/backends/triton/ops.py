@@ -264,6 +264,9 @@ def converted(gen, x: Value, dtype: Any, shape: tuple | None = None) -> Value:
     return x
   if dtype.name.startswith("float8"):
     return _to_float8(gen, x, shape, dtype)
+  if dtype.name == "bfloat16" and generating_for_interpreter():
+    # the interpreter's code holds bfloat16 in float32, where `.to` would not round
+    return gen.let("convert", f"libdevice.to_bfloat16({x.expr})", shape, dtype)
   return gen.let("convert", f"{x.expr}.to({tl_dtype(dtype)})", shape, dtype)
 
 
