@@ -675,3 +675,37 @@ def test_a_scoped_buffer_written_while_a_dma_still_copies_from_it(wait_first):
                                                   r"DMA started earlier still copies") as info:
       jax.block_until_ready(call(x))
     assert info.value.kind == "race"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_report_names_the_ref_after_a_none_operand(backend):
+  """A `None` argument (a kernel's optional operand, as torch_xla's paged attention
+  passes its absent scales) has no ref: later refs keep their own names."""
+  def kernel(x_ref, scale_ref, o_ref, acc_ref):
+    assert scale_ref is None
+    o_ref[...] = x_ref[...] + acc_ref[...]  # <- bug
+
+  x = random_array((8, 128))
+  call = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, F32),
+                        in_specs=[pl.BlockSpec((8, 128), lambda: (0, 0)), None],
+                        out_specs=pl.BlockSpec((8, 128), lambda: (0, 0)),
+                        scratch_shapes=[pltpu.VMEM((8, 128), F32)], **_kw(backend))
+  _expect(call, x, None, kind="uninitialized", ref="acc_ref", fn=kernel)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bug", [False, True])
+def test_a_dead_load_is_not_a_read(bug, backend):
+  """`acc_ref[0] = jnp.zeros(acc_ref[0].shape)` loads only for the shape: the load is
+  dead and reads nothing (compilers drop it); reading row 1, never written, is a bug."""
+  def kernel(x_ref, o_ref, acc_ref):
+    acc_ref[0] = jnp.zeros(acc_ref[0].shape, F32)
+    o_ref[...] = x_ref[...] + acc_ref[1 if bug else 0]  # <- bug
+
+  x = random_array((8, 128))
+  call = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, F32),
+                        scratch_shapes=[pltpu.VMEM((2, 8, 128), F32)], **_kw(backend))
+  if bug:
+    _expect(call, x, kind="uninitialized", ref="acc_ref", fn=kernel)
+  else:
+    assert_close(call(x), x)

@@ -87,13 +87,17 @@ def ref_names(kernel: KernelDescription, param_names: Sequence[str] | None) -> l
   the kernel's signature gives one."""
   gm = kernel.grid_mapping
   n = len(gm.prefetch_avals) + len(gm.inputs) + len(gm.outputs) + len(gm.scratch_avals)
-  names = list(param_names or [])
-  if len(names) >= n:
-    return names[:n]
   fallback = ([f"scalar prefetch {i}" for i in range(len(gm.prefetch_avals))]
               + [_origin_name(b.origin) for b in gm.inputs]
               + [_origin_name(b.origin) for b in gm.outputs]
               + [f"scratch {i}" for i in range(len(gm.scratch_avals))])
+  # The traced description knows which parameter each flat ref is (a `None` argument
+  # or a pytree of refs shifts the signature's names against the flat refs).
+  if len(kernel.ref_names) >= n:
+    return [name or other for name, other in zip(kernel.ref_names[:n], fallback)]
+  names = list(param_names or [])
+  if len(names) >= n:
+    return names[:n]
   return fallback
 
 
@@ -714,6 +718,11 @@ class _Instrumenter:
     return (value - 1) % self.num_parallel
 
   def _get(self, eqn, ins, producers):
+    if eqn.outvars[0] not in self.used:
+      # A dead load (`ref[i].shape` in `ref[i] = jnp.zeros(ref[i].shape)`) reads nothing
+      # on any hardware (compilers drop it): nothing to check.
+      out = eqn.outvars[0].aval
+      return jnp.zeros(out.shape, out.dtype)
     ref, *leaves = ins
     transforms = self._transforms(eqn, leaves)
     ok = self._bounds(eqn, ref, transforms, None, "reads")
