@@ -294,3 +294,29 @@ def test_narrow_products_accumulated_wide_over_a_k_axis(dtype, lhs_transposed):
                      precision=lax.Precision.HIGHEST).astype(out.dtype)
   tol = 0 if dtype == jnp.int8 else 3e-2
   assert_close(out, expected, rtol=tol, atol=tol)
+
+
+def test_gradient_of_a_narrow_product_accumulated_wide():
+  """jax.grad through `dot(x.T, y)` of bfloat16 blocks summed into a float32 output over
+  a k grid axis: the derived products are widened as the forward ones are."""
+  M, N, K, bm, bn, bk = 16, 64, 48, 16, 32, 16
+  x, y = random_array((K, M), jnp.bfloat16), random_array((K, N), jnp.bfloat16)
+
+  def kernel(x_ref, y_ref, o_ref):
+    @pl.when(pl.program_id(2) == 0)
+    def _():
+      o_ref[...] = jnp.zeros_like(o_ref)
+    o_ref[...] += lax.dot_general(x_ref[...], y_ref[...], (((0,), (0,)), ((), ())),
+                                  preferred_element_type=f32)
+
+  f = pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((M, N), f32), grid=(2, 1, 3),
+                  in_specs=[pl.BlockSpec((bk, bm), lambda j, i, k: (k, i)),
+                            pl.BlockSpec((bk, bn), lambda j, i, k: (k, j))],
+                  out_specs=pl.BlockSpec((bm, bn), lambda j, i, k: (i, j)))
+  loss = lambda g: lambda x, y: (g(x, y) ** 2).sum()
+  plain = lambda x, y: lax.dot_general(x.astype(f32), y.astype(f32), (((0,), (0,)), ((), ())),
+                                       precision=lax.Precision.HIGHEST)
+  got = jax.grad(loss(f), argnums=(0, 1))(x, y)
+  want = jax.grad(loss(plain), argnums=(0, 1))(x, y)
+  for g, w in zip(got, want):
+    assert_close(g, w, rtol=3e-2, atol=3e-2 * float(jnp.max(jnp.abs(w.astype(f32)))))

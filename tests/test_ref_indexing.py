@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import pallet as pl
+import pallet.tpu as pltpu
 from helpers import assert_close, current_test_backend, pallas_call, random_array, sds
 
 f32 = jnp.float32
@@ -356,3 +357,46 @@ def test_2d_strided_ds_and_scalar_reads():
                                           jax.ShapeDtypeStruct((1,), f32)))(x)
   assert_close(out, x[1:3, 0:6:2])
   assert_close(s, x[4, 5:6] * 2)
+
+
+@pytest.mark.skipif(current_test_backend() != "xla",
+                    reason="the Triton backend refuses ref reshapes with a clear error")
+def test_stores_through_reshaped_views():
+  """`ref.reshape(...)` views written whole and indexed (megablox's zeroing buffer, DMA
+  buffers seen as (rows, lanes)); JAX 0.10's discharge refused to write through them."""
+  def kernel(x_ref, o_ref, z_ref):
+    z = z_ref.reshape(1, 16, 256)
+    z[...] = jnp.zeros_like(z) + x_ref[...].reshape(1, 16, 256)
+    o_ref.reshape(16, 2, 128)[:, 1, :] = z[0].reshape(16, 2, 128)[:, 0, :] * 2.0
+    o_ref.reshape(16, 2, 128)[:, 0, :] = z_ref.reshape(16, 2, 128)[:, 1, :]
+    o_ref.at[3:5].reshape(2, 2, 128)[1, 0] = z_ref.at[0:2].reshape(4, 128)[3]
+
+  x = random_array((16, 256))
+  out = pallas_call(kernel, out_shape=sds(x),
+                    scratch_shapes=[pltpu.VMEM((16, 256), jnp.float32)])(x)
+  want = jnp.concatenate([x[:, 128:], 2.0 * x[:, :128]], axis=1)
+  want = want.at[4, :128].set(x[1, 128:])
+  assert_close(out, want)
+
+
+@pytest.mark.skipif(current_test_backend() != "xla",
+                    reason="the Triton backend refuses ref bitcasts with a clear error")
+def test_stores_through_bitcast_views():
+  """`ref.bitcast(int32)` written whole and in rows: same width, and bfloat16 rows packed
+  in pairs into int32 rows (the TPU layout: row 2k the low half, 2k + 1 the high half).
+  JAX 0.10's discharge refused to write through a bitcast."""
+  def kernel(x_ref, b_ref, o_ref, p_ref, s_ref, t_ref):
+    s_ref.bitcast(jnp.int32)[...] = jax.lax.bitcast_convert_type(x_ref[...], jnp.int32) ^ 1
+    o_ref[...] = s_ref[...]
+    t_ref.bitcast(jnp.int32)[2:6] = b_ref[...]
+    p_ref[...] = t_ref[4:12]
+
+  x = random_array((8, 128))
+  b = random_array((4, 128), jnp.int32, low=-2**30, high=2**30)
+  out, packed = pallas_call(
+      kernel, out_shape=(sds(x), jax.ShapeDtypeStruct((8, 128), jnp.bfloat16)),
+      scratch_shapes=[pltpu.VMEM((8, 128), f32), pltpu.VMEM((16, 128), jnp.bfloat16)])(x, b)
+  bits = np.asarray(b).astype(np.uint32)
+  halves = np.stack([bits & 0xFFFF, bits >> 16], 1).astype(np.uint16).reshape(8, 128)
+  np.testing.assert_array_equal(np.asarray(out).view(np.int32), np.asarray(x).view(np.int32) ^ 1)
+  np.testing.assert_array_equal(np.asarray(packed).view(np.uint16), halves)

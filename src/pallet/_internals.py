@@ -24,6 +24,7 @@ from jax._src.state import discharge as _discharge
 from jax._src.state import indexing as _indexing
 from jax._src.state import primitives as _state_primitives
 from jax._src.state import types as _state_types
+from jax._src.state import utils as _state_utils
 from jax.extend.core import ClosedJaxpr as _ClosedJaxpr
 
 # --- ref indexing: JAX's own indexer objects, so `ref[...]` and `pl.ds` agree ----
@@ -31,6 +32,7 @@ Slice = _indexing.Slice
 NDIndexer = _indexing.NDIndexer
 TransformedRef = _state_types.TransformedRef
 ReshapeTransform = _state_types.ReshapeTransform   # `ref.reshape(...)`: `.shape` is the new shape
+BitcastTransform = _state_types.BitcastTransform   # `ref.bitcast(dtype)` (TPU packing)
 AbstractRef = jax.ref.AbstractRef
 
 # --- effects --------------------------------------------------------------------
@@ -68,7 +70,30 @@ def trace_jaxpr(fn: Callable[..., Sequence[Any]], avals: Sequence[Any],
 
 # --- state discharge: turning a jaxpr over refs into a pure function --------------
 transform_array = _discharge.transform_array
-transform_swap_array = _discharge.transform_swap_array   # (old view, updated array)
+
+
+def transform_swap_array(x: Any, transforms: Any, val: Any) -> tuple[Any, Any]:
+  """(the view's old value, `x` with `val` written through `transforms`): JAX's rule,
+  taken one view at a time where a view reshapes or bitcasts. JAX 0.10's rule refuses
+  to write back through either ("Unsupported transform: ReshapeTransform" /
+  "BitcastTransform") and reshapes the wrong intermediate after an indexer it deems
+  trivial."""
+  transforms = [t for t in (transforms or ()) if t is not None]
+  if not any(isinstance(t, (ReshapeTransform, BitcastTransform)) for t in transforms):
+    return _discharge.transform_swap_array(x, transforms, val)
+  views = [x]
+  for t in transforms:
+    views.append(views[-1].reshape(t.shape) if isinstance(t, ReshapeTransform)
+                 else _discharge.transform_array(views[-1], [t]))
+  new = val
+  for view, t in reversed(list(zip(views[:-1], transforms))):
+    if isinstance(t, ReshapeTransform):
+      new = new.reshape(view.shape)
+    elif isinstance(t, BitcastTransform):
+      new = _state_utils.bitcast(new, view.dtype)
+    else:
+      new = _discharge.transform_swap_array(view, [t], new)[1]
+  return views[-1], new
 
 _NEW_DISCHARGE_API = "ctx" in inspect.signature(
     _discharge._get_discharge_rule).parameters

@@ -3,7 +3,7 @@ values: pallet's discharge of a jaxpr over refs into a pure function.
 
 Every backend runs the discharged kernel (the XLA backend compiles it; index maps,
 regions and checking mode evaluate discharged pieces), so this is the one place
-where pallet departs from JAX's discharge rules, and only in two ways:
+where pallet departs from JAX's discharge rules, and only in three ways:
 
 * Views chained with `.at[...]` read and write one window of the base array
   (`ref_views`). JAX applies the views one after another: a store through
@@ -13,6 +13,8 @@ where pallet departs from JAX's discharge rules, and only in two ways:
   into one and dropped the first one's clamp, reading the wrong element for a traced
   start clamped by one view and indexed by the next. A single view keeps JAX's rule,
   which is as short.
+* A store through a reshaped or bitcast view (`ref.reshape(...)[...] = v`) is written
+  back one view at a time (`_internals.transform_swap_array`): JAX 0.10's rule refuses it.
 * A load `ref[pl.ds(i, n, 0)]` reads element i n times (a TPU sublane broadcast: a
   scale row repeated over 8 sublanes). JAX's rule slices with stride 0 and divides by
   zero; here it is a read of element i, broadcast.
@@ -55,7 +57,9 @@ def _load(x: Any, transforms: Sequence[Any]) -> Any:
 
 
 def _store(x: Any, transforms: Sequence[Any], value: Any) -> tuple[Any, Any] | None:
-  return ref_views.swap(x, transforms, value) if _chained(transforms) else None
+  reshaped = any(isinstance(t, (internals.ReshapeTransform, internals.BitcastTransform))
+                 for t in transforms)
+  return ref_views.swap(x, transforms, value) if _chained(transforms) or reshaped else None
 
 
 def _read_once(transforms: Sequence[Any]) -> tuple[Any, list[tuple[int, int]]] | None:

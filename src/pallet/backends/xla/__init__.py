@@ -91,41 +91,41 @@ def kernel_as_function(kernel: KernelDescription) -> Callable[..., list[Any]]:
 def differentiable_function(kernel: KernelDescription,
                             avals: tuple[Any, ...]) -> Callable[..., list[Any]]:
   """`kernel_as_function`, with its matrix products as plain 2-D products where
-  vmap made them otherwise (see canonical_dots): JAX derives the gradient from it."""
+  vmap made them otherwise (see canonical_dots): JAX derives the gradient from it.
+  Narrow products are widened as `lower` widens them where the default device is a
+  CPU (the program is differentiated before any lowering)."""
   plan, fn = _planned(kernel)
   if not plan.vectorized or not _binds_dot(kernel):
     return fn
-  return _with_2d_products(kernel, avals)
+  return _with_2d_products(kernel, avals, widen=jax.default_backend() == "cpu")
 
 
-def _lowered_function(kernel: KernelDescription,
-                      avals: tuple[Any, ...]) -> Callable[..., list[Any]]:
-  """What `lower` hands to XLA: `kernel_as_function`, with its products as 2-D products
-  where the kernel multiplies narrow operands into a wider result. XLA:CPU (jaxlib
-  0.10-0.12) compiles `bf16 x bf16 -> f32` contracting the left operand's first
-  dimension with a right operand of more than one free dimension, vmap's form of
-  `dot(x.T, y)` over a grid axis, into a product its runtime refuses ("Unsupported
-  element type for DotThunk::Execute: BF16 x BF16 = F32"); the 2-D form runs. Same
-  numbers; one more trace of the emitted program, for such kernels only."""
+def _lowered_function(kernel: KernelDescription, avals: tuple[Any, ...],
+                      on_cpu: bool) -> Callable[..., list[Any]]:
+  """What `lower` hands to XLA: `kernel_as_function`; on the CPU, where the kernel
+  multiplies narrow floating operands into a wider result and its grid is vectorized
+  or merged, with those products' operands widened first (see canonical_dots: XLA:CPU
+  mis-compiles vmap's form of a `bf16 x bf16 -> f32` product, and widens a plain one
+  itself). Same numbers; one more trace of the emitted program, for such kernels only."""
   plan, fn = _planned(kernel)
-  if not (plan.vectorized or plan.merged) or not _binds_widening_dot(kernel):
+  if not on_cpu or not (plan.vectorized or plan.merged) or not _binds_narrow_dot(kernel):
     return fn
-  return _with_2d_products(kernel, avals)
+  return _with_2d_products(kernel, avals, widen=True)
 
 
-def _with_2d_products(kernel: KernelDescription,
-                      avals: tuple[Any, ...]) -> Callable[..., list[Any]]:
+def _with_2d_products(kernel: KernelDescription, avals: tuple[Any, ...],
+                      widen: bool = False) -> Callable[..., list[Any]]:
   """`kernel_as_function` traced once, its products rewritten by canonical_dots."""
   closed = _emitted_program(kernel, avals)
-  if not canonical_dots.needs_rewrite(closed.jaxpr):
+  if not canonical_dots.needs_rewrite(closed.jaxpr, widen):
     return lambda *args: jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
   # rewritten while the caller traces it: no trace of the rewritten program of its own
-  return lambda *args: canonical_dots.evaluate(closed, args)
+  return lambda *args: canonical_dots.evaluate(closed, args, widen)
 
 
 @trace_cache.kernel_cache
 def _emitted_program(kernel: KernelDescription, avals: tuple[Any, ...]) -> Any:
-  return internals.trace_jaxpr(kernel_as_function(kernel), avals, "pallas_call jvp")
+  return internals.trace_jaxpr(kernel_as_function(kernel), avals, "pallas_call program")
 
 
 def _binds_dot(kernel: KernelDescription) -> bool:
@@ -133,16 +133,13 @@ def _binds_dot(kernel: KernelDescription) -> bool:
   return _uses_primitive(kernel.jaxpr.jaxpr, ("dot_general",))
 
 
-def _binds_widening_dot(kernel: KernelDescription) -> bool:
-  """Whether the kernel has a product whose result is wider than an operand."""
+def _binds_narrow_dot(kernel: KernelDescription) -> bool:
+  """Whether the kernel has a product of narrow floating operands into a wider result."""
   from pallet.backends.xla.plan import subjaxprs
 
   def walk(jaxpr: Any) -> bool:
-    for eqn in jaxpr.eqns:
-      if eqn.primitive.name == "dot_general" and any(
-          v.aval.dtype != eqn.outvars[0].aval.dtype for v in eqn.invars):
-        return True
-    return any(walk(sub) for sub in subjaxprs(jaxpr))
+    return any(canonical_dots.narrow_product(eqn) for eqn in jaxpr.eqns) or any(
+        walk(sub) for sub in subjaxprs(jaxpr))
   return walk(kernel.jaxpr.jaxpr)
 
 
@@ -154,7 +151,8 @@ def plan_of(kernel: KernelDescription) -> ExecutionPlan:
 
 def lower(ctx: Any, *args: Any, kernel: KernelDescription, interpret: bool) -> list:
   del interpret  # the XLA backend is what interpret mode means on the CPU
-  fn = _lowered_function(kernel, tuple(ctx.avals_in))
+  fn = _lowered_function(kernel, tuple(ctx.avals_in),
+                         "cpu" in getattr(ctx.module_context, "platforms", ()))
   on_host = [getattr(a, "memory_space", None) == jax.memory.Space.Host for a in ctx.avals_in]
   if any(on_host):
     fn = _moved_to_device(fn, on_host)
