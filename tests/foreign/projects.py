@@ -20,6 +20,7 @@ that project skip and say which variable to set:
     PALLET_LEVANTER_SOURCE=/path/to/marin               (marin-community/marin, lib/levanter)
     PALLET_TORCH_XLA_SOURCE=/path/to/xla                (pytorch/xla: its JAX Pallas kernels)
     PALLET_ALPHAFOLD3_SOURCE=/path/to/alphafold3        (google-deepmind/alphafold3)
+    PALLET_MAXDIFFUSION_SOURCE=/path/to/maxdiffusion    (AI-Hypercomputer/maxdiffusion)
 
 A project's modules are found by an import hook for its top-level package, so the
 kernels' imports of their own helpers work as written. The top-level package's
@@ -72,6 +73,7 @@ PROJECTS = {
                         "marin-community/marin (lib/levanter)"),
     "torch_xla": Project("PALLET_TORCH_XLA_SOURCE", "", "pytorch/xla", absent=("torch",)),
     "alphafold3": Project("PALLET_ALPHAFOLD3_SOURCE", "src", "google-deepmind/alphafold3"),
+    "maxdiffusion": Project("PALLET_MAXDIFFUSION_SOURCE", "src", "AI-Hypercomputer/maxdiffusion"),
 }
 
 
