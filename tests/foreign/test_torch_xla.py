@@ -290,6 +290,20 @@ def test_multi_queries_paged_attention_oob_smem_read_project_bug():
                          num_queries_per_compute_block=4, mask_value=_Static(-1e30))
 
 
+def test_multi_queries_paged_attention_checked_reports_the_oob_smem_read(monkeypatch):
+  """pallet's checking mode on the same kernel reports the project's out-of-bounds SMEM read
+  (above), naming the ref and the project's line; before that it reported a dead load
+  (`acc_ref[h] = jnp.zeros(acc_ref[h].shape)`) as uninitialized, under another ref's name."""
+  monkeypatch.setenv("PALLET_CHECKS", "1")
+  m = _load(MQPA)
+  args = _mqpa_case(3, 8, (4, 2), 128, 16, 8, [100, 37, 128], [8, 1, 3], jnp.float32, seed=4)
+  with pytest.raises(Exception, match=r"out_of_bounds in kernel 'paged_flash_attention_kernel'"
+                     r".* ref 'lengths_ref', .*multi_queries_paged_attention_kernel\.py:\d+: "
+                     r"reads 'lengths_ref' \(shape \(3,\)\) out of bounds"):
+    jax.block_until_ready(m.paged_attention(*args, num_kv_pages_per_compute_block=8,
+                                            num_queries_per_compute_block=4))
+
+
 def _quantized_pages(m, seed):
   rng = np.random.default_rng(seed)
   qu = m.quantization_utils
