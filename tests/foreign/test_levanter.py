@@ -272,7 +272,7 @@ def test_ssd_intra_chunk_matches_jax_pallas():
   blocks = _project_object(K + "ssd.config", "BlockSizes", 1, 8, 16, 16)
   want = peer.run_on_jax_pallas(K + "ssd.pallas_tpu", "ssd_intra_chunk_pallas_tpu", *args,
                                 block_sizes=blocks, interpret=True)
-  _close(out, want, atol=1e-6)
+  _close(out, want, atol=1e-6, rtol=4e-6)   # float32 sums in another order on JAX 0.10
 
 
 # ----------------------------------------------------------------------------------
