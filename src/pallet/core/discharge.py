@@ -57,9 +57,10 @@ def _load(x: Any, transforms: Sequence[Any]) -> Any:
 
 
 def _store(x: Any, transforms: Sequence[Any], value: Any) -> tuple[Any, Any] | None:
-  reshaped = any(isinstance(t, (internals.ReshapeTransform, internals.BitcastTransform))
-                 for t in transforms)
-  return ref_views.swap(x, transforms, value) if _chained(transforms) or reshaped else None
+  reinterpreted = any(isinstance(t, (internals.ReshapeTransform, internals.BitcastTransform))
+                      for t in transforms)
+  return (ref_views.swap(x, transforms, value) if _chained(transforms) or reinterpreted
+          else None)
 
 
 def _read_once(transforms: Sequence[Any]) -> tuple[Any, list[tuple[int, int]]] | None:

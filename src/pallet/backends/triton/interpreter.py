@@ -163,22 +163,33 @@ def _clz(x):
   return count.astype(x.dtype)
 
 
+def _values(x) -> np.ndarray:
+  """The numbers an interpreter tensor holds (float8 is held as its raw bits)."""
+  import ml_dtypes
+  import triton.language as tl
+  stored = {tl.float8e4nv: ml_dtypes.float8_e4m3fn, tl.float8e5: ml_dtypes.float8_e5m2}
+  source = x.handle.dtype.scalar if hasattr(x.handle.dtype, "scalar") else x.handle.dtype
+  data = x.handle.data
+  return np.asarray(data.view(stored[source]) if source in stored else data)
+
+
+def _tensor(data: np.ndarray, dtype, like):
+  """An interpreter tensor of `dtype` holding `data`, shaped as `like`."""
+  import triton.language as tl
+  from triton.runtime.interpreter import TensorHandle
+  ty = tl.block_type(dtype, like.type.shape) if like.type.is_block() else dtype
+  return tl.tensor(TensorHandle(data, dtype), ty)
+
+
 def _to_float8(name: str):
   """A conversion to float8 `name` with XLA's rounding (to nearest even; ml_dtypes)."""
   def convert(x, _semantic=None):
     import ml_dtypes
     import triton.language as tl
-    from triton.runtime.interpreter import TensorHandle
-    stored = {tl.float8e4nv: ml_dtypes.float8_e4m3fn, tl.float8e5: ml_dtypes.float8_e5m2}
     target = {"float8_e4m3fn": tl.float8e4nv, "float8_e5m2": tl.float8e5}[name]
-    source = x.handle.dtype.scalar if hasattr(x.handle.dtype, "scalar") else x.handle.dtype
-    data = x.handle.data
-    if source in stored:   # float8 is held as its raw bits
-      data = data.view(stored[source])
     with np.errstate(all="ignore"):
-      bits = np.asarray(data).astype(getattr(ml_dtypes, name)).view(np.uint8)
-    ty = tl.block_type(target, x.type.shape) if x.type.is_block() else target
-    return tl.tensor(TensorHandle(bits, target), ty)
+      bits = _values(x).astype(getattr(ml_dtypes, name)).view(np.uint8)
+    return _tensor(bits, target, x)
   return convert
 
 
@@ -187,16 +198,9 @@ def _to_bfloat16(x, _semantic=None):
   interpreter's code holds bfloat16: without it `.astype(bf16)` would not round."""
   import ml_dtypes
   import triton.language as tl
-  from triton.runtime.interpreter import TensorHandle
-  source = x.handle.dtype.scalar if hasattr(x.handle.dtype, "scalar") else x.handle.dtype
-  data = x.handle.data
-  stored = {tl.float8e4nv: ml_dtypes.float8_e4m3fn, tl.float8e5: ml_dtypes.float8_e5m2}
-  if source in stored:   # float8 is held as its raw bits
-    data = data.view(stored[source])
   with np.errstate(all="ignore"):
-    rounded = np.asarray(data).astype(ml_dtypes.bfloat16).astype(np.float32)
-  ty = tl.block_type(tl.float32, x.type.shape) if x.type.is_block() else tl.float32
-  return tl.tensor(TensorHandle(rounded, tl.float32), ty)
+    rounded = _values(x).astype(ml_dtypes.bfloat16).astype(np.float32)
+  return _tensor(rounded, tl.float32, x)
 
 
 numpy_libdevice = types.SimpleNamespace(

@@ -135,12 +135,8 @@ def _binds_dot(kernel: KernelDescription) -> bool:
 
 def _binds_narrow_dot(kernel: KernelDescription) -> bool:
   """Whether the kernel has a product of narrow floating operands into a wider result."""
-  from pallet.backends.xla.plan import subjaxprs
-
-  def walk(jaxpr: Any) -> bool:
-    return any(canonical_dots.narrow_product(eqn) for eqn in jaxpr.eqns) or any(
-        walk(sub) for sub in subjaxprs(jaxpr))
-  return walk(kernel.jaxpr.jaxpr)
+  from pallet.backends.xla.plan import has_equation
+  return has_equation(kernel.jaxpr.jaxpr, canonical_dots.narrow_product)
 
 
 def plan_of(kernel: KernelDescription) -> ExecutionPlan:

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxprs_in_params, subjaxprs
@@ -217,9 +217,14 @@ def _tiling(ops: list[OperandPlan], outputs: list[OperandPlan], g: int,
 
 def _uses_primitive(jaxpr: Any, names: tuple[str, ...]) -> bool:
   """Whether `jaxpr` or any jaxpr nested in it binds one of the named primitives."""
-  if any(eqn.primitive.name in names for eqn in jaxpr.eqns):
+  return has_equation(jaxpr, lambda eqn: eqn.primitive.name in names)
+
+
+def has_equation(jaxpr: Any, predicate: Callable[[Any], bool]) -> bool:
+  """Whether an equation of `jaxpr`, or of a jaxpr nested in it, satisfies `predicate`."""
+  if any(predicate(eqn) for eqn in jaxpr.eqns):
     return True
-  return any(_uses_primitive(sub, names) for sub in subjaxprs(jaxpr))
+  return any(has_equation(sub, predicate) for sub in subjaxprs(jaxpr))
 
 
 # ------------------------------------------------------------------ the planner
