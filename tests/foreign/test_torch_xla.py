@@ -312,18 +312,25 @@ def _quantized_pages(m, seed):
   return qu, qu.quantize_to_int8(kf), qu.quantize_to_int8(vf)
 
 
-@pytest.mark.xfail(strict=True, reason="project bug, not pallet: paged_attention accepts "
-                   "QuantizedTensor K/V but passes their scales with in_specs None and "
-                   "scratch None (multi_queries_paged_attention_kernel.py, 'k_scales_pages="
-                   "None'), so the kernel never dequantizes: it attends over the raw int8 "
-                   "values. JAX's TPU interpreter gives the same output as pallet.")
-def test_multi_queries_paged_attention_quantized_project_bug():
+def _quantized_mqpa():
+  """The multi-queries kernel on QuantizedTensor K/V: (quantization_utils, K, V, q,
+  lengths, page indices, query lengths, output)."""
   m = _load(MQPA)
   qu, kq, vq = _quantized_pages(m, 1)
   q, _, _, lengths, pages, q_lens = _mqpa_case(2, 8, (4, 2), 128, 16, 8, [100, 128], [8, 5],
                                                jnp.float32, seed=1)
   out = m.paged_attention(q, kq, vq, lengths, pages, q_lens,
                           num_kv_pages_per_compute_block=8, num_queries_per_compute_block=4)
+  return qu, kq, vq, q, lengths, pages, q_lens, out
+
+
+@pytest.mark.xfail(strict=True, reason="project bug, not pallet: paged_attention accepts "
+                   "QuantizedTensor K/V but passes their scales with in_specs None and "
+                   "scratch None (multi_queries_paged_attention_kernel.py, 'k_scales_pages="
+                   "None'), so the kernel never dequantizes: it attends over the raw int8 "
+                   "values. JAX's TPU interpreter gives the same output as pallet.")
+def test_multi_queries_paged_attention_quantized_project_bug():
+  qu, kq, vq, q, lengths, pages, q_lens, out = _quantized_mqpa()
   ref = _mqpa_reference(q, qu.unquantize_from_int8(kq, jnp.float32),
                         qu.unquantize_from_int8(vq, jnp.float32), lengths, pages, q_lens)
   got, want = _valid_rows(out, ref, q_lens)
@@ -334,12 +341,7 @@ def test_multi_queries_paged_attention_quantized_project_bug():
 def test_multi_queries_paged_attention_quantized_is_raw_int8():
   """What the kernel computes with QuantizedTensor K/V (see the project-bug test above):
   attention over the int8 values, scales ignored."""
-  m = _load(MQPA)
-  _, kq, vq = _quantized_pages(m, 1)
-  q, _, _, lengths, pages, q_lens = _mqpa_case(2, 8, (4, 2), 128, 16, 8, [100, 128], [8, 5],
-                                               jnp.float32, seed=1)
-  out = m.paged_attention(q, kq, vq, lengths, pages, q_lens,
-                          num_kv_pages_per_compute_block=8, num_queries_per_compute_block=4)
+  _, kq, vq, q, lengths, pages, q_lens, out = _quantized_mqpa()
   ref = _mqpa_reference(q, kq.weight.astype(jnp.float32), vq.weight.astype(jnp.float32),
                         lengths, pages, q_lens)
   got, want = _valid_rows(out, ref, q_lens)
