@@ -380,6 +380,44 @@ def test_stores_through_reshaped_views():
 
 
 @pytest.mark.skipif(current_test_backend() != "xla",
+                    reason="the Triton backend refuses ref reshapes and bitcasts with a clear error")
+@pytest.mark.parametrize("view", ["reshape", "reshape_unaligned", "bitcast"])
+@pytest.mark.parametrize("steps", [(0, 2), (0, 1, 3)])
+def test_stores_through_reinterpreted_views_that_read_the_same_ref(view, steps):
+  """Rows of a reshaped or bitcast view written, in turn, with values read elsewhere in
+  the same ref (reversed, interleaved): each store sees the previous ones. XLA:CPU
+  mis-compiled the in-place update this discharged to (openxla/xla#49176: a silent
+  wrong result in 40-130 of 2048 elements, views fuzz seed 106). Rows 2k, 2k + 1 of
+  the ref are written as such; rows of (64, 32) starting mid-row and int32 rows of a
+  bitcast with a select."""
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...]
+    for k in steps:
+      if view == "reshape":
+        interleaved = o_ref.reshape(8, 2, 128)[0].T.reshape(8, 32)
+        o_ref.reshape(8, 8, 32)[k] = interleaved[::-1] + k
+      elif view == "reshape_unaligned":
+        o_ref.reshape(64, 32)[3 + 5 * k:9 + 5 * k] = o_ref[0:2].reshape(8, 32)[::-1][:6] + k
+      else:
+        o_ref.bitcast(jnp.int32)[k] = o_ref.bitcast(jnp.int32)[0][::-1] + k
+
+  x = random_array((16, 128), jnp.int16, low=-2**15, high=2**15)
+  out = pallas_call(kernel, out_shape=sds(x), grid=(2,))(x)
+  want = np.asarray(x).copy()   # every grid step starts again from x
+  for k in steps:
+    if view == "reshape":
+      interleaved = want.reshape(8, 2, 128)[0].T.reshape(8, 32)
+      want.reshape(8, 8, 32)[k] = interleaved[::-1] + k
+    elif view == "reshape_unaligned":
+      want.reshape(64, 32)[3 + 5 * k:9 + 5 * k] = want[0:2].reshape(8, 32)[::-1][:6] + k
+    else:   # int32 row k holds int16 rows 2k (low halves) and 2k + 1 (high halves)
+      words = want.reshape(8, 2, 128).transpose(0, 2, 1).copy().view(np.int32)[..., 0]
+      row = (words[0][::-1] + k).astype(np.int32)
+      want.reshape(8, 2, 128)[k] = row.view(np.int16).reshape(128, 2).T
+  np.testing.assert_array_equal(np.asarray(out), want)
+
+
+@pytest.mark.skipif(current_test_backend() != "xla",
                     reason="the Triton backend refuses ref bitcasts with a clear error")
 def test_stores_through_bitcast_views():
   """`ref.bitcast(int32)` written whole and in rows: same width, and bfloat16 rows packed

@@ -70,30 +70,9 @@ def trace_jaxpr(fn: Callable[..., Sequence[Any]], avals: Sequence[Any],
 
 # --- state discharge: turning a jaxpr over refs into a pure function --------------
 transform_array = _discharge.transform_array
+transform_swap_array = _discharge.transform_swap_array   # (old view, x with the view written)
+bitcast_value = _state_utils.bitcast   # a value as `ref.bitcast(dtype)` would show its bytes
 
-
-def transform_swap_array(x: Any, transforms: Any, val: Any) -> tuple[Any, Any]:
-  """(the view's old value, `x` with `val` written through `transforms`): JAX's rule,
-  taken one view at a time where a view reshapes or bitcasts. JAX 0.10's rule refuses
-  to write back through either ("Unsupported transform: ReshapeTransform" /
-  "BitcastTransform") and reshapes the wrong intermediate after an indexer it deems
-  trivial."""
-  transforms = [t for t in (transforms or ()) if t is not None]
-  if not any(isinstance(t, (ReshapeTransform, BitcastTransform)) for t in transforms):
-    return _discharge.transform_swap_array(x, transforms, val)
-  views = [x]
-  for t in transforms:
-    views.append(views[-1].reshape(t.shape) if isinstance(t, ReshapeTransform)
-                 else _discharge.transform_array(views[-1], [t]))
-  new = val
-  for view, t in reversed(list(zip(views[:-1], transforms))):
-    if isinstance(t, ReshapeTransform):
-      new = new.reshape(view.shape)
-    elif isinstance(t, BitcastTransform):
-      new = _state_utils.bitcast(new, view.dtype)
-    else:
-      new = _discharge.transform_swap_array(view, [t], new)[1]
-  return views[-1], new
 
 _NEW_DISCHARGE_API = "ctx" in inspect.signature(
     _discharge._get_discharge_rule).parameters

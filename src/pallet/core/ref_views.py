@@ -15,6 +15,16 @@ equations. A read is one slice, a write one `dynamic_update_slice`, and a
 read-modify-write (a semaphore count) works its window out once. Any other view
 (strided slices, integer-array indices, bitcasts, reshapes, dynamic sizes, symbolic
 shapes) goes through JAX's helpers, as before.
+
+A write through a reshaped or bitcast view (`ref.reshape(...)`, `ref.bitcast(...)`) is
+taken one view at a time (`_swap_view_by_view`): JAX 0.10's rule refuses both views.
+An indexer under such a view never writes with a `dynamic_update_slice` whose result
+is then reshaped (or bitcast, which reshapes): XLA:CPU (jaxlib 0.10 and 0.12) moves
+that reshape across the slice and runs it in place while the update still reads the
+array it overwrites, a silent wrong result whenever the stored value reads the same
+ref elsewhere (openxla/xla#49176; `o.reshape(8, 8, 32).at[k][...] = f(o[0:2])` twice).
+Where the window is one rectangle of the array before the reshape, it is written
+there (`reshaped_windows`); otherwise with a select over the whole view.
 """
 from __future__ import annotations
 
@@ -24,6 +34,7 @@ import numpy as np
 from jax import lax
 
 from pallet import _internals as internals
+from pallet.core import reshaped_windows
 
 Window = tuple[list[Any], list[int], tuple[int, ...]]   # starts, sizes, result shape
 
@@ -40,7 +51,7 @@ def write(x: Any, transforms: Sequence[Any] | None, value: Any) -> Any:
   """`x` with `value` written where `transforms` look (the view's old value unread)."""
   window = _window(x.shape, transforms)
   if window is None:
-    return internals.transform_swap_array(x, transforms, value)[1]
+    return _swap(x, transforms, value)[1]
   return _write_window(x, window, value)
 
 
@@ -48,7 +59,7 @@ def swap(x: Any, transforms: Sequence[Any] | None, value: Any) -> tuple[Any, Any
   """(the view's old value, `x` with `value` written there), as a store returns them."""
   window = _window(x.shape, transforms)
   if window is None:
-    return internals.transform_swap_array(x, transforms, value)
+    return _swap(x, transforms, value)
   return _read_window(x, window), _write_window(x, window, value)
 
 
@@ -58,8 +69,71 @@ def update(x: Any, transforms: Sequence[Any] | None, fn: Callable[[Any], Any]) -
   window = _window(x.shape, transforms)
   if window is None:
     old = internals.transform_array(x, transforms)
-    return internals.transform_swap_array(x, transforms, fn(old))[1]
+    return _swap(x, transforms, fn(old))[1]
   return _write_window(x, window, fn(_read_window(x, window)))
+
+
+def _swap(x: Any, transforms: Sequence[Any] | None, value: Any) -> tuple[Any, Any]:
+  """JAX's swap through `transforms`; one view at a time where one reshapes or bitcasts."""
+  transforms = [t for t in (transforms or ()) if t is not None]
+  if not any(_reinterprets(t) for t in transforms):
+    return internals.transform_swap_array(x, transforms, value)
+  return _swap_view_by_view(x, transforms, value)
+
+
+def _reinterprets(t: Any) -> bool:
+  return isinstance(t, (internals.ReshapeTransform, internals.BitcastTransform))
+
+
+def _swap_view_by_view(x: Any, transforms: list[Any], value: Any) -> tuple[Any, Any]:
+  """(the view's old value, `x` with `value` written through `transforms`): each view
+  of the chain is taken, then written back from the last to the first."""
+  views = [x]
+  for t in transforms:
+    views.append(views[-1].reshape(t.shape) if isinstance(t, internals.ReshapeTransform)
+                 else internals.transform_array(views[-1], [t]))
+  new = value
+  i = len(transforms) - 1
+  while i >= 0:
+    t, view = transforms[i], views[i]
+    if isinstance(t, internals.ReshapeTransform):
+      new = new.reshape(view.shape)
+    elif isinstance(t, internals.BitcastTransform):
+      new = internals.bitcast_value(new, view.dtype)
+    elif any(_reinterprets(u) for u in transforms[:i]):
+      rectangle = _rectangle_before_reshape(views, transforms, i)
+      if rectangle is not None:   # the indexer and the reshape above it, as one write
+        under = any(_reinterprets(u) for u in transforms[:i - 1])
+        new = (_selected(views[i - 1], lambda a, v: _write_window(a, rectangle, v), new)
+               if under else _write_window(views[i - 1], rectangle, new))
+        i -= 2
+        continue
+      new = _selected(view, lambda a, v: internals.transform_swap_array(a, [t], v)[1], new)
+    else:
+      new = internals.transform_swap_array(view, [t], new)[1]
+    i -= 1
+  return views[-1], new
+
+
+def _rectangle_before_reshape(views: list[Any], transforms: list[Any], i: int) -> Window | None:
+  """The window indexer `transforms[i]` writes, in the array the reshape just above it
+  reshapes, where that window is one rectangle there (see reshaped_windows)."""
+  if i == 0 or not isinstance(transforms[i - 1], internals.ReshapeTransform):
+    return None
+  window = _window(views[i].shape, [transforms[i]])
+  if window is None:
+    return None
+  starts, sizes, _ = window
+  base = reshaped_windows.in_base(views[i - 1].shape, views[i].shape, starts, sizes)
+  return None if base is None else (base[0], base[1], ())
+
+
+def _selected(view: Any, write: Callable[[Any, Any], Any], value: Any) -> Any:
+  """`write(view, value)` as a select between `view` and `value` written into zeros
+  (no in-place update of `view`, whose result is reshaped: see the module docstring)."""
+  spread = write(lax.full_like(view, 0), value)
+  where = write(lax.full(view.shape, False), lax.full(np.shape(value), True))
+  return lax.select(where, spread, view)
 
 
 def _read_window(x: Any, window: Window) -> Any:

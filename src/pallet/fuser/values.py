@@ -12,6 +12,7 @@ from typing import Any, Callable
 import jax
 
 from pallet import _internals
+from pallet.core import ref_views
 from pallet.fuser import jaxprs, rules, usage as usage_lib
 from pallet.fuser.errors import note
 
@@ -43,7 +44,7 @@ def _run_stateful(jaxpr: Any, consts: list, args: list, eqns: list) -> tuple[lis
       value = invals[1]
       if name == "addupdate":
         value = _internals.transform_array(invals[0], transforms) + value
-      old, new = _internals.transform_swap_array(invals[0], transforms, value)
+      old, new = ref_views.swap(invals[0], transforms, value)
       env[eqn.invars[0]] = new
       outs = [old] if name == "swap" else []
     else:
