@@ -387,9 +387,8 @@ def test_stores_through_reinterpreted_views_that_read_the_same_ref(view, steps):
   """Rows of a reshaped or bitcast view written, in turn, with values read elsewhere in
   the same ref (reversed, interleaved): each store sees the previous ones. XLA:CPU
   mis-compiled the in-place update this discharged to (openxla/xla#49176: a silent
-  wrong result in 40-130 of 2048 elements, views fuzz seed 106). Rows 2k, 2k + 1 of
-  the ref are written as such; rows of (64, 32) starting mid-row and int32 rows of a
-  bitcast with a select."""
+  wrong result in 40-130 of 2048 elements, views fuzz seed 106): rows of (8, 8, 32),
+  rows of (64, 32) starting mid-row, int32 rows of a bitcast."""
   def kernel(x_ref, o_ref):
     o_ref[...] = x_ref[...]
     for k in steps:

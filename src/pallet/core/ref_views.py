@@ -18,26 +18,17 @@ shapes) goes through JAX's helpers, as before.
 
 A write through a reshaped or bitcast view (`ref.reshape(...)`, `ref.bitcast(...)`) is
 taken one view at a time (`_swap_view_by_view`): JAX 0.10's rule refuses both views.
-An indexer under such a view never updates a reshaped (or bitcast) array in place:
-XLA:CPU (jaxlib 0.10 and 0.12) runs a `dynamic_update_slice` whose operand or result
-is a reshape of an array in place while its update still reads that array elsewhere,
-reading what it already overwrote: a silent wrong result whenever the stored value
-reads the same ref (openxla/xla#49176; `o.reshape(8, 8, 32).at[k][...] = f(o[0:2])`
-twice, or a DMA between pages of `cache.reshape(pages * page, d)`). Where the window
-is one rectangle of the array before the reshape, it is written there
-(`reshaped_windows`); otherwise the value is written into zeros through the views and
-merged into the array before them bit by bit, elementwise.
+Where the stored value reads the same ref elsewhere, the XLA backend writes the update
+as a select (backends/xla/self_updates.py: XLA:CPU mis-compiles it otherwise).
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from pallet import _internals as internals
-from pallet.core import reshaped_windows
 
 Window = tuple[list[Any], list[int], tuple[int, ...]]   # starts, sizes, result shape
 
@@ -89,40 +80,12 @@ def _reinterprets(t: Any) -> bool:
 
 
 def _swap_view_by_view(x: Any, transforms: list[Any], value: Any) -> tuple[Any, Any]:
-  """(the view's old value, `x` with `value` written through `transforms`), where some
-  view reshapes or bitcasts. The indexers before the first such view select `base`, a
-  window of `x` that is written back as one; the views from there on are taken and
-  written back one at a time, an indexer among them as a rectangle of `base` or bit by
-  bit (see the module docstring)."""
-  first = next(i for i, t in enumerate(transforms) if _reinterprets(t))
-  outer, inner = transforms[:first], transforms[first:]
-  base = read(x, outer) if outer else x
-  views = _views(base, inner)
-  if not any(isinstance(t, internals.NDIndexer) for t in inner):
-    new_base = _written_back(inner, views, value)
-  else:
-    rectangle = _rectangle_under_reshape(inner, views)
-    if rectangle is not None:
-      new_base = _write_window(base, rectangle, _written_back(inner[2:], views[2:], value))
-    else:
-      zero_views = _views(lax.full_like(base, 0), inner)
-      new_base = _merged(base, _written_back(inner, zero_views, value),
-                         _written_back(inner, zero_views, _marker(value)))
-  return views[-1], (write(x, outer, new_base) if outer else new_base)
-
-
-def _views(x: Any, transforms: Sequence[Any]) -> list[Any]:
-  """`x` and what each prefix of `transforms` makes of it."""
+  """(the view's old value, `x` with `value` written through `transforms`): each view
+  of the chain is taken, then written back from the last to the first."""
   views = [x]
   for t in transforms:
     views.append(views[-1].reshape(t.shape) if isinstance(t, internals.ReshapeTransform)
                  else internals.transform_array(views[-1], [t]))
-  return views
-
-
-def _written_back(transforms: Sequence[Any], views: list[Any], value: Any) -> Any:
-  """`views[0]` with `value` written through `transforms` (of which `views` are the
-  views), one view at a time from the last."""
   new = value
   for t, view in reversed(list(zip(transforms, views))):
     if isinstance(t, internals.ReshapeTransform):
@@ -131,65 +94,7 @@ def _written_back(transforms: Sequence[Any], views: list[Any], value: Any) -> An
       new = internals.bitcast_value(new, view.dtype)
     else:
       new = internals.transform_swap_array(view, [t], new)[1]
-  return new
-
-
-def _rectangle_under_reshape(transforms: Sequence[Any], views: list[Any]) -> Window | None:
-  """Where `transforms` are a reshape, an indexer, then only views of the whole: the
-  indexer's window in the array before the reshape, if it is one rectangle there
-  (see reshaped_windows)."""
-  if (len(transforms) < 2 or not isinstance(transforms[0], internals.ReshapeTransform)
-      or any(isinstance(t, internals.NDIndexer) for t in transforms[2:])):
-    return None
-  window = _window(views[1].shape, [transforms[1]])
-  if window is None:
-    return None
-  starts, sizes, _ = window
-  found = reshaped_windows.in_base(views[0].shape, views[1].shape, starts, sizes)
-  return None if found is None else (found[0], found[1], ())
-
-
-def _marker(value: Any) -> Any:
-  """A value of `value`'s shape and type with every bit set (True, or 1 where the type
-  has no integer of its width)."""
-  dtype = np.dtype(value.dtype)
-  unsigned = _unsigned_of(dtype)
-  if dtype == np.bool_:
-    return lax.full(np.shape(value), True)
-  if unsigned is None:
-    return lax.full(np.shape(value), 1, dtype)
-  return lax.bitcast_convert_type(lax.full(np.shape(value), np.iinfo(unsigned).max, unsigned),
-                                  dtype)
-
-
-def _merged(base: Any, spread: Any, covered: Any) -> Any:
-  """`base` with the bits set in `covered` taken from `spread`: bit by bit, since a view
-  of narrower elements may write part of an element of `base`. Elementwise over `base`,
-  so never an in-place update whose operand XLA sees reshaped (module docstring)."""
-  unsigned = _unsigned_of(np.dtype(base.dtype))
-  if unsigned is None:   # whole elements only (no bitcast between widths reaches them)
-    written = covered if covered.dtype == np.bool_ else lax.ne(covered, lax.full_like(covered, 0))
-    return lax.select(written, spread, base)
-  bits = [lax.bitcast_convert_type(a, unsigned) for a in (base, spread, covered)]
-  kept = lax.bitwise_and(bits[0], lax.bitwise_not(bits[2]))
-  return lax.bitcast_convert_type(lax.bitwise_or(kept, bits[1]), base.dtype)
-
-
-def _unsigned_of(dtype: np.dtype) -> np.dtype | None:
-  """The unsigned integer type of `dtype`'s width, for types whose bits can be moved so."""
-  if dtype == np.bool_ or dtype.kind == "c" or dtype.itemsize not in (1, 2, 4, 8):
-    return None
-  bits = np.iinfo(dtype).bits if dtype.kind in "iu" else _float_bits(dtype)
-  if bits != 8 * dtype.itemsize:
-    return None
-  return np.dtype(f"uint{bits}")
-
-
-def _float_bits(dtype: np.dtype) -> int | None:
-  try:
-    return int(jnp.finfo(dtype).bits)
-  except ValueError:
-    return None
+  return views[-1], new
 
 
 def _read_window(x: Any, window: Window) -> Any:

@@ -44,8 +44,10 @@ _ELEMENTWISE = frozenset("""
     """.split())
 # Operations that keep the row-major order of the elements.
 _REORDERS_NOTHING = frozenset({"reshape", "squeeze", "expand_dims"})
-# Operations that only reinterpret an array: the result is the same buffer to XLA.
-_SAME_BUFFER = frozenset({"reshape", "squeeze", "expand_dims", "bitcast_convert_type"})
+# Operations whose result XLA may keep in its operand's buffer (a layout change makes a
+# transpose a bitcast; copies are elided).
+_SAME_BUFFER = frozenset({"reshape", "squeeze", "expand_dims", "bitcast_convert_type",
+                          "transpose", "copy", "copy_p"})
 
 
 def guard(closed: ClosedJaxpr) -> ClosedJaxpr:
@@ -97,13 +99,8 @@ def _reads_elsewhere(update: Any, producers: dict, numbering: "_ValueNumbers") -
   operand, value, *starts = update.invars
   if isinstance(operand, Literal):
     return False
-  buffer = {operand}
-  root = operand
-  while root in producers and producers[root].primitive.name in _SAME_BUFFER:
-    root = producers[root].invars[0]
-    if isinstance(root, Literal):
-      break
-    buffer.add(root)
+  roots: dict = {}
+  buffer = _root(operand, producers, roots)
   whole = value.aval.shape == operand.aval.shape
   seen: set = set()
   stack = [(value, False)]
@@ -112,7 +109,7 @@ def _reads_elsewhere(update: Any, producers: dict, numbering: "_ValueNumbers") -
     if isinstance(var, Literal) or (var, shuffled) in seen:
       continue
     seen.add((var, shuffled))
-    if var in buffer:
+    if _root(var, producers, roots) is buffer:
       if shuffled or var is not operand or not whole:
         return True
       continue   # the whole operand, element by element
@@ -126,6 +123,23 @@ def _reads_elsewhere(update: Any, producers: dict, numbering: "_ValueNumbers") -
     keeps = not shuffled and _pairs_elements(eqn, var)
     stack.extend((v, not keeps) for v in eqn.invars)
   return False
+
+
+def _root(var: Any, producers: dict, roots: dict) -> Any:
+  """The array `var` is a view of to XLA: back through reshapes, transposes, bitcasts
+  and copies (which XLA may turn into bitcasts of one buffer)."""
+  path = []
+  while var not in roots:
+    eqn = producers.get(var)
+    if eqn is None or eqn.primitive.name not in _SAME_BUFFER or isinstance(eqn.invars[0], Literal):
+      roots[var] = var
+      break
+    path.append(var)
+    var = eqn.invars[0]
+  root = roots[var]
+  for v in path:
+    roots[v] = root
+  return root
 
 
 def _pairs_elements(eqn: Any, out: Any) -> bool:
