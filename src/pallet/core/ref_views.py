@@ -81,12 +81,21 @@ def _reinterprets(t: Any) -> bool:
 
 def _swap_view_by_view(x: Any, transforms: list[Any], value: Any) -> tuple[Any, Any]:
   """(the view's old value, `x` with `value` written through `transforms`): each view
-  of the chain is taken, then written back from the last to the first."""
-  views = [x]
+  of the chain is taken, then written back from the last to the first. Where the chain
+  bitcasts, the views are unsigned integers of the same widths while the bits move:
+  jaxlib 0.10's XLA:CPU quiets signaling-NaN patterns in a floating array it updates
+  (all of a bfloat16 array's, on a `dynamic_update_slice`), and a bitcast view's
+  elements are any bits (the low halves of float32s seen as bfloat16)."""
+  as_bits = any(isinstance(t, internals.BitcastTransform) for t in transforms)
+  views = [_bits(x) if as_bits else x]
   for t in transforms:
-    views.append(views[-1].reshape(t.shape) if isinstance(t, internals.ReshapeTransform)
-                 else internals.transform_array(views[-1], [t]))
-  new = value
+    if isinstance(t, internals.ReshapeTransform):
+      views.append(views[-1].reshape(t.shape))
+    elif isinstance(t, internals.BitcastTransform):
+      views.append(internals.bitcast_value(views[-1], _bits_type(t.dtype) if as_bits else t.dtype))
+    else:
+      views.append(internals.transform_array(views[-1], [t]))
+  new = _bits(value) if as_bits else value
   for t, view in reversed(list(zip(transforms, views))):
     if isinstance(t, internals.ReshapeTransform):
       new = new.reshape(view.shape)
@@ -94,7 +103,27 @@ def _swap_view_by_view(x: Any, transforms: list[Any], value: Any) -> tuple[Any, 
       new = internals.bitcast_value(new, view.dtype)
     else:
       new = internals.transform_swap_array(view, [t], new)[1]
-  return views[-1], new
+  if not as_bits:
+    return views[-1], new
+  seen_as = [t.dtype for t in transforms if isinstance(t, internals.BitcastTransform)][-1]
+  return _from_bits(views[-1], seen_as), _from_bits(new, x.dtype)
+
+
+def _bits_type(dtype: Any) -> np.dtype:
+  """The unsigned integer type of `dtype`'s width (`dtype` itself where none fits)."""
+  dtype = np.dtype(dtype)
+  if dtype.kind in "iub" or dtype.itemsize not in (1, 2, 4, 8):
+    return dtype
+  return np.dtype(f"uint{8 * dtype.itemsize}")
+
+
+def _bits(x: Any) -> Any:
+  bits = _bits_type(x.dtype)
+  return x if bits == np.dtype(x.dtype) else lax.bitcast_convert_type(x, bits)
+
+
+def _from_bits(x: Any, dtype: Any) -> Any:
+  return x if np.dtype(x.dtype) == np.dtype(dtype) else lax.bitcast_convert_type(x, dtype)
 
 
 def _read_window(x: Any, window: Window) -> Any:
