@@ -62,7 +62,8 @@ def test_a_scratch_shifted_flipped_and_summed_in_place():
 
 
 @xla_only
-@pytest.mark.parametrize("copies", [((20, 25), (0, 3), (22, 25)), ((13, 13), (8, 3), (10, 18), (24, 25))])
+@pytest.mark.parametrize("copies", [((20, 25), (0, 3), (22, 25)),
+                                    ((13, 13), (8, 3), (10, 18), (24, 25))])
 def test_dmas_between_pages_of_one_cache(copies):
   """Static-size DMAs within one HBM buffer seen as (pages * page, d): 384 elements
   wrong before (the copy into the buffer read the buffer it updated)."""

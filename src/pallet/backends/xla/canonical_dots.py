@@ -29,9 +29,9 @@ from jax import lax
 from jax.extend.core import ClosedJaxpr, Literal
 
 from pallet import _internals as internals
+from pallet.backends.xla import nested_jaxprs
 
-_NESTED = {"cond": ("branches",), "while": ("cond_jaxpr", "body_jaxpr"), "scan": ("jaxpr",),
-           "pjit": ("jaxpr",), "jit": ("jaxpr",), "closed_call": ("call_jaxpr",)}
+_NESTED = nested_jaxprs.NESTED
 
 
 def _runs(dims: Sequence[int], rank: int) -> tuple[list[int], list[int]] | None:

@@ -23,11 +23,10 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Literal
 
 from pallet import _internals as internals
+from pallet.backends.xla import nested_jaxprs
 from pallet.core import grid_eval
 
-# Equations whose inner jaxprs are plain computations of their operands.
-_NESTED = {"cond": ("branches",), "while": ("cond_jaxpr", "body_jaxpr"), "scan": ("jaxpr",),
-           "pjit": ("jaxpr",), "jit": ("jaxpr",), "closed_call": ("call_jaxpr",)}
+_NESTED = nested_jaxprs.NESTED
 
 
 def fold_literals(closed: ClosedJaxpr) -> ClosedJaxpr:
@@ -48,7 +47,7 @@ def _fold(jaxpr: Any) -> Any:
       subst.update(zip(eqn.outvars, folded))
       changed = True
       continue
-    params = _folded_params(eqn)
+    params = nested_jaxprs.rewrite_params(eqn, _fold_closed)
     if params is not eqn.params or moved:
       eqn = eqn.replace(invars=invars, params=params)
       changed = True
@@ -81,22 +80,6 @@ def _evaluate(eqn: Any, invars: list) -> list | None:
   except grid_eval.Unsupported:
     return None
   return [Literal(np.asarray(o, v.aval.dtype)[()], v.aval) for v, o in zip(eqn.outvars, outs)]
-
-
-def _folded_params(eqn: Any) -> dict:
-  names = _NESTED.get(eqn.primitive.name, ())
-  params = eqn.params
-  for name in names:
-    value = params.get(name)
-    if value is None:
-      continue
-    new = tuple(_fold_closed(b) for b in value) if isinstance(value, tuple) \
-        else _fold_closed(value)
-    unchanged = all(a is b for a, b in zip(new, value)) if isinstance(value, tuple) \
-        else new is value
-    if not unchanged:
-      params = {**params, name: new}
-  return params
 
 
 def _fold_closed(x: Any) -> Any:

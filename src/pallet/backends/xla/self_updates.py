@@ -29,10 +29,8 @@ from jax.extend.core import ClosedJaxpr, Literal
 from jax.extend.core.primitives import closed_call_p
 
 from pallet import _internals as internals
+from pallet.backends.xla import nested_jaxprs
 
-# Equations whose inner jaxprs are plain computations of their operands.
-_NESTED = {"cond": ("branches",), "while": ("cond_jaxpr", "body_jaxpr"), "scan": ("jaxpr",),
-           "pjit": ("jaxpr",), "jit": ("jaxpr",), closed_call_p.name: ("call_jaxpr",)}
 # Same-shape operations that pair element k of each operand with element k of the
 # result (scalars broadcast).
 _ELEMENTWISE = frozenset("""
@@ -62,7 +60,7 @@ def _guard(jaxpr: Any) -> Any:
   numbering = _ValueNumbers(producers)
   eqns, changed = [], False
   for eqn in jaxpr.eqns:
-    params = _guarded_params(eqn)
+    params = nested_jaxprs.rewrite_params(eqn, _guard_closed)
     if params is not eqn.params:
       eqn, changed = eqn.replace(params=params), True
     if eqn.primitive.name == "dynamic_update_slice" and _reads_elsewhere(
@@ -70,21 +68,6 @@ def _guard(jaxpr: Any) -> Any:
       eqn, changed = _as_select(eqn), True
     eqns.append(eqn)
   return jaxpr.replace(eqns=eqns) if changed else jaxpr
-
-
-def _guarded_params(eqn: Any) -> dict:
-  params = eqn.params
-  for name in _NESTED.get(eqn.primitive.name, ()):
-    value = params.get(name)
-    if value is None:
-      continue
-    new = tuple(_guard_closed(b) for b in value) if isinstance(value, tuple) \
-        else _guard_closed(value)
-    unchanged = all(a is b for a, b in zip(new, value)) if isinstance(value, tuple) \
-        else new is value
-    if not unchanged:
-      params = {**params, name: new}
-  return params
 
 
 def _guard_closed(x: Any) -> Any:
@@ -199,7 +182,8 @@ class _ValueNumbers:
     if eqn is None or eqn.effects or len(eqn.outvars) != 1:
       key: tuple = ("var", id(a))
     else:   # a call's jaxpr by identity (JAX reuses the trace of `jnp.where` and kin)
-      params = tuple(sorted((k, id(v) if k in _NESTED.get(eqn.primitive.name, ()) else repr(v))
+      nested = nested_jaxprs.NESTED.get(eqn.primitive.name, ())
+      params = tuple(sorted((k, id(v) if k in nested else repr(v))
                             for k, v in eqn.params.items()))
       key = (eqn.primitive.name, params, tuple(self.key(v) for v in eqn.invars))
     self.keys[a] = key
