@@ -14,8 +14,8 @@ where pallet departs from JAX's discharge rules, and only in three ways:
   start clamped by one view and indexed by the next. A single view keeps JAX's rule,
   which is as short.
 * A store through a reshaped or bitcast view (`ref.reshape(...)[...] = v`) is written
-  back one view at a time, indexers under such a view with a select (`ref_views`):
-  JAX 0.10's rule refuses it, and XLA:CPU mis-compiles JAX 0.12's.
+  back one view at a time, bitcast chains as unsigned integers (`ref_views`): JAX
+  0.10's rule refuses it, and jaxlib 0.10 changes bits of bfloat16 arrays it updates.
 * A load `ref[pl.ds(i, n, 0)]` reads element i n times (a TPU sublane broadcast: a
   scale row repeated over 8 sublanes). JAX's rule slices with stride 0 and divides by
   zero; here it is a read of element i, broadcast.

@@ -92,7 +92,7 @@ def _swap_view_by_view(x: Any, transforms: list[Any], value: Any) -> tuple[Any, 
     if isinstance(t, internals.ReshapeTransform):
       views.append(views[-1].reshape(t.shape))
     elif isinstance(t, internals.BitcastTransform):
-      views.append(internals.bitcast_value(views[-1], _bits_type(t.dtype) if as_bits else t.dtype))
+      views.append(internals.bitcast_value(views[-1], _bits_type(t.dtype)))
     else:
       views.append(internals.transform_array(views[-1], [t]))
   new = _bits(value) if as_bits else value
@@ -110,9 +110,10 @@ def _swap_view_by_view(x: Any, transforms: list[Any], value: Any) -> tuple[Any, 
 
 
 def _bits_type(dtype: Any) -> np.dtype:
-  """The unsigned integer type of `dtype`'s width (`dtype` itself where none fits)."""
+  """The unsigned integer type of `dtype`'s width (`dtype` itself for integers, bools,
+  complex numbers and odd widths)."""
   dtype = np.dtype(dtype)
-  if dtype.kind in "iub" or dtype.itemsize not in (1, 2, 4, 8):
+  if dtype.kind in "iubc" or dtype.itemsize not in (1, 2, 4, 8):
     return dtype
   return np.dtype(f"uint{8 * dtype.itemsize}")
 
