@@ -21,7 +21,8 @@ from jax import lax
 from pallet.core import array_ops, checks, discharge
 from pallet.backends.xla.plan import ExecutionPlan, OperandPlan, element_scale, make_plan
 from pallet.backends.xla import (body_analysis, bounded_loops, literal_folding,
-                                 replicated_scratch, self_updates, widening)
+                                 padded_lanes, replicated_scratch, self_updates,
+                                 widening)
 from pallet.backends.xla.static_indices import fold_static_indices
 from pallet.backends.xla.widening import Widening
 from pallet.core.specs import MemorySpace
@@ -63,6 +64,7 @@ def discharged_body(kernel: KernelDescription, widened: Widening | None = None,
     varying = [g in vectorized for g in range(G)] + [True] * (len(pure.jaxpr.invars) - G)
     pure = fold_static_indices(pure, varying if vectorized else None,
                                {g: 0 for g, n in enumerate(gm.grid) if n == 1})
+    pure = padded_lanes.narrow(pure)
     pure = self_updates.guard(pure)
     narrowed = replicated_scratch.narrowable_scratch(pure, n_scratch)
     evaluate = lambda *args: (replicated_scratch.evaluate if any(narrowed) else
