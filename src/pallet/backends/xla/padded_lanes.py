@@ -323,7 +323,7 @@ def _combine(eqn: Any, tails: list[Tail]) -> Tail:
 _EXACT = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide,
           "max": np.maximum, "min": np.minimum, "neg": np.negative, "abs": np.abs,
           "sign": np.sign, "floor": np.floor, "ceil": np.ceil, "square": np.square,
-          "and": np.logical_and, "or": np.logical_or, "not": np.logical_not,
+          "and": np.bitwise_and, "or": np.bitwise_or, "not": np.invert,   # bitwise on ints
           **_COMPARISONS}
 _AT_SPECIAL_VALUES = {"exp": np.exp, "exp2": np.exp2, "expm1": np.expm1, "log": np.log,
                       "log1p": np.log1p, "sqrt": np.sqrt, "tanh": np.tanh,
@@ -343,6 +343,8 @@ def _scalar(eqn: Any, args: list[np.ndarray]) -> np.ndarray | None:
     if name == "integer_pow":
       return np.asarray(np.power(args[0], eqn.params["y"]), dtype) \
           if eqn.params["y"] in (0, 1, 2) else None
+    if name == "div" and not dtypes.issubdtype(dtype, np.inexact):
+      return None   # XLA's integer division by zero is not NumPy's
     if name in _EXACT:
       return np.asarray(_EXACT[name](*args)).astype(dtype)
     if name in _AT_SPECIAL_VALUES and (args[0] == 0 or not np.isfinite(args[0])):
