@@ -19,7 +19,7 @@ from jax import lax
 
 import pallet as pl
 from pallet import triton as plgpu
-from pallet.backends.xla import padded_lanes
+from pallet.backends.xla import padded_lanes, plan_of
 from helpers import assert_close, poisoned, random_array
 
 f32 = jnp.float32
@@ -254,6 +254,9 @@ def test_a_one_chunk_row_norm_emits_no_pad():
   x, w = random_array((4, 192), seed=3), random_array((192,), seed=4)
   text = jax.jit(lambda x, w: _rows("layer", x, w, 256)).lower(x, w).as_text()
   assert "pad" not in text
+  eqns = jax.make_jaxpr(lambda x, w: _rows("layer", x, w, 256))(x, w).eqns
+  kernel = next(e for e in eqns if e.primitive.name == "pallas_call").params["kernel"]
+  assert any("padded lanes dropped" in r for r in plan_of(kernel).reasons)
   assert_close(jax.jit(lambda x, w: _rows("layer", x, w, 256))(x, w),
                _reference("layer", x, w), rtol=2e-5, atol=2e-5)
 

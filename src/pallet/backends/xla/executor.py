@@ -33,10 +33,10 @@ Body = Callable[..., tuple[list[Any], list[Any]]]
 
 def discharged_body(kernel: KernelDescription, widened: Widening | None = None,
                     vectorized: Sequence[int] = (),
-                    bounded: bool = False) -> tuple[Body, list[tuple[int, ...]]]:
-  """`body(ids, prefetch, ins, outs, state) -> (outs, state)`, a pure function, and
-  the shape each scratch buffer is carried in; `ids` holds the grid indices, then
-  the traced grid sizes if any.
+                    bounded: bool = False) -> tuple[Body, list[tuple[int, ...]], list[str]]:
+  """`body(ids, prefetch, ins, outs, state) -> (outs, state)`, a pure function, the
+  shape each scratch buffer is carried in, and notes for `debug=True` on how the
+  body was rewritten; `ids` holds the grid indices, then the traced grid sizes if any.
 
   `state` is what persists from one grid step to the next: the scalar-prefetch
   operands (kernels may write them, as SMEM on a TPU: ragged paged attention
@@ -51,6 +51,7 @@ def discharged_body(kernel: KernelDescription, widened: Widening | None = None,
   n_pre, n_in, n_out = len(gm.prefetch_avals), len(gm.inputs), len(gm.outputs)
   n_scratch = len(gm.scratch_avals)
   narrowed = [replicated_scratch.Axes()] * n_scratch
+  notes = []
   if widened is not None:
     pure = widened.pure
     evaluate = lambda *args: widening.evaluate(pure.jaxpr, pure.consts, args, widened.tags)
@@ -64,7 +65,11 @@ def discharged_body(kernel: KernelDescription, widened: Widening | None = None,
     varying = [g in vectorized for g in range(G)] + [True] * (len(pure.jaxpr.invars) - G)
     pure = fold_static_indices(pure, varying if vectorized else None,
                                {g: 0 for g, n in enumerate(gm.grid) if n == 1})
-    pure = padded_lanes.narrow(pure)
+    unpadded = padded_lanes.narrow(pure)
+    if unpadded is not pure:
+      notes.append("padded lanes dropped: values padded past a ref's end (masked loads of a "
+                   "power-of-two block) computed on their real lanes only")
+    pure = unpadded
     pure = self_updates.guard(pure)
     narrowed = replicated_scratch.narrowable_scratch(pure, n_scratch)
     evaluate = lambda *args: (replicated_scratch.evaluate if any(narrowed) else
@@ -85,7 +90,7 @@ def discharged_body(kernel: KernelDescription, widened: Widening | None = None,
                for x, axes in zip(finals[n_pre + n_in + n_out:], narrowed)]
     return list(finals[n_pre + n_in:n_pre + n_in + n_out]), list(finals[:n_pre]) + scratch
   return body, [replicated_scratch.narrow_shape(shape, axes)
-                for shape, axes in zip(full, narrowed)]
+                for shape, axes in zip(full, narrowed)], notes
 
 
 # ------------------------------------------------------------------ slabs
@@ -358,8 +363,9 @@ def build(kernel: KernelDescription, plan: ExecutionPlan | None = None) -> Calla
   """A pure function `(*prefetch, *inputs) -> outputs` computing the kernel's result."""
   plan = plan or make_plan(kernel)
   gm = kernel.grid_mapping
-  body, scratch_shapes = discharged_body(kernel, widening.of_plan(kernel, plan),
-                                         plan.vectorized, plan.bounded_loops)
+  body, scratch_shapes, notes = discharged_body(kernel, widening.of_plan(kernel, plan),
+                                                plan.vectorized, plan.bounded_loops)
+  plan.reasons.extend(n for n in notes if n not in plan.reasons)
   narrowed = [(s, a.shape, shape) for s, (a, shape)
               in enumerate(zip(gm.scratch_avals, scratch_shapes)) if tuple(a.shape) != shape]
   if narrowed:
