@@ -1,12 +1,12 @@
 """Lanes a kernel pads onto its data, dropped where nothing can observe them.
 
 Triton-style kernels work on power-of-two blocks: a row of 192 columns is loaded
-as 256 lanes, `plgpu.load(x_ref.at[pl.ds(0, 256)], mask=cols < 192, other=0)`,
-reduced, and stored back through the same mask. In the discharged body that load
-is a `pad` of the 192 real values, and on the CPU the pad costs more than the
-kernel: XLA:CPU materialises it (its reductions run in a library that takes no
-fused pad), a copy of the whole block, 40-54% of the time of JAX's GPU layer norm
-and RMS norm at the sizes of JAX's tests.
+as 256 lanes, `plgpu.load(x_ref.at[cols], mask=cols < 192, other=0)` with `cols =
+jnp.arange(256)`, reduced, and stored back through the same mask. In the
+discharged body that load is a `pad` of the 192 real values, and on the CPU the pad
+costs more than the kernel: XLA:CPU materialises it (its reductions run in a
+library that takes no fused pad), a copy of the whole block, 40-54% of the time of
+JAX's GPU layer norm, RMS norm and softmax at the sizes of JAX's tests.
 
 `narrow` rewrites the body to compute on the real lanes only, where that provably
 gives the same values. An abstract interpretation follows every value derived
@@ -186,7 +186,9 @@ def _shortcut(eqn: Any, out: Lanes, lanes: dict, const_of: dict,
     head = (Tail(const=np.asarray(pred.val)) if isinstance(pred, Literal) else
             UNKNOWN if pred.aval.shape == () else lanes[pred].head if pred in lanes else
             _known(pred, out, const_of, producer, 0, out.width))
-    if head.known:
+    picked = eqn.invars[1 + int(head.const)] if head.known else None
+    if picked is not None and not isinstance(picked, Literal) and \
+        picked.aval.shape == eqn.outvars[0].aval.shape:
       return ("pick", 1 + int(head.const))
   return None
 
