@@ -263,14 +263,16 @@ def _row_max(m: Any, x: Any, axis: int, producer: dict) -> bool:
           and tuple(step.params["axes"]) == (axis,))
 
 
-def _known(x: Any, ln: Lanes, const_of: dict, producer: dict, start: int, stop: int) -> Tail:
+def _known(x: Any, ln: Lanes, const_of: dict, producer: dict, start: int, stop: int,
+           depth: int = 8) -> Tail:
   """What lanes [start, stop) of a value computed whole hold, where it meets a
-  narrowed one: read off a constant, an iota's positions, else unknown."""
+  narrowed one: read off a constant, an iota's positions, elementwise arithmetic on
+  those (at most `depth` equations back: a mask is a few), else unknown."""
   if x in const_of:
     part = np.moveaxis(np.asarray(const_of[x]), ln.axis, 0)[start:stop]
     return Tail(const=part.flat[0]) if part.size and (part == part.flat[0]).all() else UNKNOWN
   eqn = producer.get(x)
-  if eqn is None:
+  if eqn is None or depth == 0:
     return UNKNOWN
   if eqn.primitive.name == "iota" and eqn.params["dimension"] == ln.axis:
     return Tail(low=start, high=stop - 1)
@@ -280,7 +282,8 @@ def _known(x: Any, ln: Lanes, const_of: dict, producer: dict, start: int, stop: 
       isinstance(y, Literal) or y.aval.shape in ((), x.aval.shape) for y in eqn.invars):
     return _combine(eqn, [Tail(const=np.asarray(y.val)) if isinstance(y, Literal) else
                           UNKNOWN if y.aval.shape == () else
-                          _known(y, ln, const_of, producer, start, stop) for y in eqn.invars])
+                          _known(y, ln, const_of, producer, start, stop, depth - 1)
+                          for y in eqn.invars])
   return UNKNOWN
 
 
