@@ -22,6 +22,8 @@ from pallet import triton as plgpu
 from pallet.backends.xla import padded_lanes, plan_of
 from helpers import assert_close, poisoned, random_array
 
+pytestmark = pytest.mark.cpu_only   # a pass of the XLA backend, and the programs it emits
+
 f32 = jnp.float32
 
 
