@@ -140,8 +140,9 @@ def _plan(jaxpr: Any, consts: Any) -> tuple[dict, dict] | None:
       if not all(paddable(x) for x in ins):
         return None
       continue
-    actions[k] = DROP if out == DROP else NARROW
-    if out != DROP:
+    if out == DROP:
+      actions[k] = DROP
+    else:
       lanes[eqn.outvars[0]] = out
       actions[k] = _shortcut(eqn, out, lanes, const_of, producer) or NARROW
   if DROP not in actions.values() or not all(paddable(x) for x in jaxpr.outvars):
@@ -341,8 +342,6 @@ def _scalar(eqn: Any, args: list[np.ndarray]) -> np.ndarray | None:
   compile each one on a first call), or None where NumPy's result could differ."""
   name, dtype = eqn.primitive.name, eqn.outvars[0].aval.dtype
   with np.errstate(all="ignore"):
-    if name == "select_n":
-      return args[1 + int(args[0])]
     if name == "convert_element_type":
       return np.asarray(args[0]).astype(dtype)
     if name == "integer_pow":
@@ -454,9 +453,8 @@ def _evaluate(jaxpr: Any, consts: Any, args: Any, plan: tuple[dict, dict]) -> li
       ins = [read(x) for x in eqn.invars]
     if name == "broadcast_in_dim":
       params["shape"] = _narrowed(params["shape"], out_ln)
-    elif name == "slice":
-      if action == NARROW:
-        params["limit_indices"] = _narrowed(params["limit_indices"], out_ln)
+    elif name == "slice" and action == NARROW:
+      params["limit_indices"] = _narrowed(params["limit_indices"], out_ln)
     env[eqn.outvars[0]] = eqn.primitive.bind(*ins, **params)
   return [whole(x) for x in jaxpr.outvars]
 
