@@ -22,7 +22,7 @@ from pallet.core import array_ops, checks, discharge
 from pallet.backends.xla.plan import ExecutionPlan, OperandPlan, element_scale, make_plan
 from pallet.backends.xla import (body_analysis, bounded_loops, literal_folding,
                                  padded_lanes, replicated_scratch, self_updates,
-                                 widening)
+                                 widening, window_ranges)
 from pallet.backends.xla.static_indices import fold_static_indices
 from pallet.backends.xla.widening import Widening
 from pallet.core.specs import MemorySpace
@@ -65,6 +65,13 @@ def discharged_body(kernel: KernelDescription, widened: Widening | None = None,
     varying = [g in vectorized for g in range(G)] + [True] * (len(pure.jaxpr.invars) - G)
     pure = fold_static_indices(pure, varying if vectorized else None,
                                {g: 0 for g, n in enumerate(gm.grid) if n == 1})
+    # grid indices run from 0 to the axis size - 1 (chunks divide the axes, plan.py)
+    ids = [(0, n - 1) if isinstance(n, int) and n > 0 else None for n in gm.grid]
+    inside = window_ranges.drop_window_padding(pure, ids)
+    if inside is not pure:
+      notes.append("window padding dropped: windows at run-time starts that loop counters "
+                   "and grid indices keep inside their refs read them unpadded")
+    pure = inside
     unpadded = padded_lanes.narrow(pure)
     if unpadded is not pure:
       notes.append("padded lanes dropped: values padded past a ref's end (masked loads of a "
