@@ -3,8 +3,10 @@
 `pl.when` on a program id, row loops with `pl.ds` (forwards and reversed), strided
 `pl.ds`, integer-array gathers and scatters, `.at[]` views, `lax.cond` with ref writes
 in both branches, a `while_loop` counting to a program id, masked `plgpu.load` /
-`plgpu.store`, a row picked by the program id, static column slices, and `+=` into
-the output. Gather and scatter rows come in as an int32 input. The output is aliased to a poisoned buffer, so what no statement writes
+`plgpu.store`, a row picked by the program id, static column slices, `+=` into
+the output, and a `fori_loop` summing masked `plgpu.load`s of row windows at run-time
+starts, inside the block or partly past either end (the mask zeroes those rows; JAX's
+interpreter clamps such a start, so it is no oracle for those cases). Gather and scatter rows come in as an int32 input. The output is aliased to a poisoned buffer, so what no statement writes
 must stay poisoned; the model applies the statements to NumPy blocks in order.
 """
 from __future__ import annotations
@@ -21,7 +23,7 @@ from ..case import Case, poison, random_array
 from ..layout import covering_layout, grid_points, read_block, write_block
 
 KINDS = ["whole", "when", "rows", "reverse_rows", "strided", "gather", "scatter", "at_view",
-         "cond", "while", "masked", "dynamic_row", "col_slice", "accumulate"]
+         "cond", "while", "masked", "dynamic_row", "col_slice", "accumulate", "window_loop"]
 
 
 def generate(rng: random.Random, data: np.random.Generator) -> Case:
@@ -36,11 +38,23 @@ def generate(rng: random.Random, data: np.random.Generator) -> Case:
   # Gather/scatter rows, one row per statement, passed as an input (as kernels do).
   rows = np.array([s[1] if s[0] in ("gather", "scatter") else tuple(range(R))
                    for s in statements], np.int32)
+  past = any(s[0] == "window_loop" and not _windows_inside(s, R) for s in statements)
   return Case(family="control", seed=-1,
               description=dict(grid=grid, block=(R, C), dtype=dtype, layout=layout.describe(),
                                statements=[_show(s) for s in statements]),
               inputs=(x, rows, poison(layout.shape, dtype)), run=lambda api, *a: _run(api, d, a),
-              model=lambda *a: _model(d, a))
+              model=lambda *a: _model(d, a),
+              jax_oracle="a masked window past the block (JAX's interpreter clamps its start)"
+              if past else None)
+
+
+def _window_starts(s: tuple) -> list[int]:
+  _, n, steps, stride, shift = s
+  return [r * stride + shift for r in range(steps)]
+
+
+def _windows_inside(s: tuple, R: int) -> bool:
+  return all(0 <= start and start + s[1] <= R for start in _window_starts(s))
 
 
 def _statement(rng: random.Random, rank: int, R: int, C: int) -> tuple:
@@ -65,6 +79,9 @@ def _statement(rng: random.Random, rank: int, R: int, C: int) -> tuple:
     return (kind, a)
   if kind == "col_slice":
     return ("col_slice", rng.randint(1, C))
+  if kind == "window_loop":   # (n, steps, stride, shift): windows of n rows
+    n = rng.randint(1, R)
+    return ("window_loop", n, rng.randint(1, 3), rng.choice([1, n]), rng.randint(-n, R))
   if kind == "strided":
     return ("whole",)
   return (kind,)
@@ -118,6 +135,14 @@ def _apply(s: tuple, o: np.ndarray, x: np.ndarray, ids: tuple[int, ...]) -> np.n
     o[:, :k] = x[:, C - k:]
   elif kind == "accumulate":
     o[...] = o + x
+  elif kind == "window_loop":
+    n = s[1]
+    acc = np.zeros((n, o.shape[1]), o.dtype)
+    for r, start in enumerate(_window_starts(s)):
+      for k in range(n):
+        if 0 <= start + k < R:
+          acc[k] += x[start + k] * (r + 1)
+    o[:n] = acc
   return o
 
 
@@ -193,6 +218,17 @@ def _run(api: Any, d: dict[str, Any], args: tuple[Any, ...]) -> Any:
       o_ref[:, 0:k] = x_ref[:, C - k:C]
     elif kind == "accumulate":
       o_ref[...] += x_ref[...]
+    elif kind == "window_loop":
+      _, n, steps, stride, shift = s
+      offsets = jnp.arange(n)
+
+      def window(r, acc):
+        start = r * stride + shift
+        inside = (start + offsets >= 0) & (start + offsets < R)
+        mask = jnp.broadcast_to(inside[:, None], (n, C))
+        v = plgpu.load(x_ref.at[pl.ds(start, n), :], mask=mask, other=0)
+        return acc + v * (r + 1).astype(dtype)
+      o_ref[pl.ds(0, n), :] = lax.fori_loop(0, steps, window, jnp.zeros((n, C), dtype))
 
   def kernel(x_ref, rows_ref, buf_ref, o_ref):
     for k, s in enumerate(d["statements"]):
