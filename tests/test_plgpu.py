@@ -58,6 +58,28 @@ def test_masked_load_fills_other_and_store_skips_masked_elements():
   assert np.isnan(np.asarray(out[:, :5])).all()
 
 
+@pytest.mark.cpu_only
+def test_masked_load_and_store_of_a_whole_ref_discharge_to_selects():
+  """`plgpu.load(x_ref, mask=...)` of the whole ref is the ref and a select, not a
+  gather at flat offsets that the XLA backend's passes would have to see through."""
+  from pallet.backends.xla import body_analysis
+  x = random_array((4, 24))
+
+  def kernel(x_ref, o_ref):
+    keep = (jnp.arange(24) < 20)[None, :]
+    plgpu.store(o_ref, plgpu.load(x_ref, mask=keep, other=1.0) * 2, mask=keep)
+
+  call = pl.pallas_call(kernel, out_shape=sds(x))
+  eqns = jax.make_jaxpr(call)(x).eqns
+  kernel_description = next(e for e in eqns if e.primitive.name == "pallas_call").params["kernel"]
+  body = body_analysis.discharged(kernel_description)
+  names = {e.primitive.name for e in body.jaxpr.eqns}
+  assert "select_n" in names
+  assert not names & {"gather", "scatter", "dynamic_slice", "dynamic_update_slice", "reshape"}
+  out = np.asarray(jax.jit(call)(x))
+  assert_close(out[:, :20], x[:, :20] * 2)
+
+
 def test_load_and_store_with_an_index_still_work():
   x = random_array((8, 16))
 

@@ -191,7 +191,10 @@ def _window(ref_shape: tuple[int, ...], transforms: Sequence[Any]) -> Any:
   ref: a single indexer of unit-stride slices and scalar indices. Masked loads and
   stores of such views (Triton-style `x_ref.at[pl.ds(i, n), :]`) then discharge to
   a slice of the ref, not to a gather of every element at computed flat offsets,
-  which XLA runs as a per-element gather, batched under vmap."""
+  which XLA runs as a per-element gather, batched under vmap. No transforms at all
+  (`plgpu.load(x_ref, mask=...)`) is the window of the whole ref."""
+  if not transforms:
+    return [0] * len(ref_shape), list(ref_shape), [True] * len(ref_shape)
   if len(transforms) != 1 or not isinstance(transforms[0], internals.NDIndexer):
     return None
   indexer = transforms[0]
@@ -216,6 +219,12 @@ def _window(ref_shape: tuple[int, ...], transforms: Sequence[Any]) -> Any:
 
 def _static(start: Any) -> bool:
   return isinstance(start, (int, np.integer))
+
+
+def _whole(starts: Sequence[Any], sizes: Sequence[int], shape: tuple[int, ...]) -> bool:
+  """Whether a window is its whole ref: read and written as the ref itself, with no
+  slice a pass over the body would have to see through."""
+  return tuple(sizes) == tuple(shape) and all(_static(st) and st == 0 for st in starts)
 
 
 def _window_place(ref_value: jax.Array, starts: Sequence[Any], sizes: Sequence[int]):
@@ -330,6 +339,8 @@ def _load_discharge(in_avals, out_avals, ref_value, *args, tree, has_other):
     buf, buf_starts, valid, _, outside = _window_place(ref_value, starts, sizes)
     if outside:   # elements outside the ref read 0, as the gather's fill
       view = lax.full(tuple(sizes), 0, ref_value.dtype)
+    elif _whole(starts, sizes, ref_value.shape):
+      view = ref_value
     else:
       view = lax.dynamic_slice(buf, buf_starts, sizes)
       if valid is not None:
@@ -398,6 +409,9 @@ def _store_discharge(in_avals, out_avals, ref_value, *args, tree):
     buf, buf_starts, valid, pads, outside = _window_place(ref_value, window[0], sizes)
     if outside:   # every write lands outside the ref: dropped
       return (ref_value,) + (None,) * (len(in_avals) - 1), []
+    if _whole(window[0], sizes, ref_value.shape):
+      new = lax.select(write, update.astype(ref_value.dtype), ref_value)
+      return (new,) + (None,) * (len(in_avals) - 1), []
     old = lax.dynamic_slice(buf, buf_starts, sizes)
     write = write if valid is None else write & valid
     new = lax.dynamic_update_slice(
