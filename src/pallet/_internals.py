@@ -307,6 +307,17 @@ def equation_context(eqn: Any) -> Any:
   return stack
 
 
+def bind_equation(eqn: Any, args: Sequence[Any], params: dict | None = None) -> list[Any]:
+  """`eqn`'s primitive applied to `args` (with `params` in place of its own), in the
+  equation's source context, as a list of results. jax 0.10's `get_bind_params`
+  returns (subfuns, params) for call primitives, 0.12's the params alone."""
+  bind_params = eqn.primitive.get_bind_params(eqn.params if params is None else params)
+  subfuns, bound = bind_params if isinstance(bind_params, tuple) else ((), bind_params)
+  with equation_context(eqn):
+    outs = eqn.primitive.bind(*subfuns, *args, **bound)
+  return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
 def cache_weakly(cls: type) -> None:
   """JAX's own caches keyed by primitive parameters (abstract evaluation) hold
   instances of `cls` weakly, as they hold jaxprs: evicting a kernel from pallet's
