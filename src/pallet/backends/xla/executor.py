@@ -19,7 +19,8 @@ import numpy as np
 from jax import lax
 
 from pallet.core import array_ops, checks, discharge
-from pallet.backends.xla.plan import ExecutionPlan, OperandPlan, element_scale, make_plan
+from pallet.backends.xla.plan import (ExecutionPlan, OperandPlan, element_scale, make_plan,
+                                      overhang)
 from pallet.backends.xla import (body_analysis, bounded_loops, literal_folding,
                                  padded_lanes, replicated_scratch, self_updates,
                                  widening, window_ranges)
@@ -33,7 +34,9 @@ Body = Callable[..., tuple[list[Any], list[Any]]]
 
 def discharged_body(kernel: KernelDescription, widened: Widening | None = None,
                     vectorized: Sequence[int] = (),
-                    bounded: bool = False) -> tuple[Body, list[tuple[int, ...]], list[str]]:
+                    bounded: bool = False,
+                    overhangs: Sequence[tuple[int, int] | None] = ()
+                    ) -> tuple[Body, list[tuple[int, ...]], list[str]]:
   """`body(ids, prefetch, ins, outs, state) -> (outs, state)`, a pure function, the
   shape each scratch buffer is carried in, and notes for `debug=True` on how the
   body was rewritten; `ids` holds the grid indices, then the traced grid sizes if any.
@@ -43,7 +46,9 @@ def discharged_body(kernel: KernelDescription, widened: Widening | None = None,
   keeps its buffer index there), then the scratch buffers. The `prefetch`
   argument is unused once the prefetch values travel in `state`. With `widened`,
   the blocks of that axis arrive side by side and the body runs on all of them;
-  with `bounded`, its while loops run as masked fixed-length loops. A scratch
+  with `bounded`, its while loops run as masked fixed-length loops. `overhangs` gives,
+  for each input then output block, the (axis, real width) past which it always lies
+  beyond its array (`plan.overhang`): lanes the body may leave uncomputed. A scratch
   buffer proven constant along some axes is carried one element wide along them
   (`replicated_scratch`): the scratch buffers start as zeros, which are.
   """
@@ -72,10 +77,15 @@ def discharged_body(kernel: KernelDescription, widened: Widening | None = None,
       notes.append("window padding dropped: windows at run-time starts that loop counters "
                    "and grid indices keep inside their refs read them unpadded")
     pure = inside
-    unpadded = padded_lanes.narrow(pure)
+    refs = len(pure.jaxpr.invars) - n_pre - n_in - n_out - n_scratch   # ids come first
+    boundary = padded_lanes.Boundary(
+        seeds={refs + n_pre + k: o for k, o in enumerate(overhangs) if o is not None},
+        sinks={n_pre + k: refs + n_pre + k for k, o in enumerate(overhangs) if o is not None})
+    unpadded = padded_lanes.narrow(pure, boundary)
     if unpadded is not pure:
       notes.append("padded lanes dropped: values padded past a ref's end (masked loads of a "
-                   "power-of-two block) computed on their real lanes only")
+                   "power-of-two block), and blocks past their array's end, computed on "
+                   "their real lanes only")
     pure = unpadded
     pure = self_updates.guard(pure)
     narrowed = replicated_scratch.narrowable_scratch(pure, n_scratch)
@@ -370,8 +380,9 @@ def build(kernel: KernelDescription, plan: ExecutionPlan | None = None) -> Calla
   """A pure function `(*prefetch, *inputs) -> outputs` computing the kernel's result."""
   plan = plan or make_plan(kernel)
   gm = kernel.grid_mapping
-  body, scratch_shapes, notes = discharged_body(kernel, widening.of_plan(kernel, plan),
-                                                plan.vectorized, plan.bounded_loops)
+  body, scratch_shapes, notes = discharged_body(
+      kernel, widening.of_plan(kernel, plan), plan.vectorized, plan.bounded_loops,
+      [overhang(op) for op in plan.inputs + plan.outputs])
   plan.reasons.extend(n for n in notes if n not in plan.reasons)
   narrowed = [(s, a.shape, shape) for s, (a, shape)
               in enumerate(zip(gm.scratch_avals, scratch_shapes)) if tuple(a.shape) != shape]

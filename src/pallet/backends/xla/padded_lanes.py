@@ -20,11 +20,21 @@ both tails are finite constants whose product is 0. Anything else that reads a
 narrowed value gets it padded back with its constant tail, and where the tail is
 unknown there the body is left as it was. Masks compare an iota with the width,
 so their tails are constants, and selects on them pick one side's tail.
+
+Blocks are seeds too. A Triton-style attention kernel pads a head dimension of 72 to
+a block of 128 lanes with its BlockSpecs, so the block runs past its array's end; the
+executor says which blocks do (`Boundary`). Their lanes past the width hold padding,
+an unknown tail, and what the body writes there lands past the array's end, where
+nothing reads it: an output block may be returned with those lanes as they came.
+Such kernels work in loops, so calls, conds, scans and while loops are entered: their
+bodies are planned on the narrowed operands, a loop's carries iterated to a fixpoint
+(narrow where the initial value or the body's result is, tails joined), and the
+bodies traced again on the real lanes.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import numpy as np
 from jax import dtypes, lax
@@ -81,18 +91,58 @@ _NAN_PROPAGATING = frozenset({"add", "sub", "mul", "div", "neg", "exp", "exp2", 
                               "integer_pow", "square", "max", "min"})
 
 
-def narrow(closed: ClosedJaxpr) -> ClosedJaxpr:
+@dataclasses.dataclass(frozen=True)
+class Boundary:
+  """What the executor knows of a body's blocks. `seeds`: invar index -> (axis, real
+  width) of a block that lies past its array's end from that width on at every step
+  (its lanes there hold padding); `sinks`: outvar index -> the invar index of the same
+  block, whose lanes past the width land past the array's end, where no result and no
+  later step (its seed lanes are unknown) reads them."""
+  seeds: dict = dataclasses.field(default_factory=dict)
+  sinks: dict = dataclasses.field(default_factory=dict)
+
+
+def narrow(closed: ClosedJaxpr, boundary: Boundary = Boundary()) -> ClosedJaxpr:
   """`closed` computing on real lanes only where its padded lanes cannot be
   observed (itself where no lane can be dropped)."""
   jaxpr = closed.jaxpr
-  if not any(_seed(e) for e in jaxpr.eqns):
+  if not boundary.seeds and not any(_seed(e) for e in jaxpr.eqns):
     return closed
-  plan = _plan(jaxpr, closed.consts)
-  if plan is None:
+  entry = {}
+  for i, (axis, width) in boundary.seeds.items():
+    v = jaxpr.invars[i]
+    entry[v] = Lanes(axis, width, v.aval.shape[axis], UNKNOWN)
+  plan = _plan(jaxpr, _Scope(dict(zip(jaxpr.constvars, closed.consts)), _producers(jaxpr)),
+               entry)
+  if plan is None or not _saves(plan):
     return closed
+  lanes = plan[0]
+  sink_of = {}   # outvar index -> invar index, for sinks narrowed as their seed is
+  for i, x in enumerate(jaxpr.outvars):
+    if isinstance(x, Literal) or x not in lanes:
+      continue
+    j = boundary.sinks.get(i)
+    if j is not None and (lanes[x].axis, lanes[x].width) == boundary.seeds[j]:
+      sink_of[i] = j
+    elif not lanes[x].tail.exact:
+      return closed
+
+  def rewritten(*args):
+    narrowed = [_real_lanes(a, lanes[v]) if v in entry else a
+                for v, a in zip(jaxpr.invars, args)]
+    read, whole = _evaluate(jaxpr, closed.consts, narrowed, plan)
+    results = []
+    for i, x in enumerate(jaxpr.outvars):
+      j = sink_of.get(i)
+      if j is None:
+        results.append(whole(x))
+      elif x is jaxpr.invars[j]:
+        results.append(args[j])
+      else:   # the real lanes written into the block as it came (in place for XLA)
+        results.append(lax.dynamic_update_slice(args[j], read(x), [np.int32(0)] * x.aval.ndim))
+    return results
   avals = [v.aval for v in jaxpr.invars]
-  return internals.trace_jaxpr(
-      lambda *args: _evaluate(jaxpr, closed.consts, args, plan), avals, "padded lanes")
+  return internals.trace_jaxpr(rewritten, avals, "padded lanes")
 
 
 def _seed(eqn: Any) -> tuple[int, int] | None:
@@ -111,16 +161,31 @@ def _seed(eqn: Any) -> tuple[int, int] | None:
 
 
 # ------------------------------------------------------------------ analysis
-SEED, NARROW, DROP = "seed", "narrow", "drop"   # actions; anything else is read whole
+# actions; anything else is read whole. PRODUCT: a matrix product computed narrow.
+SEED, NARROW, DROP, PRODUCT = "seed", "narrow", "drop", "product"
+_CALLS = ("pjit", "jit", "closed_call", "core_call", "eval_jaxpr")
+_FIXPOINT_ROUNDS = 4   # a carry's tail only ever widens: constant, then unknown
 
 
-def _plan(jaxpr: Any, consts: Any) -> tuple[dict, dict] | None:
-  """({var: Lanes} of the values kept narrow, {equation index: action}), or None
-  when the body stays as it is (a narrowed value with an unknown tail would be
-  read whole, or no equation drops padded lanes)."""
-  const_of = dict(zip(jaxpr.constvars, consts))
-  producer = {v: e for e in jaxpr.eqns for v in e.outvars}
-  lanes: dict = {}
+@dataclasses.dataclass
+class _Scope:
+  """Where the values of one jaxpr come from: constants, producing equations, and for
+  a nested jaxpr's invariant inputs (a call's operands, a loop's constants) the value
+  outside it they are (and that value's scope)."""
+  const_of: dict
+  producer: dict
+  outer: dict = dataclasses.field(default_factory=dict)
+
+
+def _producers(jaxpr: Any) -> dict:
+  return {v: e for e in jaxpr.eqns for v in e.outvars}
+
+
+def _plan(jaxpr: Any, scope: _Scope, entry: dict) -> tuple[dict, dict] | None:
+  """({var: Lanes} of the values kept narrow, {equation index: action}) with the
+  invars in `entry` arriving narrow, or None where a narrowed value with an unknown
+  tail would be read whole. Results may stay narrow: the caller decides."""
+  lanes: dict = dict(entry)
   actions: dict = {}
   paddable = lambda x: isinstance(x, Literal) or x not in lanes or lanes[x].tail.exact
   for k, eqn in enumerate(jaxpr.eqns):
@@ -135,31 +200,218 @@ def _plan(jaxpr: Any, consts: Any) -> tuple[dict, dict] | None:
       continue
     if not narrowed:
       continue
-    out = _rule(eqn, lanes, const_of, producer)
-    if out is None:     # read whole: padded back with its constant tail
+    nested = _nested(eqn, lanes, scope)
+    out = _rule(eqn, lanes, scope) if nested is None else None
+    if nested is not None and nested is not _WHOLE:
+      action, out_lanes = nested
+      actions[k] = action
+      lanes.update((v, ln) for v, ln in zip(eqn.outvars, out_lanes) if ln is not None)
+    elif out is None:     # read whole: padded back with its constant tail
       if not all(paddable(x) for x in ins):
         return None
-      continue
-    if out == DROP:
+    elif out == DROP:
       actions[k] = DROP
     else:
       lanes[eqn.outvars[0]] = out
-      actions[k] = _shortcut(eqn, out, lanes, const_of, producer) or NARROW
-  if DROP not in actions.values() or not all(paddable(x) for x in jaxpr.outvars):
-    return None
+      actions[k] = PRODUCT if eqn.primitive.name == "dot_general" else (
+          _shortcut(eqn, out, lanes, scope) or NARROW)
   return lanes, actions
 
 
-def _rule(eqn: Any, lanes: dict, const_of: dict, producer: dict) -> Lanes | str | None:
+def _saves(plan: tuple[dict, dict]) -> bool:
+  """Whether a plan (or one nested in it) drops padded lanes from a reduction or a
+  product: elementwise work alone saves less than slicing and padding back cost."""
+  return any(action in (DROP, PRODUCT) or any(_saves(p) for p in _nested_plans(action))
+             for action in plan[1].values())
+
+
+def _nested_plans(action: Any) -> tuple:
+  if not isinstance(action, tuple):
+    return ()
+  return {"call": action[1:2], "scan": action[1:2], "while": action[1:3],
+          "cond": tuple(action[1]) if action[0] == "cond" else ()}.get(action[0], ())
+
+
+# ------------------------------------------------------------------ nested jaxprs
+_WHOLE = object()   # a nested jaxpr that cannot take narrowed operands: read them whole
+
+
+def _nested(eqn: Any, lanes: dict, scope: _Scope) -> Any:
+  """For a call, scan or while loop with narrowed operands: (action, Lanes of each
+  result or None), `_WHOLE` where its operands must be read whole, None for any
+  other equation."""
+  name = eqn.primitive.name
+  if name == "scan":
+    return _scan(eqn, lanes, scope)
+  if name == "while":
+    return _while(eqn, lanes, scope)
+  if name == "cond":
+    return _cond(eqn, lanes, scope)
+  if name in _CALLS:
+    key = "jaxpr" if "jaxpr" in eqn.params else "call_jaxpr"
+    body = eqn.params.get(key)
+    if body is None or eqn.effects:
+      return _WHOLE
+    jaxpr, consts = getattr(body, "jaxpr", body), tuple(getattr(body, "consts", ()))
+    inner, entry = _inner_scope(jaxpr, consts, eqn.invars, lanes, scope, len(eqn.invars))
+    plan = _plan(jaxpr, inner, entry)
+    if plan is None:
+      return _WHOLE
+    return ("call", plan, jaxpr, consts), [_lanes_of(x, plan[0]) for x in jaxpr.outvars]
+  return None
+
+
+def _lanes_of(x: Any, lanes: dict) -> Lanes | None:
+  return None if isinstance(x, Literal) else lanes.get(x)
+
+
+def _inner_scope(jaxpr: Any, consts: Sequence[Any], operands: Sequence[Any], lanes: dict,
+                 scope: _Scope, n_invariant: int) -> tuple[_Scope, dict]:
+  """The scope of a nested jaxpr fed `operands`, of which the first `n_invariant` keep
+  their value throughout (constants of a loop), and the Lanes of its narrowed invars."""
+  const_of, outer, entry = dict(zip(jaxpr.constvars, consts)), {}, {}
+  for k, (x, v) in enumerate(zip(operands, jaxpr.invars)):
+    if isinstance(x, Literal):
+      const_of[v] = np.asarray(x.val)
+    elif x in lanes:
+      entry[v] = lanes[x]
+    elif k < n_invariant:
+      outer[v] = (x, scope)
+  return _Scope(const_of, _producers(jaxpr), outer), entry
+
+
+def _carried(jaxpr: Any, inner: _Scope, entry: dict, first: int, inits: Sequence[Any],
+             lanes: dict, scope: _Scope) -> tuple[tuple[dict, dict], list] | None:
+  """The plan of a loop body whose carries are invars `first`.. and its leading
+  outvars, and the Lanes each carry has at every step, or None. A carry is narrow
+  where its initial value or the body's result for it is, with the tails of both
+  joined, found by iterating the body to a fixpoint."""
+  n = len(inits)
+  carry = [_lanes_of(x, lanes) for x in inits]
+  for _ in range(_FIXPOINT_ROUNDS):
+    carried = {v: ln for v, ln in zip(jaxpr.invars[first:first + n], carry) if ln is not None}
+    plan = _plan(jaxpr, inner, {**entry, **carried})
+    if plan is None:
+      return None
+    new = []
+    for c, init, out in zip(carry, inits, jaxpr.outvars[:n]):
+      o = _lanes_of(out, plan[0])
+      if c is None and o is None:
+        new.append(None)
+        continue
+      ref = o if c is None else c
+      if o is None:     # computed whole: what its padded lanes hold
+        o = dataclasses.replace(ref, tail=_known(out, ref, inner, ref.width, ref.padded),
+                                head=UNKNOWN)
+      if c is None:     # its initial value is sliced: what its padded lanes hold
+        c = dataclasses.replace(ref, tail=_known(init, ref, scope, ref.width, ref.padded),
+                                head=UNKNOWN)
+      if (c.axis, c.width) != (o.axis, o.width):
+        return None
+      new.append(Lanes(c.axis, c.width, c.padded, _join(c.tail, o.tail), _join(c.head, o.head)))
+    if new == carry:
+      return plan, carry
+    carry = new
+  return None
+
+
+def _join(a: Tail, b: Tail) -> Tail:
+  """What holds of the lanes of a carry that is either."""
+  if a.known and b.known and a.nan_rows == b.nan_rows and a.const.dtype == b.const.dtype \
+      and np.array_equal(a.const, b.const, equal_nan=True):
+    return a
+  if a.low is not None and b.low is not None:
+    return Tail(low=min(a.low, b.low), high=max(a.high, b.high))
+  return UNKNOWN
+
+
+def _scan(eqn: Any, lanes: dict, scope: _Scope) -> Any:
+  body, consts, n_consts, n_carry = internals.scan_layout(eqn.params)
+  ops = eqn.invars
+  if any(_lanes_of(x, lanes) is not None for x in ops[n_consts + n_carry:]):
+    return _WHOLE   # scanned elements stay whole
+  inner, entry = _inner_scope(body, consts, ops, lanes, scope, n_consts)
+  found = _carried(body, inner, entry, n_consts, ops[n_consts:n_consts + n_carry], lanes, scope)
+  if found is None:
+    return _WHOLE
+  plan, carry = found
+  ys = body.outvars[n_carry:]
+  if not all(_lanes_of(y, plan[0]) is None or plan[0][y].tail.exact for y in ys):
+    return _WHOLE
+  return ("scan", plan, carry), carry + [None] * len(ys)
+
+
+def _cond(eqn: Any, lanes: dict, scope: _Scope) -> Any:
+  """Each branch planned on the narrowed operands; a result is narrow where a branch
+  gives it narrow (the others' sliced), with the branches' tails joined."""
+  branches, ops = eqn.params["branches"], eqn.invars[1:]
+  plans, scopes = [], []
+  for branch in branches:
+    inner, entry = _inner_scope(branch.jaxpr, branch.consts, ops, lanes, scope, len(ops))
+    plan = _plan(branch.jaxpr, inner, entry)
+    if plan is None:
+      return _WHOLE
+    plans.append(plan)
+    scopes.append(inner)
+  out = []
+  for k in range(len(eqn.outvars)):
+    results = [b.jaxpr.outvars[k] for b in branches]
+    found = [_lanes_of(x, p[0]) for x, p in zip(results, plans)]
+    ref = next((ln for ln in found if ln is not None), None)
+    if ref is None:
+      out.append(None)
+      continue
+    joined = None
+    for x, ln, inner in zip(results, found, scopes):
+      if ln is None:   # computed whole: sliced, what its padded lanes hold
+        ln = dataclasses.replace(ref, tail=_known(x, ref, inner, ref.width, ref.padded),
+                                 head=UNKNOWN)
+      if (ln.axis, ln.width) != (ref.axis, ref.width):
+        return _WHOLE
+      joined = ln if joined is None else Lanes(
+          ln.axis, ln.width, ln.padded, _join(joined.tail, ln.tail), _join(joined.head, ln.head))
+    out.append(joined)
+  return ("cond", plans, out), out
+
+
+def _while(eqn: Any, lanes: dict, scope: _Scope) -> Any:
+  p = eqn.params
+  n_cond, n_body = p["cond_nconsts"], p["body_nconsts"]
+  ops = eqn.invars
+  cond_ops, body_ops, inits = ops[:n_cond], ops[n_cond:n_cond + n_body], ops[n_cond + n_body:]
+  body = p["body_jaxpr"]
+  inner, entry = _inner_scope(body.jaxpr, body.consts, [*body_ops, *inits], lanes, scope,
+                              n_body)
+  found = _carried(body.jaxpr, inner, entry, n_body, inits, lanes, scope)
+  if found is None:
+    return _WHOLE
+  plan, carry = found
+  cond = p["cond_jaxpr"]
+  cond_inner, cond_entry = _inner_scope(cond.jaxpr, cond.consts, [*cond_ops, *inits], lanes,
+                                        scope, n_cond)
+  cond_entry.update((v, ln) for v, ln in zip(cond.jaxpr.invars[n_cond:], carry)
+                    if ln is not None)
+  cond_plan = _plan(cond.jaxpr, cond_inner, cond_entry)
+  if cond_plan is None or any(_lanes_of(x, cond_plan[0]) is not None
+                              for x in cond.jaxpr.outvars):
+    return _WHOLE
+  return ("while", plan, cond_plan, carry), carry
+
+
+def _rule(eqn: Any, lanes: dict, scope: _Scope) -> Lanes | str | None:
   """The result of `eqn` on narrowed operands: narrow (its Lanes), whole from real
   lanes only (DROP), or None where the operands must be read whole."""
   name, ins = eqn.primitive.name, eqn.invars
   if len(eqn.outvars) != 1:
     return None
   if name in ELEMENTWISE:
-    return _elementwise(eqn, lanes, const_of, producer)
+    return _elementwise(eqn, lanes, scope)
   if name == "dot_general":
     return _dot(eqn, lanes)
+  if name == "dynamic_slice":
+    return _dynamic_slice(eqn, lanes)
+  if name == "pad":
+    return _pad(eqn, lanes)
   ln = lanes.get(ins[0]) if len(ins) == 1 else None
   if ln is None:
     return None
@@ -174,8 +426,7 @@ def _rule(eqn: Any, lanes: dict, const_of: dict, producer: dict) -> Lanes | str 
   return None
 
 
-def _shortcut(eqn: Any, out: Lanes, lanes: dict, const_of: dict,
-              producer: dict) -> tuple[str, Any] | None:
+def _shortcut(eqn: Any, out: Lanes, lanes: dict, scope: _Scope) -> tuple[str, Any] | None:
   """A narrowed elementwise result known without computing it: a constant on every
   real lane, or a select whose mask holds alike on all of them."""
   if eqn.primitive.name not in ELEMENTWISE:
@@ -186,7 +437,7 @@ def _shortcut(eqn: Any, out: Lanes, lanes: dict, const_of: dict,
     pred = eqn.invars[0]
     head = (Tail(const=np.asarray(pred.val)) if isinstance(pred, Literal) else
             UNKNOWN if pred.aval.shape == () else lanes[pred].head if pred in lanes else
-            _known(pred, out, const_of, producer, 0, out.width))
+            _known(pred, out, scope, 0, out.width))
     picked = eqn.invars[1 + int(head.const)] if head.known else None
     if picked is not None and not isinstance(picked, Literal) and \
         picked.aval.shape == eqn.outvars[0].aval.shape:
@@ -194,7 +445,7 @@ def _shortcut(eqn: Any, out: Lanes, lanes: dict, const_of: dict,
   return None
 
 
-def _elementwise(eqn: Any, lanes: dict, const_of: dict, producer: dict) -> Lanes | None:
+def _elementwise(eqn: Any, lanes: dict, scope: _Scope) -> Lanes | None:
   shape = eqn.outvars[0].aval.shape
   first = next(lanes[x] for x in eqn.invars if not isinstance(x, Literal) and x in lanes)
   tails = []
@@ -203,19 +454,26 @@ def _elementwise(eqn: Any, lanes: dict, const_of: dict, producer: dict) -> Lanes
       tails.append((Tail(const=np.asarray(x.val)),) * 2)
     elif x.aval.shape == () or _broadcast_along(x, first.axis, shape):
       tails.append((UNKNOWN, UNKNOWN))
-    elif x.aval.shape != shape:
+    elif not _stretches_to(x.aval.shape, shape, first.axis):
       return None
     elif x in lanes:
       if (lanes[x].axis, lanes[x].width) != (first.axis, first.width):
         return None
       tails.append((lanes[x].tail, lanes[x].head))
     else:
-      tails.append((_known(x, first, const_of, producer, first.width, first.padded),
-                    _known(x, first, const_of, producer, 0, first.width)))
+      tails.append((_known(x, first, scope, first.width, first.padded),
+                    _known(x, first, scope, 0, first.width)))
   tail = _combine(eqn, [t for t, _ in tails])
-  if eqn.primitive.name == "sub" and _minus_row_max(eqn, lanes, producer):
+  if eqn.primitive.name == "sub" and _minus_row_max(eqn, lanes, scope.producer):
     tail = Tail(const=np.asarray(-np.inf, eqn.outvars[0].aval.dtype), nan_rows=True)
   return dataclasses.replace(first, tail=tail, head=_combine(eqn, [h for _, h in tails]))
+
+
+def _stretches_to(own: tuple[int, ...], shape: tuple[int, ...], axis: int) -> bool:
+  """Whether an operand of shape `own` is whole along `axis` and broadcast (size 1) at
+  most along other dimensions of `shape`: a per-row statistic against a block."""
+  return len(own) == len(shape) and own[axis] == shape[axis] and all(
+      a in (1, b) for a, b in zip(own, shape))
 
 
 def _broadcast_along(x: Any, axis: int, shape: tuple[int, ...]) -> bool:
@@ -264,26 +522,40 @@ def _row_max(m: Any, x: Any, axis: int, producer: dict) -> bool:
           and tuple(step.params["axes"]) == (axis,))
 
 
-def _known(x: Any, ln: Lanes, const_of: dict, producer: dict, start: int, stop: int,
-           depth: int = 8) -> Tail:
+def _known(x: Any, ln: Lanes, scope: _Scope, start: int, stop: int, depth: int = 8) -> Tail:
   """What lanes [start, stop) of a value computed whole hold, where it meets a
-  narrowed one: read off a constant, an iota's positions, elementwise arithmetic on
-  those (at most `depth` equations back: a mask is a few), else unknown."""
-  if x in const_of:
-    part = np.moveaxis(np.asarray(const_of[x]), ln.axis, 0)[start:stop]
-    return Tail(const=part.flat[0]) if part.size and (part == part.flat[0]).all() else UNKNOWN
-  eqn = producer.get(x)
+  narrowed one: read off a constant, an iota's positions, a broadcast of those,
+  elementwise arithmetic on them (at most `depth` equations back: a mask is a few,
+  and it may be computed outside the loop that uses it), else unknown."""
+  if isinstance(x, Literal):
+    return Tail(const=np.asarray(x.val))
+  while x in scope.outer and x not in scope.const_of:
+    x, scope = scope.outer[x]
+  if x in scope.const_of:
+    part = np.moveaxis(np.asarray(scope.const_of[x]), ln.axis, 0)[start:stop]
+    if part.size and (part == part.flat[0]).all():
+      return Tail(const=part.flat[0])
+    if part.size and np.issubdtype(part.dtype, np.integer):   # positions: their range
+      return Tail(low=int(part.min()), high=int(part.max()))
+    return UNKNOWN
+  eqn = scope.producer.get(x)
   if eqn is None or depth == 0:
     return UNKNOWN
   if eqn.primitive.name == "iota" and eqn.params["dimension"] == ln.axis:
     return Tail(low=start, high=stop - 1)
-  if eqn.primitive.name == "broadcast_in_dim" and isinstance(eqn.invars[0], Literal):
-    return Tail(const=np.asarray(eqn.invars[0].val))   # jnp.full's value
+  if eqn.primitive.name == "broadcast_in_dim":
+    y, dims = eqn.invars[0], eqn.params["broadcast_dimensions"]
+    if isinstance(y, Literal):
+      return Tail(const=np.asarray(y.val))   # jnp.full's value
+    if ln.axis in dims and y.aval.shape[dims.index(ln.axis)] == x.aval.shape[ln.axis]:
+      return _known(y, dataclasses.replace(ln, axis=dims.index(ln.axis)), scope, start, stop,
+                    depth - 1)
+    return UNKNOWN
   if eqn.primitive.name in ELEMENTWISE and len(eqn.outvars) == 1 and all(
       isinstance(y, Literal) or y.aval.shape in ((), x.aval.shape) for y in eqn.invars):
     return _combine(eqn, [Tail(const=np.asarray(y.val)) if isinstance(y, Literal) else
                           UNKNOWN if y.aval.shape == () else
-                          _known(y, ln, const_of, producer, start, stop, depth - 1)
+                          _known(y, ln, scope, start, stop, depth - 1)
                           for y in eqn.invars])
   return UNKNOWN
 
@@ -379,6 +651,29 @@ def _slice(eqn: Any, ln: Lanes) -> Lanes | str | None:
   return ln if start == 0 and limit == ln.padded else None
 
 
+def _dynamic_slice(eqn: Any, lanes: dict) -> Lanes | None:
+  """A window along other axes, all lanes kept (a row block of K in a key loop): its
+  start along the lanes is clamped to 0, whatever it is."""
+  x, *starts = eqn.invars
+  ln = _lanes_of(x, lanes)
+  if ln is None or any(_lanes_of(s, lanes) is not None for s in starts) or \
+      eqn.params["slice_sizes"][ln.axis] != ln.padded:
+    return None
+  return ln
+
+
+def _pad(eqn: Any, lanes: dict) -> Lanes | None:
+  """Padding along other axes (a ref padded for windows at run-time starts): the new
+  positions hold the padding value on every lane, real ones too."""
+  x, value = eqn.invars
+  ln = _lanes_of(x, lanes)
+  if ln is None or not isinstance(value, Literal) or \
+      tuple(eqn.params["padding_config"][ln.axis]) != (0, 0, 0):
+    return None
+  fill = Tail(const=np.asarray(value.val, x.aval.dtype))
+  return Lanes(ln.axis, ln.width, ln.padded, _join(ln.tail, fill), _join(ln.head, fill))
+
+
 def _dot(eqn: Any, lanes: dict) -> Lanes | str | None:
   """Contracted over real lanes only (both tails finite constants, their product 0),
   or narrow along a free dimension of one operand (the result's tail unknown)."""
@@ -403,8 +698,10 @@ def _dot(eqn: Any, lanes: dict) -> Lanes | str | None:
 
 
 # ------------------------------------------------------------------ rewrite
-def _evaluate(jaxpr: Any, consts: Any, args: Any, plan: tuple[dict, dict]) -> list[Any]:
-  """The body on `args`, the values in `plan` kept narrow."""
+def _evaluate(jaxpr: Any, consts: Any, args: Any, plan: tuple[dict, dict]
+              ) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
+  """The body on `args` (narrow where `plan` has their invars narrow), the values in
+  `plan` kept narrow: (`read`, `whole`), reading a result as computed or padded back."""
   lanes, actions = plan
   env: dict = dict(zip(jaxpr.constvars, consts))
   env.update(zip(jaxpr.invars, args))
@@ -423,10 +720,7 @@ def _evaluate(jaxpr: Any, consts: Any, args: Any, plan: tuple[dict, dict]) -> li
     if isinstance(x, Literal) or x.aval.shape == () or x in lanes or \
         x.aval.shape[ln.axis] != ln.padded:   # a scalar, or broadcast along the axis
       return read(x)
-    value = read(x)
-    if not internals.is_tracer(value):   # a constant stays one
-      return np.take(np.asarray(value), np.arange(ln.width), axis=ln.axis)
-    return lax.slice_in_dim(value, 0, ln.width, axis=ln.axis)
+    return _real_lanes(read(x), ln)
 
   for k, eqn in enumerate(jaxpr.eqns):
     action = actions.get(k)
@@ -434,8 +728,10 @@ def _evaluate(jaxpr: Any, consts: Any, args: Any, plan: tuple[dict, dict]) -> li
       env[eqn.outvars[0]] = read(eqn.invars[0])
       continue
     if action is None:
-      outs = eqn.primitive.bind(*[whole(x) for x in eqn.invars], **eqn.params)
-      env.update(zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]))
+      env.update(zip(eqn.outvars, internals.bind_equation(eqn, [whole(x) for x in eqn.invars])))
+      continue
+    if isinstance(action, tuple) and action[0] in ("call", "scan", "while", "cond"):
+      env.update(zip(eqn.outvars, _nested_results(eqn, action, lanes, read, real)))
       continue
     name, params = eqn.primitive.name, dict(eqn.params)
     ln = next(lanes[x] for x in eqn.invars if not isinstance(x, Literal) and x in lanes)
@@ -455,8 +751,70 @@ def _evaluate(jaxpr: Any, consts: Any, args: Any, plan: tuple[dict, dict]) -> li
       params["shape"] = _narrowed(params["shape"], out_ln)
     elif name == "slice" and action == NARROW:
       params["limit_indices"] = _narrowed(params["limit_indices"], out_ln)
+    elif name == "dynamic_slice":
+      params["slice_sizes"] = _narrowed(params["slice_sizes"], out_ln)
     env[eqn.outvars[0]] = eqn.primitive.bind(*ins, **params)
-  return [whole(x) for x in jaxpr.outvars]
+  return read, whole
+
+
+def _nested_results(eqn: Any, action: tuple, lanes: dict, read: Callable,
+                    real: Callable) -> list[Any]:
+  """A call (inlined), scan or while loop (its bodies traced again) on narrowed
+  operands, its results narrow as `action` planned them."""
+  if action[0] == "call":   # narrowed values are stored narrow
+    _, plan, jaxpr, consts = action
+    inner_read, _ = _evaluate(jaxpr, consts, [read(x) for x in eqn.invars], plan)
+    return [inner_read(x) for x in jaxpr.outvars]
+  p = eqn.params
+  if action[0] == "cond":
+    _, plans, out = action
+    branches = tuple(_traced(b.jaxpr, b.consts, plan, out, closed=True)
+                     for b, plan in zip(p["branches"], plans))
+    return internals.bind_equation(eqn, [read(x) for x in eqn.invars],
+                                   {**p, "branches": branches})
+  if action[0] == "scan":
+    _, plan, carry = action
+    body, consts, first, n = internals.scan_layout(p)
+    key, cond_key = "jaxpr", None
+  else:
+    _, plan, cond_plan, carry = action
+    body, consts = p["body_jaxpr"].jaxpr, p["body_jaxpr"].consts
+    first, n, key, cond_key = p["body_nconsts"], len(carry), "body_jaxpr", "cond_jaxpr"
+  ops = eqn.invars
+  start = len(ops) - len(body.invars) + first   # the first carry among the operands
+  planned = [None] * start + carry + [None] * (len(ops) - start - n)
+  # narrowed operands are narrow already; a whole initial value of a narrow carry is sliced
+  args = [real(x, ln) if ln is not None and _lanes_of(x, lanes) is None else read(x)
+          for x, ln in zip(ops, planned)]
+
+  params = {**p, key: _traced(body, consts, plan, carry, closed=hasattr(p[key], "jaxpr"))}
+  if cond_key is not None:
+    cond = p[cond_key]
+    params[cond_key] = _traced(cond.jaxpr, cond.consts, cond_plan, [], closed=True)
+  return internals.bind_equation(eqn, args, params)
+
+
+def _traced(jaxpr: Any, consts: Any, plan: tuple[dict, dict], keep: list, closed: bool) -> Any:
+  """A nested jaxpr traced again on its narrowed invars; its leading results narrow as
+  `keep` says (None: whole), a whole one sliced where `keep` wants it narrow."""
+  avals = [v.aval.update(shape=_narrowed(v.aval.shape, plan[0][v])) if v in plan[0]
+           else v.aval for v in jaxpr.invars]
+
+  def run(*args):
+    inner_read, inner_whole = _evaluate(jaxpr, consts, args, plan)
+    return [inner_whole(x) if ln is None else
+            inner_read(x) if _lanes_of(x, plan[0]) is not None else
+            _real_lanes(inner_read(x), ln)
+            for x, ln in zip(jaxpr.outvars, keep + [None] * (len(jaxpr.outvars) - len(keep)))]
+  new = internals.trace_jaxpr(run, avals, "padded lanes")
+  return new if closed else new.jaxpr
+
+
+def _real_lanes(value: Any, ln: Lanes) -> Any:
+  """`value`'s first `ln.width` lanes along `ln.axis` (a constant stays one)."""
+  if not internals.is_tracer(value):
+    return np.take(np.asarray(value), np.arange(ln.width), axis=ln.axis)
+  return lax.slice_in_dim(value, 0, ln.width, axis=ln.axis)
 
 
 def _narrowed(shape: Any, ln: Lanes) -> tuple[int, ...]:

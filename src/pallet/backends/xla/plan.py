@@ -161,6 +161,23 @@ def _padding(mapping: BlockMapping, starts: np.ndarray | None) -> tuple[tuple[in
   return tuple(pads)
 
 
+def overhang(op: OperandPlan) -> tuple[int, int] | None:
+  """(axis of the kernel's block, real width) where every block of `op` starts at the
+  same position along that array dimension and runs past the array's end there: its
+  lanes from the width on are padding at every step (a Triton-style head dimension of
+  72 in a block of 128). The last such dimension; None where there is none."""
+  if op.table is None or op.table.size == 0:
+    return None
+  kept = [d for d, dim in enumerate(op.mapping.dims) if dim.kind != "squeezed"]
+  for d in reversed(kept):
+    column = op.table[..., d]
+    start, lo = int(column.flat[0]), op.pad[d][0]
+    width = lo + op.mapping.array_shape[d] - start
+    if np.all(column == start) and start >= lo and 0 < width < op.mapping.dims[d].size:
+      return kept.index(d), width
+  return None
+
+
 def _varies(table: np.ndarray, axis: int) -> bool:
   return table.shape[axis] > 1 and not np.all(table == np.take(table, [0], axis=axis))
 
