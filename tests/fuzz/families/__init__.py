@@ -9,7 +9,7 @@ import numpy as np
 
 from ..case import Case
 
-NAMES = ("blocks", "accumulate", "scratch", "prefetch", "aliases", "run_scoped", "atomics", "dma", "pipeline", "transforms", "retrace", "control", "lanes", "matmul", "views", "overlaps")
+NAMES = ("blocks", "accumulate", "scratch", "prefetch", "aliases", "run_scoped", "atomics", "dma", "pipeline", "transforms", "retrace", "control", "lanes", "matmul", "views", "overlaps", "overhang")
 
 
 def generate(family: str, seed: int) -> Case:
