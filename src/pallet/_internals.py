@@ -307,14 +307,20 @@ def equation_context(eqn: Any) -> Any:
   return stack
 
 
-def bind_equation(eqn: Any, args: Sequence[Any], params: dict | None = None) -> list[Any]:
-  """`eqn`'s primitive applied to `args` (with `params` in place of its own), in the
-  equation's source context, as a list of results. jax 0.10's `get_bind_params`
+def bind_equation(eqn: Any, args: Sequence[Any], params: dict | None = None, *,
+                  source: bool = True) -> list[Any]:
+  """`eqn`'s primitive applied to `args` (with `params` in place of its own), as a list
+  of results. With `source`, in the equation's source context, so that what it binds
+  names the user's line (about 5 us an equation: analyses that evaluate every
+  equation of a body on each first call go without). jax 0.10's `get_bind_params`
   returns (subfuns, params) for call primitives, 0.12's the params alone."""
   bind_params = eqn.primitive.get_bind_params(eqn.params if params is None else params)
   subfuns, bound = bind_params if isinstance(bind_params, tuple) else ((), bind_params)
-  with equation_context(eqn):
+  if not source:
     outs = eqn.primitive.bind(*subfuns, *args, **bound)
+  else:
+    with equation_context(eqn):
+      outs = eqn.primitive.bind(*subfuns, *args, **bound)
   return list(outs) if eqn.primitive.multiple_results else [outs]
 
 

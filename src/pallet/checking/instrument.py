@@ -413,7 +413,8 @@ class _Instrumenter:
     return [read(v) for v in jaxpr.outvars]
 
   def bind(self, eqn: Any, ins: Sequence[Any]) -> Any:
-    return eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
+    outs = internals.bind_equation(eqn, ins, source=False)   # the caller set the context
+    return outs if eqn.primitive.multiple_results else outs[0]
 
   def equation(self, eqn: Any, ins: list, producers: dict) -> Any:
     name = eqn.primitive.name

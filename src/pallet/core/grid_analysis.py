@@ -161,10 +161,7 @@ def is_var(x: Any) -> bool:
 
 def apply_equation(eqn: Any, args: list[Any]) -> list[Any]:
   """Applies an equation's primitive (jax 0.10 returns (subfuns, params), 0.12 params)."""
-  bind_params = eqn.primitive.get_bind_params(eqn.params)
-  subfuns, params = bind_params if isinstance(bind_params, tuple) else ((), bind_params)
-  outs = eqn.primitive.bind(*subfuns, *args, **params)
-  return outs if eqn.primitive.multiple_results else [outs]
+  return internals.bind_equation(eqn, args, source=False)
 
 
 def _line(eqn: Any, kernel: KernelDescription) -> str:

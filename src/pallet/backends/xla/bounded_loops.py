@@ -360,7 +360,7 @@ def _run(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], by_eqn: dict) -
       sub = eqn.params["jaxpr"]
       outs = _run(sub.jaxpr, sub.consts, ins, by_eqn)
     else:
-      outs = _bind(eqn, ins)
+      outs = internals.bind_equation(eqn, ins)
     env.update(zip(eqn.outvars, outs))
   return [read(x) for x in jaxpr.outvars]
 
@@ -406,10 +406,3 @@ def _masked_loop(eqn: Any, ins: list, loop: BoundedLoop) -> list:
     outs[k] = c
   return outs
 
-
-def _bind(eqn: Any, args: list) -> list:
-  bind_params = eqn.primitive.get_bind_params(eqn.params)
-  subfuns, params = bind_params if isinstance(bind_params, tuple) else ((), bind_params)
-  with internals.equation_context(eqn):
-    outs = eqn.primitive.bind(*subfuns, *args, **params)
-  return list(outs) if eqn.primitive.multiple_results else [outs]

@@ -139,6 +139,7 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
 
 
 def _bind(eqn: Any, args: list, widen: bool) -> list:
+  """`eqn` on `args`, its nested jaxprs' products made canonical too."""
   params = dict(eqn.params)
   inner = lambda x: canonical(x, widen) if isinstance(x, ClosedJaxpr) else x
   for name in _NESTED.get(eqn.primitive.name, ()):
@@ -147,8 +148,4 @@ def _bind(eqn: Any, args: list, widen: bool) -> list:
       params[name] = tuple(inner(v) for v in value)
     elif value is not None:
       params[name] = inner(value)
-  bind_params = eqn.primitive.get_bind_params(params)
-  subfuns, bound = bind_params if isinstance(bind_params, tuple) else ((), bind_params)
-  with internals.equation_context(eqn):
-    outs = eqn.primitive.bind(*subfuns, *args, **bound)
-  return list(outs) if eqn.primitive.multiple_results else [outs]
+  return internals.bind_equation(eqn, args, params)

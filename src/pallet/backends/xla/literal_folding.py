@@ -102,7 +102,7 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any
 def evaluate_equation(eqn: Any, ins: list) -> list:
   """One equation of `evaluate`: folded where its operands are constants, else bound."""
   outs = _known_results(eqn, ins)
-  return _bind(eqn, ins) if outs is None else outs
+  return internals.bind_equation(eqn, ins) if outs is None else outs
 
 
 def constant_scalar(x: Any) -> np.ndarray | None:
@@ -139,10 +139,3 @@ def _known_results(eqn: Any, ins: list) -> list | None:
   except grid_eval.Unsupported:
     return None
 
-
-def _bind(eqn: Any, args: list) -> list:
-  bind_params = eqn.primitive.get_bind_params(eqn.params)
-  subfuns, params = bind_params if isinstance(bind_params, tuple) else ((), bind_params)
-  with internals.equation_context(eqn):   # source lines and names, as eval_jaxpr keeps
-    outs = eqn.primitive.bind(*subfuns, *args, **params)
-  return list(outs) if eqn.primitive.multiple_results else [outs]

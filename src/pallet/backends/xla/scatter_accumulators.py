@@ -109,7 +109,7 @@ def rewrite(kernel: KernelDescription) -> ScatterRewrite | str:
         acc = checks.uninitialized(outs[o].array_shape, outs[o].dtype,
                                    poison=kernel.poison_buffers)
       for eqn, t in chain.steps:
-        acc = (_bind(eqn, [acc]) if t < 0
+        acc = (internals.bind_equation(eqn, [acc], source=False)[0] if t < 0
                else _scatter_all(eqn, acc, values[t], values[t + 1], G))
       results.append(acc)
     return results
@@ -180,10 +180,6 @@ def _scatter_all(eqn: Any, operand: Any, indices: Any, updates: Any, G: int) -> 
   return _COMBINERS[eqn.primitive.name](
       operand, indices, updates, dn, indices_are_sorted=False, unique_indices=False,
       mode=eqn.params["mode"])
-
-
-def _bind(eqn: Any, args: list) -> Any:
-  return eqn.primitive.bind(*args, **eqn.params)
 
 
 def _terms_kernel(kernel: KernelDescription, pure: Any, terms: list) -> KernelDescription:

@@ -325,11 +325,8 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], bound: dict, targets: Sequence[
       raise _Unbound()
     return env[x]
   for eqn in reversed(eqns):
-    bind_params = eqn.primitive.get_bind_params(eqn.params)
-    subfuns, params = bind_params if isinstance(bind_params, tuple) else ((), bind_params)
-    outs = eqn.primitive.bind(*subfuns, *[read(x) for x in eqn.invars], **params)
-    for v, o in zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]):
-      env[v] = o
+    outs = internals.bind_equation(eqn, [read(x) for x in eqn.invars], source=False)
+    env.update(zip(eqn.outvars, outs))
   return [read(t) for t in targets]
 
 

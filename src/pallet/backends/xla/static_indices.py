@@ -170,13 +170,6 @@ class _Known:
     self.value = value
 
 
-def _bind(eqn: Any, args: list[Any]) -> list[Any]:
-  bind_params = eqn.primitive.get_bind_params(eqn.params)
-  subfuns, params = bind_params if isinstance(bind_params, tuple) else ((), bind_params)
-  outs = eqn.primitive.bind(*subfuns, *args, **params)
-  return list(outs) if eqn.primitive.multiple_results else [outs]
-
-
 class _Folder:
   """Evaluates a jaxpr, keeping values that depend on no input as `_Known`."""
 
@@ -236,7 +229,7 @@ class _Folder:
       # `-inf` a softmax starts from) would compile an eager program for nothing.
       if all(grid_eval.exact(v.aval) for v in eqn.outvars):
         with internals.eval_context():
-          return [_Known(np.asarray(o)) for o in _bind(eqn, [x.value for x in ins])]
+          return [_Known(np.asarray(o)) for o in internals.bind_equation(eqn, [x.value for x in ins], source=False)]
     if name == "gather" and isinstance(ins[1], _Known):
       sliced = _gather_as_slice(eqn, _value(ins[0]), ins[1].value)
       if sliced is not None:
@@ -256,7 +249,7 @@ class _Folder:
       if updated is not None:
         self.changed = True
         return [updated]
-    return _bind(eqn, [_value(x) for x in ins])
+    return internals.bind_equation(eqn, [_value(x) for x in ins], source=False)
 
   def counted_loop_inlined(self, eqn: Any, ins: list[Any]) -> list[Any] | None:
     """A `fori_loop` whose bounds are known here and that runs at most

@@ -28,6 +28,7 @@ import numpy as np
 from jax import lax
 from jax.extend.core import Literal
 
+from pallet import _internals as internals
 from pallet.core import trace_cache
 from pallet.backends.xla import body_analysis
 from pallet.core.tracing import KernelDescription
@@ -234,7 +235,7 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], tags: dict)
     params = dict(eqn.params)
     tagged = [(x, v) for x, v in zip(eqn.invars, ins) if _tag(x, tags) is not None]
     if not tagged:
-      outs = _bind(eqn, ins, params)
+      outs = internals.bind_equation(eqn, ins, params, source=False)
     elif name in _CALLS and "jaxpr" in params:
       inner = params["jaxpr"]
       outs = evaluate(inner.jaxpr, inner.consts, ins, tags)
@@ -252,7 +253,7 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], tags: dict)
       elif name in ELEMENTWISE:
         ins = [_widen(v, out_tag, width) if _tag(x, tags) is None and jnp.ndim(v) else v
                for x, v in zip(eqn.invars, ins)]
-      outs = _bind(eqn, ins, params)
+      outs = internals.bind_equation(eqn, ins, params, source=False)
     for v, o in zip(eqn.outvars, outs):
       env[v] = o
   return [read(x) for x in jaxpr.outvars]
@@ -270,13 +271,6 @@ def _widen(value: Any, p: int, width: int) -> Any:
 
 def widen_output(value: Any, p: int, width: int) -> Any:
   return _widen(value, p, width) if jnp.ndim(value) else value
-
-
-def _bind(eqn: Any, args: list, params: dict) -> list:
-  bind_params = eqn.primitive.get_bind_params(params)
-  subfuns, bound = bind_params if isinstance(bind_params, tuple) else ((), bind_params)
-  outs = eqn.primitive.bind(*subfuns, *args, **bound)
-  return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
 # ------------------------------------------------------------------ the plan

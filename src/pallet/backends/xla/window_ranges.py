@@ -316,7 +316,7 @@ class _Rewriter:
     if nested and not eqn.effects and _has_window(nested[0]):
       call = next(eqn.params[k] for k in _CALL_PARAMS if k in eqn.params)
       return self.run(getattr(call, "jaxpr", call), getattr(call, "consts", ()), args, ins)
-    return _bind(eqn, args, eqn.params)
+    return internals.bind_equation(eqn, args)
 
   def _inside(self, eqn: Any, args: list, ins: list[Range], producer: dict,
               env: dict) -> Any:
@@ -338,7 +338,7 @@ class _Rewriter:
       starts.append(lax.sub(start, np.asarray(lo, eqn.invars[1 + d].aval.dtype)))
     self.changed = True
     value = source.val if isinstance(source, Literal) else env[source]
-    return _bind(eqn, [value, *starts], eqn.params)[0]
+    return internals.bind_equation(eqn, [value, *starts])[0]
 
   def _loop(self, eqn: Any, args: list, ins: list[Range]) -> list[Any]:
     if eqn.primitive.name == "scan":
@@ -351,12 +351,5 @@ class _Rewriter:
                                 [v.aval for v in jaxpr.invars], "window ranges")
     if not hasattr(body, "jaxpr"):
       new = new.jaxpr
-    return _bind(eqn, args, {**eqn.params, key: new})
+    return internals.bind_equation(eqn, args, {**eqn.params, key: new})
 
-
-def _bind(eqn: Any, args: list, params: dict) -> list[Any]:
-  bind_params = eqn.primitive.get_bind_params(params)
-  subfuns, params = bind_params if isinstance(bind_params, tuple) else ((), bind_params)
-  with internals.equation_context(eqn):
-    outs = eqn.primitive.bind(*subfuns, *args, **params)
-  return list(outs) if eqn.primitive.multiple_results else [outs]
