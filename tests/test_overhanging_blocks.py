@@ -48,7 +48,8 @@ def _select(mask, v, other):
 
 
 # ------------------------------------------------------------------ the rewrite
-_LOOP_STEPS = ("scores", "accumulate", "row_sum", "row_max", "rescale", "passthrough")
+_LOOP_STEPS = ("scores", "accumulate", "row_sum", "row_max", "rescale", "passthrough",
+               "replace")
 
 
 @st.composite
@@ -91,12 +92,14 @@ def _body(b):
           acc = acc + lax.dot(p, kw, precision=HIGHEST)
         elif s == "row_sum":
           stat = stat + jnp.sum(kw * qv[:, :1].sum(), axis=1).sum()
-        elif s == "row_max":
-          stat = jnp.maximum(stat, jnp.max(acc, axis=1))
+        elif s == "row_max":   # summed: a difference at any step stays
+          stat = stat + jnp.max(acc, axis=1)
         elif s == "rescale":
           acc = acc * jnp.exp(-jnp.abs(stat))[:, None]
         elif s == "passthrough":
           acc = acc + qv
+        elif s == "replace":   # the carry's padding now differs from its initial value's
+          acc = qv * 2.0
       return acc, stat, k_ref
 
     carry = (jnp.zeros_like(q), jnp.zeros((q.shape[0],), f32), k)
@@ -139,6 +142,9 @@ BOUNDARY = lambda width: padded_lanes.Boundary(
               garbage="normal"), 1)   # a carry's tail changes along the loop
 @example(dict(rows=2, width=5, padded=8, q_mask=5, q_other=1.0, k_mask=5, k_pad=1.0,
               loop="none", steps=["scores"], store_mask=5, garbage="normal"), 2)
+@example(dict(rows=2, width=5, padded=8, q_mask=5, q_other=1.0, k_mask=5, k_pad=None,
+              loop="scan", steps=["row_max", "scores", "replace"], store_mask=5,
+              garbage="normal"), 3)   # the initial value's padding joined in
 def test_rewritten_bodies_give_the_real_lanes_the_originals_do(b, seed):
   rng = np.random.default_rng(seed)
   width, padded, rows = b["width"], b["padded"], b["rows"]

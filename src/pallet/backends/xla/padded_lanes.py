@@ -237,8 +237,8 @@ _WHOLE = object()   # a nested jaxpr that cannot take narrowed operands: read th
 
 
 def _nested(eqn: Any, lanes: dict, scope: _Scope) -> Any:
-  """For a call, scan or while loop with narrowed operands: (action, Lanes of each
-  result or None), `_WHOLE` where its operands must be read whole, None for any
+  """For a call, cond, scan or while loop with narrowed operands: (action, Lanes of
+  each result or None), `_WHOLE` where its operands must be read whole, None for any
   other equation."""
   name = eqn.primitive.name
   if name == "scan":
@@ -293,26 +293,38 @@ def _carried(jaxpr: Any, inner: _Scope, entry: dict, first: int, inits: Sequence
     plan = _plan(jaxpr, inner, {**entry, **carried})
     if plan is None:
       return None
-    new = []
-    for c, init, out in zip(carry, inits, jaxpr.outvars[:n]):
-      o = _lanes_of(out, plan[0])
-      if c is None and o is None:
-        new.append(None)
-        continue
-      ref = o if c is None else c
-      if o is None:     # computed whole: what its padded lanes hold
-        o = dataclasses.replace(ref, tail=_known(out, ref, inner, ref.width, ref.padded),
-                                head=UNKNOWN)
-      if c is None:     # its initial value is sliced: what its padded lanes hold
-        c = dataclasses.replace(ref, tail=_known(init, ref, scope, ref.width, ref.padded),
-                                head=UNKNOWN)
-      if (c.axis, c.width) != (o.axis, o.width):
-        return None
-      new.append(Lanes(c.axis, c.width, c.padded, _join(c.tail, o.tail), _join(c.head, o.head)))
+    new = [_either([(init, c, scope), (out, _lanes_of(out, plan[0]), inner)])
+           for c, init, out in zip(carry, inits, jaxpr.outvars[:n])]
+    if _CONFLICT in new:
+      return None
     if new == carry:
       return plan, carry
     carry = new
   return None
+
+
+_CONFLICT = object()   # values narrowed along different axes or widths
+
+
+def _either(values: Sequence[tuple[Any, Lanes | None, _Scope]]) -> Any:
+  """The Lanes of a value that is any of `values` (a carry's initial value or the
+  body's result, a cond's branch results), each (var, its Lanes or None, its scope):
+  None where all are whole, else narrow with their tails joined (those computed whole
+  are sliced, with what their padded lanes hold), `_CONFLICT` where they disagree."""
+  ref = next((ln for _, ln, _ in values if ln is not None), None)
+  if ref is None:
+    return None
+  joined = None
+  for x, ln, scope in values:
+    if ln is None:
+      ln = dataclasses.replace(ref, tail=_known(x, ref, scope, ref.width, ref.padded),
+                               head=UNKNOWN)
+    if (ln.axis, ln.width) != (ref.axis, ref.width):
+      return _CONFLICT
+    joined = ln if joined is None else Lanes(ln.axis, ln.width, ln.padded,
+                                             _join(joined.tail, ln.tail),
+                                             _join(joined.head, ln.head))
+  return joined
 
 
 def _join(a: Tail, b: Tail) -> Tail:
@@ -353,24 +365,11 @@ def _cond(eqn: Any, lanes: dict, scope: _Scope) -> Any:
       return _WHOLE
     plans.append(plan)
     scopes.append(inner)
-  out = []
-  for k in range(len(eqn.outvars)):
-    results = [b.jaxpr.outvars[k] for b in branches]
-    found = [_lanes_of(x, p[0]) for x, p in zip(results, plans)]
-    ref = next((ln for ln in found if ln is not None), None)
-    if ref is None:
-      out.append(None)
-      continue
-    joined = None
-    for x, ln, inner in zip(results, found, scopes):
-      if ln is None:   # computed whole: sliced, what its padded lanes hold
-        ln = dataclasses.replace(ref, tail=_known(x, ref, inner, ref.width, ref.padded),
-                                 head=UNKNOWN)
-      if (ln.axis, ln.width) != (ref.axis, ref.width):
-        return _WHOLE
-      joined = ln if joined is None else Lanes(
-          ln.axis, ln.width, ln.padded, _join(joined.tail, ln.tail), _join(joined.head, ln.head))
-    out.append(joined)
+  out = [_either([(b.jaxpr.outvars[k], _lanes_of(b.jaxpr.outvars[k], p[0]), inner)
+                   for b, p, inner in zip(branches, plans, scopes)])
+         for k in range(len(eqn.outvars))]
+  if _CONFLICT in out:
+    return _WHOLE
   return ("cond", plans, out), out
 
 
