@@ -15,6 +15,17 @@ NESTED = {"cond": ("branches",), "while": ("cond_jaxpr", "body_jaxpr"), "scan": 
           "pjit": ("jaxpr",), "jit": ("jaxpr",), closed_call_p.name: ("call_jaxpr",)}
 
 
+# Primitives that run one jaxpr on exactly their operands, its results theirs.
+CALLS = ("pjit", "jit", "closed_call", "core_call", "eval_jaxpr")
+
+
+def called(eqn: Any) -> Any:
+  """The jaxpr (open or closed) a call in `CALLS` runs, or None for any other equation."""
+  if eqn.primitive.name not in CALLS:
+    return None
+  return eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+
+
 def rewrite_params(eqn: Any, rewrite: Callable[[Any], Any]) -> dict:
   """`eqn.params` with each nested jaxpr replaced by `rewrite(jaxpr)`: the same dict
   where `rewrite` returned every one unchanged (by identity)."""

@@ -41,6 +41,7 @@ from jax import dtypes, lax
 from jax.extend.core import ClosedJaxpr, Literal
 
 from pallet import _internals as internals
+from pallet.backends.xla import nested_jaxprs
 from pallet.backends.xla.widening import ELEMENTWISE
 
 
@@ -163,7 +164,6 @@ def _seed(eqn: Any) -> tuple[int, int] | None:
 # ------------------------------------------------------------------ analysis
 # actions; anything else is read whole. PRODUCT: a matrix product computed narrow.
 SEED, NARROW, DROP, PRODUCT = "seed", "narrow", "drop", "product"
-_CALLS = ("pjit", "jit", "closed_call", "core_call", "eval_jaxpr")
 _FIXPOINT_ROUNDS = 4   # a carry's tail only ever widens: constant, then unknown
 
 
@@ -228,8 +228,11 @@ def _saves(plan: tuple[dict, dict]) -> bool:
 def _nested_plans(action: Any) -> tuple:
   if not isinstance(action, tuple):
     return ()
-  return {"call": action[1:2], "scan": action[1:2], "while": action[1:3],
-          "cond": tuple(action[1]) if action[0] == "cond" else ()}.get(action[0], ())
+  if action[0] in ("call", "scan"):
+    return action[1:2]
+  if action[0] == "while":
+    return action[1:3]
+  return tuple(action[1]) if action[0] == "cond" else ()
 
 
 # ------------------------------------------------------------------ nested jaxprs
@@ -247,9 +250,8 @@ def _nested(eqn: Any, lanes: dict, scope: _Scope) -> Any:
     return _while(eqn, lanes, scope)
   if name == "cond":
     return _cond(eqn, lanes, scope)
-  if name in _CALLS:
-    key = "jaxpr" if "jaxpr" in eqn.params else "call_jaxpr"
-    body = eqn.params.get(key)
+  body = nested_jaxprs.called(eqn)
+  if name in nested_jaxprs.CALLS:
     if body is None or eqn.effects:
       return _WHOLE
     jaxpr, consts = getattr(body, "jaxpr", body), tuple(getattr(body, "consts", ()))

@@ -33,14 +33,13 @@ from jax import lax
 from jax.extend.core import ClosedJaxpr, Literal
 
 from pallet import _internals as internals
-from pallet.backends.xla import gather_windows
+from pallet.backends.xla import gather_windows, nested_jaxprs
 from pallet.core import array_ops, grid_eval
 
 MAX_FOLDED_ELEMENTS = 1 << 16
 # A counted loop of at most this many trips with known bounds is inlined (no copy
 # of its body is added: one trip replaces the loop).
 MAX_INLINED_TRIPS = 1
-_CALLS = ("pjit", "jit", "closed_call", "core_call", "eval_jaxpr")
 _INDEXED = ("gather", "scatter", "while")
 
 
@@ -96,8 +95,8 @@ def _may_rewrite(jaxpr: Any, known: Sequence[bool], varying: Sequence[bool]
     n_out = len(eqn.outvars)
     out_k, out_v = [False] * n_out, [any(ins_v)] * n_out
     name = eqn.primitive.name
-    sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-    if name in _CALLS and sub is not None:
+    sub = nested_jaxprs.called(eqn)
+    if sub is not None:
       changed, out_k, out_v = _may_rewrite(getattr(sub, "jaxpr", sub), ins_k, ins_v)
       if changed:
         return True, [], []
@@ -200,10 +199,9 @@ class _Folder:
   def eqn(self, eqn: Any, ins: list[Any], producer: dict,
           read: Callable[[Any], Any]) -> list[Any]:
     name = eqn.primitive.name
-    if name in _CALLS:
-      sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-      if sub is not None:
-        return self.run(getattr(sub, "jaxpr", sub), getattr(sub, "consts", ()), ins)
+    sub = nested_jaxprs.called(eqn)
+    if sub is not None:
+      return self.run(getattr(sub, "jaxpr", sub), getattr(sub, "consts", ()), ins)
     if name == "scan" and eqn.params.get("length") == 1 and not eqn.params.get("reverse"):
       return self.scan_once(eqn, ins)
     if name == "scan" and _scan_body_may_rewrite(eqn, [isinstance(x, _Known) for x in ins]):
@@ -393,8 +391,8 @@ def _passed_through(var: Any, producer: dict) -> Any:
   """The variable `var` is, seen through calls that return one of their inputs."""
   while not isinstance(var, Literal) and var in producer:
     eqn = producer[var]
-    sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-    if eqn.primitive.name not in _CALLS or sub is None:
+    sub = nested_jaxprs.called(eqn)
+    if sub is None:
       return var
     inner = getattr(sub, "jaxpr", sub)
     out = inner.outvars[eqn.outvars.index(var)]
